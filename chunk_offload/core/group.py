@@ -1,0 +1,375 @@
+"""One offload group: the tensors one call of one submodule saved, and their copies.
+
+A group moves through an explicit state machine (`GroupState`). Every operation checks the
+state it expects with `OffloadGroup._expect`, so a call out of order is an error naming the
+state, never a silent wrong result.
+
+Saved tensors that share one storage are copied once: the group copies the byte span of the
+storage that its views use and rebuilds each view (dtype, shape, stride, offset) on reload.
+Each saved tensor is represented by a `SavedRef`, the object autograd keeps in its graph;
+when autograd drops the last `SavedRef` of a storage (after the backward node that used it,
+or when the graph is freed) the group frees that storage's device and host copies.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .errors import ChunkOffloadError, internal_assert
+from .host_pool import HostBuffer, HostPool
+from .streams import Event, Mark, StreamBackend
+from .stats import ResidentBytes, StatsRecorder
+
+if TYPE_CHECKING:
+    from .handler import ChunkOffloadHandler
+
+__all__ = ["GroupState", "OffloadGroup", "SavedRef", "EngineContext", "WAIT_NAMES"]
+
+# Alignment of a copied span's start, so that every view's offset stays a whole number of
+# its elements whatever dtypes view the storage (all element sizes divide 16).
+_SPAN_ALIGN = 16
+
+# The waits the engine issues, by name. Tests remove one at a time through
+# `EngineContext.skip_waits` to prove the happens-before checker catches each.
+WAIT_NAMES = (
+    "offload_after_compute",  # R1: d2h waits on compute before reading saved tensors
+    "release_after_offload",  # R2: compute waits on d2h before dropping device tensors
+    "use_after_reload",  # R2: compute waits on h2d before using reloaded tensors
+    "reuse_after_reload",  # R3: d2h waits on the last reload of a host buffer before writing it
+    "reload_after_alloc",  # R4: h2d waits on compute where the reload buffer was allocated
+)
+# R4's other half (a reload reads a host buffer only after the offload that filled it) needs no
+# wait of its own: a group is reloaded from host only after `release_device`, where compute
+# waited on the offload (R2), and the reload stream waits on compute (R4). It is still checked.
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineContext:
+    """What groups and handlers share: streams, host pool, policy and counters."""
+
+    streams: StreamBackend
+    pool: HostPool
+    should_offload: Callable[[torch.Tensor], bool]
+    resident: ResidentBytes
+    stats: StatsRecorder
+    offload: bool = True
+    """False: account saved bytes but copy nothing (the baseline of a report)."""
+    measure_time: bool = True
+    skip_waits: frozenset[str] = frozenset()
+    """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
+
+
+class GroupState(enum.Enum):
+    COLLECTING = "collecting"  # the group's forward runs; tensors are being saved
+    KEPT = "kept"  # committed without offload (offload disabled, or nothing to move)
+    OFFLOADING = "offloading"  # copies to host issued; device tensors still held
+    ON_HOST = "on_host"  # device tensors released; only the host copy exists
+    RELOADING = "reloading"  # copies back issued; compute has not waited yet
+    RESIDENT = "resident"  # on device and safe to use by compute
+    RELEASED = "released"  # every saved tensor was consumed or freed by autograd
+    DISCARDED = "discarded"  # its chunk or iteration raised; nothing may be unpacked
+
+
+class _Storage:
+    """One device storage saved in a group (through one or more views) and its copies."""
+
+    __slots__ = ("key", "refs", "start", "nbytes", "device_bytes", "host", "live", "save_mark")
+
+    def __init__(self, key: int, save_mark: Mark | None) -> None:
+        self.key = key
+        self.refs: list[weakref.ref[SavedRef]] = []  # weak: autograd owns the SavedRefs
+        self.start = 0
+        self.nbytes = 0
+        self.device_bytes: torch.Tensor | None = None  # uint8 span on device (original or reloaded)
+        self.host: HostBuffer | None = None
+        self.live = 0  # SavedRefs autograd still holds
+        self.save_mark = save_mark  # last compute moment a view of it was saved (R1)
+
+
+class SavedRef:
+    """What the saved-tensor hook hands autograd for one offloaded tensor."""
+
+    __slots__ = ("group", "storage", "tensor", "version", "original", "dtype", "size", "stride", "offset_bytes", "__weakref__")
+
+    def __init__(self, group: "OffloadGroup", storage: _Storage, tensor: torch.Tensor) -> None:
+        self.group = group
+        self.storage = storage
+        self.tensor: torch.Tensor | None = tensor  # the original, held until the device copy is released
+        self.version = tensor._version
+        self.original = weakref.ref(tensor)  # to check autograd's version counter on unpack
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset_bytes = tensor.storage_offset() * tensor.element_size()
+
+    def span(self) -> tuple[int, int]:
+        """Bytes ``[start, end)`` of the storage this view touches."""
+        if self.tensor.numel() == 0:
+            return self.offset_bytes, self.offset_bytes
+        extent = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+        return self.offset_bytes, self.offset_bytes + extent * self.tensor.element_size()
+
+    def __del__(self) -> None:
+        group = self.group
+        if group is not None:
+            group._ref_freed(self.storage)
+
+
+class OffloadGroup:
+    """The saved tensors of one call of one named submodule within one chunk."""
+
+    def __init__(self, handler: "ChunkOffloadHandler", name: str, index: int) -> None:
+        self.handler = handler
+        self.name = name
+        self.index = index
+        self.state = GroupState.COLLECTING
+        self.backward_done = False
+        self._ctx: EngineContext = handler.ctx
+        self._storages: dict[int, _Storage] = {}
+        self._live_storages = 0
+        self._d2h_event: Event | None = None
+        self._h2d_event: Event | None = None
+
+    def __repr__(self) -> str:
+        return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.handler.key}, state={self.state.value})"
+
+    # ------------------------------------------------------------------ helpers
+    def _expect(self, allowed: tuple[GroupState, ...], action: str) -> None:
+        if self.state not in allowed:
+            if self.state is GroupState.DISCARDED:
+                raise ChunkOffloadError(
+                    f"cannot {action} group {self.name!r} of chunk {self.handler.key}: the group was "
+                    "discarded because its chunk or iteration raised an exception. Run the forward again."
+                )
+            raise ChunkOffloadError(
+                f"cannot {action} group {self.name!r} of chunk {self.handler.key} in state "
+                f"{self.state.value!r}; allowed states: {[s.value for s in allowed]}"
+            )
+
+    def _wait(self, stream, event: Event | None, name: str, timed_kind: str | None = None) -> None:
+        if event is None or name in self._ctx.skip_waits:
+            return
+        timing = stream.wait_event(event, timed=self._ctx.measure_time and timed_kind is not None)
+        if timed_kind is not None:
+            self._ctx.stats.timing(self.name, timed_kind, timing)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._storages.values())
+
+    # ------------------------------------------------------------------ forward
+    def save(self, tensor: torch.Tensor) -> SavedRef:
+        """Register a saved tensor of this group (the pack hook)."""
+        self._expect((GroupState.COLLECTING,), "save a tensor into")
+        storage_obj = tensor.untyped_storage()
+        key = storage_obj._cdata  # unique while we hold the tensor, hence the storage
+        mark = self._ctx.streams.compute.tick()
+        storage = self._storages.get(key)
+        if storage is None:
+            storage = self._storages[key] = _Storage(key, mark)
+            self._live_storages += 1
+        else:
+            storage.save_mark = mark
+        ref = SavedRef(self, storage, tensor)
+        storage.refs.append(weakref.ref(ref))
+        storage.live += 1
+        self.handler.ctx.stats.group(self.name).tensors_offloaded += 1
+        return ref
+
+    def commit(self) -> None:
+        """Close the group: fix each storage's span, account its bytes, start copies to host."""
+        self._expect((GroupState.COLLECTING,), "commit")
+        ctx = self._ctx
+        stats = ctx.stats.group(self.name)
+        stats.groups += 1
+        for key, storage in list(self._storages.items()):
+            refs = _alive(storage)
+            if not refs:  # autograd already dropped every view saved in this storage
+                del self._storages[key]
+                self._live_storages -= 1
+                continue
+            spans = [ref.span() for ref in refs]
+            start = min(s for s, _ in spans) // _SPAN_ALIGN * _SPAN_ALIGN
+            end = max(e for _, e in spans)
+            storage.start, storage.nbytes = start, max(end - start, 0)
+            storage.device_bytes = _byte_view(refs[0].tensor, start, storage.nbytes)
+            ctx.resident.saved(storage.nbytes)
+        if not ctx.offload or not self._storages:
+            self.state = GroupState.KEPT
+            return
+        self._offload()
+
+    def _offload(self) -> None:
+        ctx = self._ctx
+        streams = ctx.streams
+        d2h = streams.d2h
+        stats = ctx.stats.group(self.name)
+        if "offload_after_compute" not in ctx.skip_waits:
+            d2h.wait_stream(streams.compute)
+        for storage in self._storages.values():
+            buf = ctx.pool.acquire(storage.nbytes)
+            if buf.fence is not None:
+                self._wait(d2h, buf.fence, "reuse_after_reload")
+                d2h.require(buf.fence.mark, rule="R3", what=f"offload of {self.name!r} writing a reused host buffer")
+            d2h.require(storage.save_mark, rule="R1", what=f"offload of {self.name!r} reading a saved tensor")
+            storage.host = buf
+            src, dst = storage.device_bytes, buf.view()
+            _, timing = d2h.launch(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time)
+            ctx.stats.timing(self.name, "offload_time_s", timing)
+            stats.bytes_offloaded += storage.nbytes
+        self._d2h_event = d2h.record_event()
+        self.state = GroupState.OFFLOADING
+
+    def release_device(self) -> None:
+        """Drop the device tensors once compute waited on their offload (frees device memory)."""
+        if self.state is not GroupState.OFFLOADING:
+            return
+        compute = self._ctx.streams.compute
+        self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
+        compute.require(self._d2h_event.mark, rule="R2", what=f"release of offloaded tensors of {self.name!r}")
+        for storage in self._storages.values():
+            if storage.live:
+                storage.device_bytes = None
+                for ref in _alive(storage):
+                    ref.tensor = None
+                self._ctx.resident.moved_to_host(storage.nbytes)
+        self.state = GroupState.ON_HOST
+
+    # ------------------------------------------------------------------ backward
+    def reload(self) -> None:
+        """Start the copies back to device (idempotent; prefetch and on-demand share it)."""
+        if self.state is GroupState.OFFLOADING:
+            self._cancel_offload()
+            return
+        if self.state is not GroupState.ON_HOST:
+            self._expect(
+                (GroupState.ON_HOST, GroupState.RELOADING, GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED),
+                "reload",
+            )
+            return
+        ctx = self._ctx
+        streams = ctx.streams
+        h2d = streams.h2d
+        stats = ctx.stats.group(self.name)
+        pending: list[_Storage] = []
+        for storage in self._storages.values():
+            if not storage.live:
+                continue
+            # NOTE [Reload allocation]: the reload buffer is allocated on the compute stream, so
+            # the caching allocator frees it in compute order after its last use; the copy stream
+            # must therefore wait on compute before writing it (R4).
+            storage.device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=streams.device)
+            pending.append(storage)
+        alloc_mark = streams.compute.tick()
+        if "reload_after_alloc" not in ctx.skip_waits:
+            h2d.wait_stream(streams.compute)
+        for storage in pending:
+            h2d.require(alloc_mark, rule="R4", what=f"reload of {self.name!r} writing its device buffer")
+            h2d.require(
+                self._d2h_event.mark, rule="R4", what=f"reload of {self.name!r} reading a host buffer before its offload finished"
+            )
+            src, dst = storage.host.view(), storage.device_bytes
+            _, timing = h2d.launch(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time)
+            ctx.stats.timing(self.name, "reload_time_s", timing)
+            stats.bytes_reloaded += storage.nbytes
+            ctx.resident.moved_to_device(storage.nbytes)
+        self._h2d_event = h2d.record_event()
+        for storage in pending:
+            ctx.pool.release(storage.host, self._h2d_event)
+            storage.host = None
+        self.state = GroupState.RELOADING
+
+    def _cancel_offload(self) -> None:
+        """Backward reached the group before its device tensors were released: keep them."""
+        for storage in self._storages.values():
+            if storage.host is not None:
+                self._ctx.pool.release(storage.host, self._d2h_event)
+                storage.host = None
+        self.state = GroupState.RESIDENT
+
+    def ensure_resident(self) -> None:
+        """Make compute wait for the group's reload, starting it if nobody prefetched it."""
+        if self.state in (GroupState.ON_HOST, GroupState.OFFLOADING):
+            self.reload()
+        if self.state is GroupState.RELOADING:
+            compute = self._ctx.streams.compute
+            self._wait(compute, self._h2d_event, "use_after_reload", "wait_time_s")
+            self.state = GroupState.RESIDENT
+
+    def unpack(self, ref: SavedRef) -> torch.Tensor:
+        """Return the saved tensor for autograd (the unpack hook)."""
+        original = ref.original()
+        if original is not None and original._version != ref.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: saved tensor of shape {list(ref.size)} in offload group {self.name!r} is at "
+                f"version {original._version}; expected version {ref.version} instead."
+            )
+        if ref.tensor is not None:
+            return ref.tensor  # the device original is still held: nothing was released
+        self.ensure_resident()
+        self._expect((GroupState.RESIDENT,), "unpack a tensor of")
+        compute = self._ctx.streams.compute
+        if self._h2d_event is not None:
+            compute.require(self._h2d_event.mark, rule="R2", what=f"use of a reloaded tensor of {self.name!r}")
+        storage = ref.storage
+        internal_assert(storage.device_bytes is not None, f"unpack of a freed storage in {self!r}")
+        offset = (ref.offset_bytes - storage.start) // ref.dtype.itemsize
+        return torch.empty(0, dtype=ref.dtype, device=storage.device_bytes.device).set_(
+            storage.device_bytes.untyped_storage(), offset, ref.size, ref.stride
+        )
+
+    # ------------------------------------------------------------------ lifetime
+    def _ref_freed(self, storage: _Storage) -> None:
+        storage.live -= 1
+        if storage.live or self.state in (GroupState.DISCARDED, GroupState.COLLECTING):
+            return
+        self._free_storage(storage)
+
+    def _free_storage(self, storage: _Storage) -> None:
+        ctx = self._ctx
+        on_host = storage.device_bytes is None
+        if storage.host is not None:
+            ctx.pool.release(storage.host, self._d2h_event)
+            storage.host = None
+        storage.device_bytes = None
+        storage.refs = []
+        ctx.resident.freed(storage.nbytes, on_host=on_host)
+        self._live_storages -= 1
+        if self._live_storages == 0:
+            self.state = GroupState.RELEASED
+            self.handler._group_released(self)
+
+    def discard(self) -> None:
+        """Free every copy now (copy streams must be idle); later unpacks raise."""
+        if self.state in (GroupState.RELEASED, GroupState.DISCARDED):
+            return
+        committed = self.state is not GroupState.COLLECTING
+        for storage in self._storages.values():
+            if storage.host is not None:
+                self._ctx.pool.release(storage.host, None)
+                storage.host = None
+            if committed and storage.live:
+                self._ctx.resident.freed(storage.nbytes, on_host=storage.device_bytes is None)
+            storage.device_bytes = None
+            for ref in _alive(storage):
+                ref.tensor = None
+            storage.refs = []
+        self.state = GroupState.DISCARDED
+
+
+def _alive(storage: _Storage) -> list[SavedRef]:
+    return [ref for weak in storage.refs if (ref := weak()) is not None]
+
+
+def _byte_view(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over bytes ``[start, start + nbytes)`` of ``tensor``'s storage."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+            tensor.untyped_storage(), start, (nbytes,), (1,)
+        )

@@ -1,0 +1,187 @@
+"""`ChunkOffloadHandler`: the offload groups of one (microbatch, virtual stage) chunk.
+
+It keeps Transformer Engine's offload-handler protocol (``tensor_push``, ``tensor_pop``,
+``on_group_commit_forward``, ``on_group_commit_backward``, ``bulk_offload_group``,
+``bulk_reload_group``, ``groupid_reset``) so TE's saved-tensor hook can drive it, and adds
+named groups for our own start/commit marks.
+
+NOTE [Release and prefetch order]
+Forward: committing group g issues its copies to host, then releases the device tensors of
+the chunk's earlier groups (compute waits on their offload events first: R2). The copy of g
+thus overlaps the compute of g + 1. When the chunk's forward ends, every group is released.
+Backward runs groups in reverse: when group g's backward starts, compute waits for g's
+reload (issued now if nobody prefetched it) and the reload of g - 1 is issued, so it overlaps
+g's backward compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .errors import ChunkOffloadError
+from .group import EngineContext, GroupState, OffloadGroup, SavedRef
+
+__all__ = ["ChunkKey", "ChunkOffloadHandler"]
+
+_TE_GROUP_NAME = "te_group"
+
+
+class ChunkKey(NamedTuple):
+    """Which chunk: the microbatch and the virtual pipeline stage (model chunk) on this rank."""
+
+    microbatch: int
+    vp_stage: int
+
+    def __str__(self) -> str:
+        return f"(microbatch={self.microbatch}, vp_stage={self.vp_stage})"
+
+
+class ChunkOffloadHandler:
+    """Offload groups of one chunk, in forward order. See NOTE [Release and prefetch order]."""
+
+    def __init__(self, ctx: EngineContext, key: ChunkKey) -> None:
+        self.ctx = ctx
+        self.key = key
+        self.groups: list[OffloadGroup] = []
+        self.current: OffloadGroup | None = None
+        self._unreleased = 0
+        self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
+
+    def __repr__(self) -> str:
+        return f"ChunkOffloadHandler{self.key}"
+
+    @property
+    def released(self) -> bool:
+        """Whether every group's saved tensors were consumed or freed."""
+        return self._unreleased == 0 and self.current is None
+
+    # ------------------------------------------------------------------ named groups
+    def open_group(self, name: str) -> OffloadGroup:
+        """Start collecting the tensors saved by one call of submodule ``name``."""
+        if self.current is not None:
+            raise ChunkOffloadError(
+                f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
+                "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
+            )
+        group = OffloadGroup(self, name, len(self.groups))
+        self.groups.append(group)
+        self.current = group
+        self._unreleased += 1
+        return group
+
+    def commit_group(self, name: str | None = None) -> OffloadGroup:
+        """Close the open group (checking its name) and start its offload."""
+        group = self.current
+        if group is None:
+            raise ChunkOffloadError(
+                f"group {name!r} committed in chunk {self.key} but no group is open; "
+                "call group_start before group_commit."
+            )
+        if name is not None and name != group.name:
+            raise ChunkOffloadError(
+                f"group {name!r} committed while group {group.name!r} is open in chunk {self.key}; "
+                "start and commit of one group must use the same name."
+            )
+        self.current = None
+        group.commit()
+        self._backward_cursor = group.index + 1
+        for earlier in self.groups[: group.index]:
+            earlier.release_device()
+        if group.state is GroupState.KEPT and not group._storages:
+            self._group_released(group)
+            group.state = GroupState.RELEASED
+        return group
+
+    def finish_forward(self) -> None:
+        """End of the chunk's forward: release every group's device tensors."""
+        if self.current is not None:
+            raise ChunkOffloadError(
+                f"chunk {self.key} ended with group {self.current.name!r} still open; every group_start "
+                "needs a group_commit inside the chunk."
+            )
+        for group in self.groups:
+            group.release_device()
+
+    def begin_group_backward(self, group: OffloadGroup) -> None:
+        """Backward reached ``group``: make it resident and prefetch the group before it."""
+        group.ensure_resident()
+        self._backward_cursor = min(self._backward_cursor, group.index)
+        if group.index > 0:
+            previous = self.groups[group.index - 1]
+            if previous.state is GroupState.ON_HOST:
+                previous.reload()
+
+    def end_group_backward(self, group: OffloadGroup) -> None:
+        """The backward of ``group`` finished (all of its inputs' gradients are computed)."""
+        group.backward_done = True
+
+    def abort(self) -> None:
+        """Discard every group now: copies finished, buffers returned, later unpacks raise."""
+        self.ctx.streams.synchronize()
+        self.current = None
+        for group in self.groups:
+            group.discard()
+        self._unreleased = 0
+
+    def _group_released(self, group: OffloadGroup) -> None:
+        self._unreleased -= 1
+
+    # ------------------------------------------------------------------ TE protocol
+    def tensor_push(self, tensor: torch.Tensor, **kwargs: Any) -> Any:
+        """Pack hook: returns what autograd stores instead of ``tensor``."""
+        if self.current is None:
+            self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
+        if not self.ctx.should_offload(tensor):
+            self.ctx.stats.group(self.current.name).tensors_kept += 1
+            return tensor
+        return self.current.save(tensor)
+
+    def tensor_pop(self, tensor_tag: Any, **kwargs: Any) -> torch.Tensor:
+        """Unpack hook: the saved tensor for ``tensor_tag`` returned by `tensor_push`."""
+        if isinstance(tensor_tag, torch.Tensor):
+            return tensor_tag
+        if not isinstance(tensor_tag, SavedRef):
+            raise ChunkOffloadError(
+                f"tensor_pop got an unknown tag {tensor_tag!r} of type {type(tensor_tag).__name__}; "
+                "expected a tag returned by tensor_push of this handler."
+            )
+        if tensor_tag.group.handler is not self:
+            raise ChunkOffloadError(
+                f"tensor_pop of a tag of chunk {tensor_tag.group.handler.key} on the handler of chunk {self.key}."
+            )
+        return tensor_tag.group.unpack(tensor_tag)
+
+    def on_group_commit_forward(self) -> None:
+        """Commit the open group (opening an empty one if TE commits with nothing saved)."""
+        if self.current is None:
+            self.open_group(_TE_GROUP_NAME)
+        self.commit_group()
+
+    def on_group_commit_backward(self) -> None:
+        """Backward reached the most recently committed group whose backward has not begun."""
+        if self._backward_cursor == 0:
+            raise ChunkOffloadError(f"on_group_commit_backward on chunk {self.key} with no committed group left.")
+        self.begin_group_backward(self.groups[self._backward_cursor - 1])
+
+    def bulk_offload_group(self, group_to_offload: int) -> None:
+        """Start the copies to host of group ``group_to_offload`` (no-op if already issued)."""
+        group = self._group(group_to_offload)
+        if group.state is GroupState.COLLECTING:
+            raise ChunkOffloadError(f"bulk_offload_group({group_to_offload}) on chunk {self.key}: the group is still open.")
+
+    def bulk_reload_group(self, group_to_reload: int) -> None:
+        """Start the copies back of group ``group_to_reload`` (no-op if not on host)."""
+        self._group(group_to_reload).reload()
+
+    def groupid_reset(self) -> None:
+        """Start numbering backward from the last committed group again (a new backward pass)."""
+        if self.current is not None:
+            raise ChunkOffloadError(f"groupid_reset on chunk {self.key} while group {self.current.name!r} is open.")
+        self._backward_cursor = len(self.groups)
+
+    def _group(self, index: int) -> OffloadGroup:
+        if not 0 <= index < len(self.groups):
+            raise ChunkOffloadError(f"group id {index} is out of range for chunk {self.key} with {len(self.groups)} groups.")
+        return self.groups[index]

@@ -1,0 +1,305 @@
+"""`OffloadManager`: the one object a training run creates to offload activations.
+
+It owns the streams, the host pool, the policy, the chunk handlers of the current
+iteration and the statistics. There is no global instance: each manager is explicit, and
+the chunk being run is the manager's own scoped state, restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Literal, Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from .errors import ChunkOffloadError
+from .functions import build_group_functions
+from .group import WAIT_NAMES, EngineContext
+from .handler import ChunkKey, ChunkOffloadHandler
+from .host_pool import HostPool
+from .policy import OffloadPolicy
+from .stats import OffloadStats, ResidentBytes, StatsRecorder
+from .streams import StreamBackend, default_streams
+
+__all__ = ["OffloadConfig", "OffloadManager"]
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadConfig:
+    """Options of an `OffloadManager`."""
+
+    min_offload_bytes: int = 1 << 20
+    """Saved tensors smaller than this stay on device (copies of small tensors cost more than they save)."""
+    host_pool_bytes: int | None = None
+    """Cap on the host memory of the pool; ``None`` for no cap."""
+    on_exhausted: Literal["fallback", "error"] = "fallback"
+    """At the cap: allocate unpooled host buffers with one warning, or raise."""
+    offload: bool = True
+    """False: track groups and resident bytes but copy nothing (a baseline with identical accounting)."""
+    measure_time: bool = True
+    """Time copies and compute waits (CUDA events on GPU); `stats` reports them."""
+
+    def validate(self) -> None:
+        if not isinstance(self.min_offload_bytes, int) or self.min_offload_bytes < 0:
+            raise ChunkOffloadError(f"min_offload_bytes must be an int >= 0, got {self.min_offload_bytes!r}")
+
+
+class OffloadManager:
+    """Offloads what chosen submodules save for backward, per (microbatch, virtual stage) chunk.
+
+    Example::
+
+        mgr = OffloadManager(min_offload_bytes=1 << 20)
+        mgr.offload_module(layer.self_attention.core_attention, "core_attn")
+        with mgr.iteration():
+            with mgr.chunk(microbatch=0, vp_stage=0):
+                loss = model(x)
+            loss.backward()
+
+    Args:
+        streams: the stream backend; default CUDA streams when CUDA is available, else CPU
+            worker-thread streams.
+        **options: fields of `OffloadConfig`.
+    """
+
+    def __init__(self, *, streams: StreamBackend | None = None, _test_skip_waits: Sequence[str] = (), **options: Any) -> None:
+        unknown = sorted(set(options) - set(OffloadConfig.__slots__))
+        if unknown:
+            raise ChunkOffloadError(f"unknown OffloadManager options {unknown}; valid: {sorted(OffloadConfig.__slots__)}")
+        bad_waits = sorted(set(_test_skip_waits) - set(WAIT_NAMES))
+        if bad_waits:
+            raise ChunkOffloadError(f"unknown wait names {bad_waits}; valid: {list(WAIT_NAMES)}")
+        self.config = OffloadConfig(**options)
+        self.config.validate()
+        self.streams = streams if streams is not None else default_streams()
+        self.pool = HostPool(
+            capacity_bytes=self.config.host_pool_bytes,
+            pin_memory=self.streams.pin_memory,
+            on_exhausted=self.config.on_exhausted,
+        )
+        self.policy = OffloadPolicy(min_offload_bytes=self.config.min_offload_bytes, device_type=self.streams.device.type)
+        self._resident = ResidentBytes()
+        self._stats = StatsRecorder()
+        self._ctx = EngineContext(
+            streams=self.streams,
+            pool=self.pool,
+            should_offload=self.policy.should_offload,
+            resident=self._resident,
+            stats=self._stats,
+            offload=self.config.offload,
+            measure_time=self.config.measure_time,
+            skip_waits=frozenset(_test_skip_waits),
+        )
+        self._functions = build_group_functions()
+        self._in_iteration = False
+        self._current: ChunkOffloadHandler | None = None
+        self._hooks_pushed: list[saved_tensors_hooks] = []
+        self._iteration_handlers: list[ChunkOffloadHandler] = []
+        self._live_handlers: list[ChunkOffloadHandler] = []
+
+    # ------------------------------------------------------------------ registration
+    def offload_module(self, module: nn.Module, name: str) -> "ModuleOffload":
+        """Offload, as one group named ``name``, what each call of ``module`` saves for backward.
+
+        The module's own parameters and buffers are protected. Returns a handle whose
+        ``remove()`` undoes the registration.
+        """
+        if not isinstance(module, nn.Module):
+            raise ChunkOffloadError(f"offload_module expects an nn.Module, got {type(module).__name__}")
+        if not isinstance(name, str) or not name:
+            raise ChunkOffloadError(f"offload_module needs a non-empty group name, got {name!r}")
+        self.policy.protect(module)
+        return ModuleOffload(self, module, name)
+
+    def protect_module(self, module: nn.Module) -> None:
+        """Never offload parameters or buffers of ``module`` (or views of their storage)."""
+        self.policy.protect(module)
+
+    # ------------------------------------------------------------------ scopes
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator["OffloadManager"]:
+        """One optimizer step's forwards and backwards. On an exception, every chunk is discarded."""
+        if self._in_iteration:
+            raise ChunkOffloadError("iteration() entered while an iteration is already open; they cannot nest.")
+        self.policy.refresh()
+        self._in_iteration = True
+        self._iteration_handlers = []
+        try:
+            yield self
+        except BaseException:
+            for handler in self._iteration_handlers:
+                handler.abort()
+            raise
+        finally:
+            self._in_iteration = False
+            self._live_handlers = [h for h in (*self._live_handlers, *self._iteration_handlers) if not h.released]
+            self._iteration_handlers = []
+
+    @contextlib.contextmanager
+    def chunk(self, *, microbatch: int, vp_stage: int = 0) -> Iterator[ChunkOffloadHandler | None]:
+        """The forward of one microbatch through one model chunk (virtual stage) of this rank.
+
+        Under ``torch.no_grad()`` or inference mode nothing is tracked and None is yielded.
+        """
+        if not self._in_iteration:
+            raise ChunkOffloadError("chunk() must be used inside `with manager.iteration():`.")
+        if self._current is not None:
+            raise ChunkOffloadError(
+                f"chunk(microbatch={microbatch}, vp_stage={vp_stage}) entered inside chunk {self._current.key}; "
+                "chunks cannot nest."
+            )
+        for label, value in (("microbatch", microbatch), ("vp_stage", vp_stage)):
+            if not isinstance(value, int) or value < 0:
+                raise ChunkOffloadError(f"chunk() needs {label} as an int >= 0, got {value!r}")
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            yield None
+            return
+        handler = ChunkOffloadHandler(self._ctx, ChunkKey(microbatch, vp_stage))
+        self._iteration_handlers.append(handler)
+        self._current = handler
+        try:
+            yield handler
+            self._pop_hooks()
+            handler.finish_forward()
+        except BaseException:
+            self._pop_hooks()
+            handler.abort()
+            raise
+        finally:
+            self._current = None
+
+    @property
+    def current_handler(self) -> ChunkOffloadHandler | None:
+        """The handler of the chunk whose forward is running, if any."""
+        return self._current
+
+    def _pop_hooks(self) -> None:
+        while self._hooks_pushed:
+            self._hooks_pushed.pop().__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ low-level marks
+    def group_start(self, tensors: Any, name: str) -> Any:
+        """Open group ``name`` on ``tensors`` (a tensor or a tuple/list of them); returns them.
+
+        Until `group_commit`, what autograd saves goes to the group. Outside a chunk, or with
+        gradients disabled, this returns ``tensors`` unchanged.
+        """
+        handler = self._current
+        if handler is None or not torch.is_grad_enabled():
+            return tensors
+        flat, rebuild = _flatten(tensors)
+        out = self._functions.start.apply(handler, name, *flat)
+        hooks = saved_tensors_hooks(handler.tensor_push, handler.tensor_pop)
+        hooks.__enter__()
+        self._hooks_pushed.append(hooks)
+        return rebuild(out)
+
+    def group_commit(self, tensors: Any, name: str) -> Any:
+        """Commit group ``name`` on its outputs ``tensors`` and start its offload; returns them."""
+        handler = self._current
+        if handler is None or not torch.is_grad_enabled():
+            return tensors
+        if handler.current is None or handler.current.name != name:
+            handler.commit_group(name)  # raises the precise error
+        self._hooks_pushed.pop().__exit__(None, None, None)
+        flat, rebuild = _flatten(tensors)
+        return rebuild(self._functions.commit.apply(handler, name, *flat))
+
+    # ------------------------------------------------------------------ results
+    def stats(self) -> OffloadStats:
+        """Counters per group name and the resident-bytes high-water mark (waits for copies)."""
+        self.streams.synchronize()
+        self._stats.fold()
+        resident = self._resident
+        return OffloadStats(
+            groups={name: replace(g) for name, g in self._stats.groups.items()},
+            peak_resident_bytes=resident.peak,
+            host_bytes_at_peak=resident.host_at_peak,
+            saved_bytes_at_peak=resident.saved_at_peak,
+            resident_bytes=resident.resident,
+            host_bytes=resident.host,
+            pool=self.pool.stats(),
+        )
+
+    def reset_stats(self) -> None:
+        """Zero the per-name counters and restart the high-water mark from now."""
+        self.streams.synchronize()
+        self._stats.fold()
+        self._stats.groups.clear()
+        self._resident.reset_peak()
+
+    def live_chunks(self) -> list[ChunkKey]:
+        """Chunks whose saved tensors are still held (their backward has not consumed them all)."""
+        handlers = (*self._live_handlers, *self._iteration_handlers)
+        return [h.key for h in handlers if not h.released]
+
+    def close(self) -> None:
+        """Wait for the copies and stop the stream workers."""
+        self.streams.synchronize()
+        self.streams.close()
+
+
+class ModuleOffload:
+    """The forward hooks that make each call of one module an offload group."""
+
+    def __init__(self, manager: OffloadManager, module: nn.Module, name: str) -> None:
+        self.manager = manager
+        self.module = module
+        self.name = name
+        self._opened: list[bool] = []  # per nested call: did the pre-hook open a group?
+        self._handles = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post, with_kwargs=True, always_call=True),
+        ]
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        manager = self.manager
+        if manager.current_handler is None or not torch.is_grad_enabled():
+            self._opened.append(False)
+            return None
+        keys = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        out = manager.group_start(tuple(args[i] for i in keys) + tuple(kwargs[k] for k in names), self.name)
+        self._opened.append(True)
+        new_args = list(args)
+        for i, t in zip(keys, out):
+            new_args[i] = t
+        new_kwargs = dict(kwargs)
+        for k, t in zip(names, out[len(keys) :]):
+            new_kwargs[k] = t
+        return tuple(new_args), new_kwargs
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._opened.pop():
+            return None
+        return self.manager.group_commit(output, self.name)
+
+    def remove(self) -> None:
+        """Remove the hooks; later calls of the module are not offloaded."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _flatten(tensors: Any):
+    """Tensors at the top level of ``tensors`` and a function that puts replacements back."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors], lambda out: out[0]
+    if isinstance(tensors, (tuple, list)):
+        positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor)]
+
+        def rebuild(out):
+            items = list(tensors)
+            for i, t in zip(positions, out):
+                items[i] = t
+            return type(tensors)(items) if not hasattr(tensors, "_fields") else type(tensors)(*items)
+
+        return [tensors[i] for i in positions], rebuild
+    if tensors is None:
+        return [], lambda out: None
+    raise ChunkOffloadError(
+        f"group marks take a tensor or a tuple/list of tensors, got {type(tensors).__name__}"
+    )

@@ -1,0 +1,74 @@
+"""What may be offloaded: large activations only, never parameters, buffers or their views."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["OffloadPolicy", "mark_not_offloadable", "is_marked_not_offloadable"]
+
+_KEEP_ATTR = "_chunk_offload_keep_on_device"
+
+
+def mark_not_offloadable(tensor: torch.Tensor) -> torch.Tensor:
+    """Keep ``tensor`` (and tensors that are views of it) on device when saved; returns it."""
+    setattr(tensor, _KEEP_ATTR, True)
+    return tensor
+
+
+def is_marked_not_offloadable(tensor: torch.Tensor) -> bool:
+    """Whether `mark_not_offloadable` was called on ``tensor`` or on the base it views."""
+    if getattr(tensor, _KEEP_ATTR, False):
+        return True
+    base = tensor._base
+    return base is not None and getattr(base, _KEEP_ATTR, False)
+
+
+class OffloadPolicy:
+    """Decides per saved tensor whether it is offloaded.
+
+    Parameters and buffers are recognised by *storage*, not by type: ``weight.t()`` is a plain
+    tensor but shares the weight's storage, and copying it out would free nothing. The storages
+    of protected modules are collected again at each `refresh` (the start of each iteration),
+    because parameters can be re-allocated between iterations (``module.to``, resharding).
+    """
+
+    def __init__(self, *, min_offload_bytes: int, device_type: str) -> None:
+        self.min_offload_bytes = min_offload_bytes
+        self.device_type = device_type
+        self._modules: list[nn.Module] = []
+        self._protected: set[int] = set()
+
+    def protect(self, module: nn.Module) -> None:
+        """Never offload the parameters and buffers of ``module`` (recursively), or their views."""
+        if not any(m is module for m in self._modules):
+            self._modules.append(module)
+        self._add_storages(module)
+
+    def refresh(self) -> None:
+        """Collect the protected storages anew."""
+        self._protected = set()
+        for module in self._modules:
+            self._add_storages(module)
+
+    def _add_storages(self, module: nn.Module) -> None:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.layout == torch.strided and tensor.numel() > 0:
+                self._protected.add(tensor.untyped_storage().data_ptr())
+
+    def should_offload(self, tensor: torch.Tensor) -> bool:
+        """True for a large strided activation on the offload device that is not protected."""
+        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return False  # parameters, subclasses (DTensor, fake, functional) and sparse tensors
+        if tensor.device.type != self.device_type:
+            return False
+        if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
+            return False
+        if tensor.is_leaf and tensor.requires_grad:
+            return False  # a leaf that requires grad is a parameter in all but type
+        base = tensor._base
+        if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
+            return False
+        if is_marked_not_offloadable(tensor):
+            return False
+        return tensor.untyped_storage().data_ptr() not in self._protected
