@@ -78,7 +78,7 @@ class GroupState(enum.Enum):
 class _Storage:
     """One device storage saved in a group (through one or more views) and its copies."""
 
-    __slots__ = ("key", "refs", "start", "nbytes", "device_bytes", "host", "live", "save_mark")
+    __slots__ = ("key", "refs", "start", "nbytes", "device_bytes", "host", "on_host", "live", "save_mark")
 
     def __init__(self, key: int, save_mark: Mark | None) -> None:
         self.key = key
@@ -87,6 +87,7 @@ class _Storage:
         self.nbytes = 0
         self.device_bytes: torch.Tensor | None = None  # uint8 span on device (original or reloaded)
         self.host: HostBuffer | None = None
+        self.on_host = False  # the host copy is the only one (counted in `ResidentBytes.host`)
         self.live = 0  # SavedRefs autograd still holds
         self.save_mark = save_mark  # last compute moment a view of it was saved (R1)
 
@@ -197,7 +198,6 @@ class OffloadGroup:
             start = min(s for s, _ in spans) // _SPAN_ALIGN * _SPAN_ALIGN
             end = max(e for _, e in spans)
             storage.start, storage.nbytes = start, max(end - start, 0)
-            storage.device_bytes = _byte_view(refs[0].tensor, start, storage.nbytes)
             ctx.resident.saved(storage.nbytes)
         if not ctx.offload or not self._storages:
             self.state = GroupState.KEPT
@@ -218,6 +218,7 @@ class OffloadGroup:
                 d2h.require(buf.fence.mark, rule="R3", what=f"offload of {self.name!r} writing a reused host buffer")
             d2h.require(storage.save_mark, rule="R1", what=f"offload of {self.name!r} reading a saved tensor")
             storage.host = buf
+            storage.device_bytes = _byte_view(_alive(storage)[0].tensor, storage.start, storage.nbytes)
             src, dst = storage.device_bytes, buf.view()
             _, timing = d2h.launch(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time)
             ctx.stats.timing(self.name, "offload_time_s", timing)
@@ -235,6 +236,7 @@ class OffloadGroup:
         for storage in self._storages.values():
             if storage.live:
                 storage.device_bytes = None
+                storage.on_host = True
                 for ref in _alive(storage):
                     ref.tensor = None
                 self._ctx.resident.moved_to_host(storage.nbytes)
@@ -277,6 +279,7 @@ class OffloadGroup:
             _, timing = h2d.launch(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time)
             ctx.stats.timing(self.name, "reload_time_s", timing)
             stats.bytes_reloaded += storage.nbytes
+            storage.on_host = False
             ctx.resident.moved_to_device(storage.nbytes)
         self._h2d_event = h2d.record_event()
         for storage in pending:
@@ -333,13 +336,12 @@ class OffloadGroup:
 
     def _free_storage(self, storage: _Storage) -> None:
         ctx = self._ctx
-        on_host = storage.device_bytes is None
         if storage.host is not None:
             ctx.pool.release(storage.host, self._d2h_event)
             storage.host = None
         storage.device_bytes = None
         storage.refs = []
-        ctx.resident.freed(storage.nbytes, on_host=on_host)
+        ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:
             self.state = GroupState.RELEASED
@@ -355,7 +357,7 @@ class OffloadGroup:
                 self._ctx.pool.release(storage.host, None)
                 storage.host = None
             if committed and storage.live:
-                self._ctx.resident.freed(storage.nbytes, on_host=storage.device_bytes is None)
+                self._ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
             storage.device_bytes = None
             for ref in _alive(storage):
                 ref.tensor = None

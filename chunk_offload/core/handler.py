@@ -47,6 +47,7 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self.current: OffloadGroup | None = None
         self._unreleased = 0
+        self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
 
     def __repr__(self) -> str:
@@ -87,8 +88,9 @@ class ChunkOffloadHandler:
         self.current = None
         group.commit()
         self._backward_cursor = group.index + 1
-        for earlier in self.groups[: group.index]:
-            earlier.release_device()
+        self._release_held()
+        if group.state is GroupState.OFFLOADING:
+            self._holding.append(group)
         if group.state is GroupState.KEPT and not group._storages:
             self._group_released(group)
             group.state = GroupState.RELEASED
@@ -101,7 +103,11 @@ class ChunkOffloadHandler:
                 f"chunk {self.key} ended with group {self.current.name!r} still open; every group_start "
                 "needs a group_commit inside the chunk."
             )
-        for group in self.groups:
+        self._release_held()
+
+    def _release_held(self) -> None:
+        holding, self._holding = self._holding, []
+        for group in holding:
             group.release_device()
 
     def begin_group_backward(self, group: OffloadGroup) -> None:
@@ -121,6 +127,7 @@ class ChunkOffloadHandler:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""
         self.ctx.streams.synchronize()
         self.current = None
+        self._holding = []
         for group in self.groups:
             group.discard()
         self._unreleased = 0

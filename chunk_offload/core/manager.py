@@ -219,6 +219,8 @@ class OffloadManager:
             peak_resident_bytes=resident.peak,
             host_bytes_at_peak=resident.host_at_peak,
             saved_bytes_at_peak=resident.saved_at_peak,
+            peak_saved_bytes=resident.saved_peak,
+            host_bytes_at_saved_peak=resident.host_at_saved_peak,
             resident_bytes=resident.resident,
             host_bytes=resident.host,
             pool=self.pool.stats(),

@@ -50,6 +50,10 @@ class OffloadStats:
     """Bytes that were on host only (offloaded, not reloaded) at that high-water mark."""
     saved_bytes_at_peak: int
     """All saved bytes of offload groups alive at that moment (resident + host)."""
+    peak_saved_bytes: int
+    """High-water mark of saved bytes of offload groups wherever they live: the peak without offload."""
+    host_bytes_at_saved_peak: int
+    """Bytes on host only at the moment of `peak_saved_bytes`: the drop offload could give at most."""
     resident_bytes: int
     """Device-resident saved bytes now."""
     host_bytes: int
@@ -66,7 +70,8 @@ class ResidentBytes:
     """Accounting of where the saved bytes of offload groups live, and its high-water mark.
 
     Counted per storage span, deduplicated like the copies. ``saved = resident + host``
-    holds at every moment; the high-water mark is taken on ``resident``.
+    holds at every moment. Two high-water marks: of ``resident`` (what the device holds) and
+    of ``saved`` (what it would hold without offload), with the host bytes at each.
     """
 
     def __init__(self) -> None:
@@ -76,6 +81,8 @@ class ResidentBytes:
         self.peak = 0
         self.host_at_peak = 0
         self.saved_at_peak = 0
+        self.saved_peak = 0
+        self.host_at_saved_peak = 0
 
     def _update_peak(self) -> None:
         if self.resident > self.peak:
@@ -83,15 +90,23 @@ class ResidentBytes:
             self.host_at_peak = self.host
             self.saved_at_peak = self.resident + self.host
 
+    def _update_saved_peak(self) -> None:
+        saved = self.resident + self.host
+        if saved >= self.saved_peak:  # the latest moment at the peak: every release so far counted
+            self.saved_peak = saved
+            self.host_at_saved_peak = self.host
+
     def saved(self, nbytes: int) -> None:
         with self._lock:
             self.resident += nbytes
             self._update_peak()
+            self._update_saved_peak()
 
     def moved_to_host(self, nbytes: int) -> None:
         with self._lock:
             self.resident -= nbytes
             self.host += nbytes
+            self._update_saved_peak()
 
     def moved_to_device(self, nbytes: int) -> None:
         with self._lock:
@@ -111,6 +126,8 @@ class ResidentBytes:
             self.peak = self.resident
             self.host_at_peak = self.host
             self.saved_at_peak = self.resident + self.host
+            self.saved_peak = self.resident + self.host
+            self.host_at_saved_peak = self.host
 
 
 @dataclass
