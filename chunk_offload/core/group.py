@@ -179,7 +179,6 @@ class OffloadGroup:
         ref = SavedRef(self, storage, tensor)
         storage.refs.append(weakref.ref(ref))
         storage.live += 1
-        self.handler.ctx.stats.group(self.name).tensors_offloaded += 1
         return ref
 
     def commit(self) -> None:
@@ -218,11 +217,13 @@ class OffloadGroup:
                 d2h.require(buf.fence.mark, rule="R3", what=f"offload of {self.name!r} writing a reused host buffer")
             d2h.require(storage.save_mark, rule="R1", what=f"offload of {self.name!r} reading a saved tensor")
             storage.host = buf
-            storage.device_bytes = _byte_view(_alive(storage)[0].tensor, storage.start, storage.nbytes)
+            refs = _alive(storage)
+            storage.device_bytes = _byte_view(refs[0].tensor, storage.start, storage.nbytes)
             src, dst = storage.device_bytes, buf.view()
             _, timing = d2h.launch(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time)
             ctx.stats.timing(self.name, "offload_time_s", timing)
             stats.bytes_offloaded += storage.nbytes
+            stats.tensors_offloaded += len(refs)
         self._d2h_event = d2h.record_event()
         self.state = GroupState.OFFLOADING
 
@@ -336,6 +337,11 @@ class OffloadGroup:
 
     def _free_storage(self, storage: _Storage) -> None:
         ctx = self._ctx
+        if self.state is GroupState.RELOADING:
+            # Autograd dropped a prefetched tensor without using it. The reload may still write
+            # its buffer, which was allocated on compute (NOTE [Reload allocation]): compute must
+            # wait before the allocator can hand that memory to anything else.
+            self.ensure_resident()
         if storage.host is not None:
             ctx.pool.release(storage.host, self._d2h_event)
             storage.host = None

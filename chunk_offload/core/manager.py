@@ -99,6 +99,7 @@ class OffloadManager:
         self._hooks_pushed: list[saved_tensors_hooks] = []
         self._iteration_handlers: list[ChunkOffloadHandler] = []
         self._live_handlers: list[ChunkOffloadHandler] = []
+        self._closed = False
 
     # ------------------------------------------------------------------ registration
     def offload_module(self, module: nn.Module, name: str) -> "ModuleOffload":
@@ -122,6 +123,8 @@ class OffloadManager:
     @contextlib.contextmanager
     def iteration(self) -> Iterator["OffloadManager"]:
         """One optimizer step's forwards and backwards. On an exception, every chunk is discarded."""
+        if self._closed:
+            raise ChunkOffloadError("iteration() on a closed OffloadManager; create a new manager.")
         if self._in_iteration:
             raise ChunkOffloadError("iteration() entered while an iteration is already open; they cannot nest.")
         self.policy.refresh()
@@ -211,7 +214,8 @@ class OffloadManager:
     # ------------------------------------------------------------------ results
     def stats(self) -> OffloadStats:
         """Counters per group name and the resident-bytes high-water mark (waits for copies)."""
-        self.streams.synchronize()
+        if not self._closed:  # after close() the copies are done and the workers are gone
+            self.streams.synchronize()
         self._stats.fold()
         resident = self._resident
         return OffloadStats(
@@ -228,7 +232,8 @@ class OffloadManager:
 
     def reset_stats(self) -> None:
         """Zero the per-name counters and restart the high-water mark from now."""
-        self.streams.synchronize()
+        if not self._closed:
+            self.streams.synchronize()
         self._stats.fold()
         self._stats.groups.clear()
         self._resident.reset_peak()
@@ -239,7 +244,10 @@ class OffloadManager:
         return [h.key for h in handlers if not h.released]
 
     def close(self) -> None:
-        """Wait for the copies and stop the stream workers."""
+        """Wait for the copies and stop the stream workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self.streams.synchronize()
         self.streams.close()
 

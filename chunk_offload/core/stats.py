@@ -18,7 +18,7 @@ class GroupStats:
     groups: int = 0
     """Groups opened and committed under this name."""
     tensors_offloaded: int = 0
-    """Saved tensors that were moved to host (views of one storage count each)."""
+    """Saved tensors whose copy to host was issued (views of one storage count each)."""
     bytes_offloaded: int = 0
     """Bytes copied to host (a storage shared by several saved views counts once)."""
     bytes_reloaded: int = 0

@@ -344,6 +344,7 @@ class _CpuCopyStream(Stream):
         self._delay = delay
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"chunk_offload-{name}", daemon=True)
         self._thread.start()
 
@@ -369,12 +370,14 @@ class _CpuCopyStream(Stream):
                     timing._seconds = time.perf_counter() - start
 
     def launch(self, fn, *, timed=False):
+        self._check_running()
         mark = self._vc.tick(self.id)
         timing = Timing(0.0) if timed else None
         self._queue.put(("run", fn, timing))
         return mark, timing
 
     def record_event(self) -> Event:
+        self._check_running()
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
         event = _CpuEvent(clocks, mark)
@@ -386,7 +389,13 @@ class _CpuCopyStream(Stream):
         self._queue.put(("wait", event, None))
         return None
 
+    def _check_running(self) -> None:
+        # An event recorded on a stopped worker would never complete: waiting on it would hang.
+        if self._stopped:
+            raise ChunkOffloadError(f"CPU copy stream '{self.name}' used after its backend was closed.")
+
     def stop(self) -> None:
+        self._stopped = True
         self._queue.put(("stop", None, None))
 
 

@@ -1,0 +1,417 @@
+"""Training with offload is bit-identical to training without it (CPU streams, exact).
+
+Every comparison is `torch.equal` or an exact integer: offload only moves bytes, so the
+losses, every gradient of every iteration and the final parameters must not change by a
+single bit. Each offloading run also checks that bytes really went to host and came back,
+so a test cannot pass because nothing was offloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import chunk_offload
+from chunk_offload import OffloadManager
+from tests.core._models import (
+    HEADS,
+    HIDDEN,
+    INTERLEAVED,
+    MODULE_KINDS,
+    ONE_F_ONE_B,
+    CoreAttention,
+    RunResult,
+    assert_identical,
+    make_stack,
+    microbatches,
+    register,
+    run_schedule,
+)
+
+ITERATIONS = 3
+LAYERS = 2
+MICROBATCHES = 4
+
+# (order, model_chunks), by test id.
+ORDERS = {
+    "1f1b": (ONE_F_ONE_B, 1),
+    "interleaved": (INTERLEAVED, 2),
+}
+KIND_SETS = {
+    "core_attn": ("core_attn",),
+    "attention": ("qkv_linear", "core_attn", "attn_proj"),
+    "all": MODULE_KINDS,
+}
+
+_baselines: dict[tuple, RunResult] = {}
+
+
+def baseline(order_id: str) -> RunResult:
+    """The same training without any manager (cached per order)."""
+    if order_id not in _baselines:
+        order, model_chunks = ORDERS[order_id]
+        _baselines[order_id] = run_schedule(
+            lambda: None, order=order, model_chunks=model_chunks, iterations=ITERATIONS, layers=LAYERS
+        )
+    return _baselines[order_id]
+
+
+def groups_per_kind(order_id: str) -> int:
+    """Groups one module kind opens over the whole run: one per layer per chunk per iteration."""
+    _, model_chunks = ORDERS[order_id]
+    return ITERATIONS * MICROBATCHES * model_chunks * LAYERS
+
+
+class Recorder:
+    """`after_iteration` callback: snapshots the manager's counters after each iteration."""
+
+    def __init__(self) -> None:
+        self.stats: list[chunk_offload.OffloadStats] = []
+        self.live_chunks: list[list] = []
+
+    def __call__(self, manager: OffloadManager, iteration: int) -> None:
+        assert len(self.stats) == iteration
+        self.stats.append(manager.stats())
+        self.live_chunks.append(manager.live_chunks())
+
+    @property
+    def final(self) -> chunk_offload.OffloadStats:
+        return self.stats[-1]
+
+
+_runs: dict[tuple, tuple[RunResult, Recorder]] = {}
+
+
+def run_with(order_id: str, kinds: Sequence[str], **options) -> tuple[RunResult, Recorder]:
+    """Train with offload of ``kinds`` (cached: several tests check one run; none mutates it)."""
+    key = (order_id, tuple(kinds), tuple(sorted(options.items())))
+    if key not in _runs:
+        _runs[key] = _run_with(order_id, kinds, **options)
+    return _runs[key]
+
+
+def _run_with(order_id: str, kinds: Sequence[str], **options) -> tuple[RunResult, Recorder]:
+    order, model_chunks = ORDERS[order_id]
+    recorder = Recorder()
+    result = run_schedule(
+        lambda: OffloadManager(min_offload_bytes=1, **options),
+        order=order,
+        model_chunks=model_chunks,
+        iterations=ITERATIONS,
+        layers=LAYERS,
+        kinds=kinds,
+        after_iteration=recorder,
+    )
+    assert len(recorder.stats) == ITERATIONS
+    return result, recorder
+
+
+def assert_drained(recorder: Recorder) -> None:
+    """After every iteration nothing is held: no live chunk, no pooled buffer in use, no saved bytes."""
+    for it, (stats, live) in enumerate(zip(recorder.stats, recorder.live_chunks)):
+        assert live == [], f"iteration {it}: chunks still live {live}"
+        assert stats.pool.in_use_bytes == 0, f"iteration {it}: {stats.pool}"
+        assert stats.pool.fallback_in_use_bytes == 0, f"iteration {it}: {stats.pool}"
+        assert stats.resident_bytes == 0, f"iteration {it}: resident_bytes={stats.resident_bytes}"
+        assert stats.host_bytes == 0, f"iteration {it}: host_bytes={stats.host_bytes}"
+
+
+def assert_offloaded(stats: chunk_offload.OffloadStats, kinds: Sequence[str], order_id: str) -> None:
+    """Every registered kind opened all its groups and moved bytes to host and all of them back."""
+    assert set(stats.groups) == set(kinds)
+    for kind in kinds:
+        g = stats.groups[kind]
+        assert g.groups == groups_per_kind(order_id), (kind, g)
+        assert g.bytes_offloaded > 0, (kind, g)
+        assert g.bytes_reloaded == g.bytes_offloaded, (kind, g)
+        assert g.tensors_offloaded > 0, (kind, g)
+    assert stats.peak_resident_bytes > 0
+    assert stats.pool.allocations > 0
+    assert stats.pool.fallback_allocations == 0
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("kind_set", list(KIND_SETS))
+@pytest.mark.parametrize("order_id", list(ORDERS))
+def test_parity_with_offload(order_id: str, kind_set: str) -> None:
+    kinds = KIND_SETS[kind_set]
+    result, recorder = run_with(order_id, kinds)
+    assert_identical(baseline(order_id), result)
+    assert_offloaded(recorder.final, kinds, order_id)
+    assert_drained(recorder)
+
+
+@pytest.mark.parametrize("order_id", list(ORDERS))
+def test_host_pool_is_reused_across_iterations(order_id: str) -> None:
+    result, recorder = run_with(order_id, MODULE_KINDS)
+    assert_identical(baseline(order_id), result)
+    first = recorder.stats[0].pool
+    assert first.allocations > 0 and first.allocated_bytes > 0
+    for it, stats in enumerate(recorder.stats):
+        pool = stats.pool
+        assert pool.allocations == first.allocations, f"iteration {it}: {pool} after {first}"
+        assert pool.allocated_bytes == first.allocated_bytes, f"iteration {it}: {pool} after {first}"
+        assert pool.fallback_allocations == 0
+        # Each iteration offloads the same bytes again, through the same buffers.
+        per_iteration = sum(g.bytes_offloaded for g in stats.groups.values())
+        assert per_iteration == (it + 1) * recorder.stats[0].bytes_offloaded
+    assert_drained(recorder)
+    assert recorder.final.resident_bytes == 0 and recorder.final.host_bytes == 0
+
+
+@pytest.mark.parametrize("order_id", list(ORDERS))
+def test_parity_accounting_only(order_id: str) -> None:
+    """offload=False tracks groups and saved bytes but copies nothing; numbers unchanged."""
+    result, recorder = run_with(order_id, MODULE_KINDS, offload=False)
+    assert_identical(baseline(order_id), result)
+    stats = recorder.final
+    assert set(stats.groups) == set(MODULE_KINDS)
+    for kind, g in stats.groups.items():
+        assert g.groups == groups_per_kind(order_id), (kind, g)
+        assert g.bytes_offloaded == 0 and g.bytes_reloaded == 0, (kind, g)
+    assert stats.peak_resident_bytes > 0
+    assert stats.host_bytes_at_peak == 0
+    assert stats.saved_bytes_at_peak == stats.peak_resident_bytes
+    assert stats.pool.allocations == 0 and stats.pool.allocated_bytes == 0
+    assert_drained(recorder)
+
+
+@pytest.mark.parametrize("order_id", list(ORDERS))
+def test_parity_without_timing(order_id: str) -> None:
+    result, recorder = run_with(order_id, MODULE_KINDS, measure_time=False)
+    assert_identical(baseline(order_id), result)
+    stats = recorder.final
+    assert_offloaded(stats, MODULE_KINDS, order_id)
+    for kind, g in stats.groups.items():
+        assert g.offload_time_s == 0.0 and g.reload_time_s == 0.0 and g.wait_time_s == 0.0, (kind, g)
+    assert_drained(recorder)
+
+
+def test_offloaded_bytes_match_between_schedules_per_chunk() -> None:
+    """1F1B and interleaved offload the same bytes per (layer, microbatch): chunking changes only the order."""
+    _, r1 = run_with("1f1b", MODULE_KINDS)
+    _, r2 = run_with("interleaved", MODULE_KINDS)
+    for kind in MODULE_KINDS:
+        one, two = r1.final.groups[kind], r2.final.groups[kind]
+        # Interleaved runs two model chunks of LAYERS layers each: twice the groups and bytes.
+        assert two.groups == 2 * one.groups
+        assert two.bytes_offloaded == 2 * one.bytes_offloaded, kind
+
+
+# ----------------------------------------------------------------------------- low-level marks
+
+
+class MarkedBlock(nn.Module):
+    """A block that opens and commits its groups itself with `group_start` / `group_commit`.
+
+    Groups are marked on a single tensor, on a tuple and on a list, and one group's inputs are
+    views of another group's output (q, k, v of one qkv tensor).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.attn = CoreAttention(HEADS)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.fc2 = nn.Linear(4 * HIDDEN, HIDDEN)
+        self.manager: OffloadManager | None = None
+
+    def _start(self, tensors, name):
+        return tensors if self.manager is None else self.manager.group_start(tensors, name)
+
+    def _commit(self, tensors, name):
+        return tensors if self.manager is None else self.manager.group_commit(tensors, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._start(x, "g_qkv")
+        q, k, v = self.qkv(self.norm(h)).chunk(3, dim=-1)
+        q, k, v = self._commit((q, k, v), "g_qkv")
+        q, k, v = self._start([q, k, v], "g_attn")
+        a = self._commit(self.attn(q, k, v), "g_attn")
+        x = x + self.proj(a)
+        h = self._start((x,), "g_mlp")[0]
+        y = self._commit(self.fc2(F.gelu(self.fc1(h))), "g_mlp")
+        return x + y
+
+
+def _make_marked(layers: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[MarkedBlock() for _ in range(layers)])
+
+
+def _train_marked(manager: OffloadManager | None, *, protect: bool) -> RunResult:
+    model = _make_marked(LAYERS)
+    if manager is not None:
+        for block in model:
+            block.manager = manager
+        if protect:
+            manager.protect_module(model)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    xs = microbatches(MICROBATCHES)
+    result = RunResult(losses=[], grads=[], params=[])
+    for _ in range(ITERATIONS):
+        optimizer.zero_grad(set_to_none=True)
+        pending: dict[int, torch.Tensor] = {}
+        with manager.iteration() if manager is not None else contextlib.nullcontext():
+            for action in ONE_F_ONE_B:
+                m = int(action[1:])
+                if action[0] == "F":
+                    with manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext():
+                        pending[m] = model(xs[m]).pow(2).mean()
+                else:
+                    loss = pending.pop(m)
+                    result.losses.append(loss.detach().clone())
+                    loss.backward()
+        result.grads.append([p.grad.detach().clone() for p in params])
+        optimizer.step()
+        if manager is not None:
+            assert manager.live_chunks() == []
+    result.params = [p.detach().clone() for p in params]
+    return result
+
+
+@pytest.mark.parametrize("protect", [False, True], ids=["unprotected", "protected"])
+def test_parity_low_level_group_marks(protect: bool) -> None:
+    reference = _train_marked(None, protect=False)
+    manager = OffloadManager(min_offload_bytes=1)
+    try:
+        result = _train_marked(manager, protect=protect)
+        stats = manager.stats()
+    finally:
+        manager.close()
+    assert_identical(reference, result)
+    assert set(stats.groups) == {"g_qkv", "g_attn", "g_mlp"}
+    for name, g in stats.groups.items():
+        assert g.groups == ITERATIONS * MICROBATCHES * LAYERS, (name, g)
+        assert g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded, (name, g)
+    assert stats.resident_bytes == 0 and stats.host_bytes == 0
+    assert stats.pool.in_use_bytes == 0
+
+
+def test_low_level_marks_outside_chunk_are_identity() -> None:
+    manager = OffloadManager(min_offload_bytes=1)
+    try:
+        x = torch.randn(3, requires_grad=True)
+        pair = (x, x * 2)
+        assert manager.group_start(x, "g") is x
+        assert manager.group_commit(pair, "g") is pair
+        with manager.iteration():
+            assert manager.group_start(x, "g") is x
+            with torch.no_grad(), manager.chunk(microbatch=0) as handler:
+                assert handler is None
+                assert manager.group_start(pair, "g") is pair
+                assert manager.group_commit(x, "g") is x
+        assert manager.stats().groups == {}
+    finally:
+        manager.close()
+
+
+# ----------------------------------------------------------------------------- no grad, evaluation
+
+
+def _plain_and_registered(kinds=MODULE_KINDS):
+    reference = make_stack(LAYERS, seed=0)
+    model = make_stack(LAYERS, seed=0)
+    manager = OffloadManager(min_offload_bytes=1)
+    register(manager, model, kinds)
+    return reference, model, manager
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_forward_in_chunk_tracks_nothing(mode: str) -> None:
+    reference, model, manager = _plain_and_registered()
+    x = microbatches(1)[0]
+    grad_off = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    try:
+        before = manager.stats()
+        with manager.iteration():
+            with grad_off():
+                with manager.chunk(microbatch=0, vp_stage=0) as handler:
+                    assert handler is None
+                    assert manager.current_handler is None
+                    y = model(x)
+                expected = reference(x)
+            assert manager.live_chunks() == []
+        assert torch.equal(y, expected)
+        assert manager.stats() == before
+        assert manager.live_chunks() == []
+
+        # The manager is usable with gradients afterwards: a tracked chunk offloads and is exact.
+        with manager.iteration():
+            with manager.chunk(microbatch=0) as handler:
+                assert handler is not None
+                loss = model(x).pow(2).mean()
+            loss.backward()
+        reference(x).pow(2).mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        stats = manager.stats()
+        for kind in MODULE_KINDS:
+            assert stats.groups[kind].groups == LAYERS
+            assert stats.groups[kind].bytes_offloaded == stats.groups[kind].bytes_reloaded > 0
+        assert manager.live_chunks() == []
+    finally:
+        manager.close()
+
+
+def test_registered_module_outside_chunk_runs_without_offload() -> None:
+    """Evaluation (and plain training steps) outside any chunk: hooks pass through, nothing tracked."""
+    reference, model, manager = _plain_and_registered()
+    x = microbatches(1)[0]
+    try:
+        before = manager.stats()
+        # Evaluation outside any iteration.
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        model.eval()
+        reference.eval()
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        model.train()
+        reference.train()
+        # Gradients enabled but no chunk: outside an iteration and inside one.
+        model(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        with manager.iteration():
+            model(x).sum().backward()
+        reference(x).sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert manager.stats() == before
+        assert manager.stats().groups == {}
+        assert manager.live_chunks() == []
+    finally:
+        manager.close()
+
+
+def test_unregistered_after_remove_runs_without_offload() -> None:
+    reference = make_stack(1, seed=0)
+    model = make_stack(1, seed=0)
+    manager = OffloadManager(min_offload_bytes=1)
+    try:
+        handles = [manager.offload_module(getattr(model[0], kind), kind) for kind in MODULE_KINDS]
+        for handle in handles:
+            handle.remove()
+        x = microbatches(1)[0]
+        with manager.iteration():
+            with manager.chunk(microbatch=0) as handler:
+                loss = model(x).pow(2).mean()
+            assert handler.groups == []
+            loss.backward()
+        reference(x).pow(2).mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert manager.stats().groups == {}
+    finally:
+        manager.close()
+

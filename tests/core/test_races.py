@@ -1,0 +1,348 @@
+"""Ordering between compute and the copy streams, on CPU worker-thread streams.
+
+`CpuStreams` runs the device-to-host and host-to-device copies on worker threads and can
+sleep a random time before each operation, so a missing wait becomes a real race that shows
+up as wrong numbers; its vector-clock checker raises `HappensBeforeError` at the access that
+lacks a wait. These tests
+
+- run the pipeline schedule under many random delay patterns and require exact parity,
+- remove each wait of `chunk_offload.core.group.WAIT_NAMES` in turn and require the checker
+  to name the broken rule (and, with the checker off, show that a removed wait gives wrong
+  numbers, so the delays really expose the race),
+- drive the two rare paths by hand: backward reaching a group whose offload is still in
+  flight, and a host buffer reused while the reload that reads it is still in flight.
+
+Every comparison is `torch.equal` or an exact integer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+import chunk_offload
+from chunk_offload import CpuStreams, HappensBeforeError, OffloadManager
+from chunk_offload.core import StreamBackend
+from chunk_offload.core.group import WAIT_NAMES, GroupState
+from tests.core._models import (
+    INTERLEAVED,
+    MODULE_KINDS,
+    ONE_F_ONE_B,
+    RunResult,
+    assert_identical,
+    make_stack,
+    microbatches,
+    register,
+    run_schedule,
+)
+
+ITERATIONS = 2
+LAYERS = 2
+
+_baselines: dict[tuple, RunResult] = {}
+
+
+def baseline(order: Sequence = ONE_F_ONE_B, model_chunks: int = 1) -> RunResult:
+    key = (tuple(order), model_chunks)
+    if key not in _baselines:
+        _baselines[key] = run_schedule(
+            lambda: None, order=order, model_chunks=model_chunks, iterations=ITERATIONS, layers=LAYERS
+        )
+    return _baselines[key]
+
+
+def run_offloaded(
+    streams: Callable[[], StreamBackend],
+    *,
+    skip: Sequence[str] = (),
+    order: Sequence = ONE_F_ONE_B,
+    model_chunks: int = 1,
+) -> tuple[RunResult, chunk_offload.OffloadStats]:
+    """`run_schedule` with every kind offloaded; closes the manager also when the run raises."""
+    managers: list[OffloadManager] = []
+    final: list[chunk_offload.OffloadStats] = []
+
+    def factory() -> OffloadManager:
+        manager = OffloadManager(min_offload_bytes=1, streams=streams(), _test_skip_waits=tuple(skip))
+        managers.append(manager)
+        return manager
+
+    def after_iteration(manager: OffloadManager, it: int) -> None:
+        if it == ITERATIONS - 1:
+            final.append(manager.stats())
+
+    try:
+        result = run_schedule(
+            factory,
+            order=order,
+            model_chunks=model_chunks,
+            iterations=ITERATIONS,
+            layers=LAYERS,
+            after_iteration=after_iteration,
+        )
+    except BaseException:
+        for manager in managers:  # run_schedule closes only on success; close() is not idempotent
+            manager.close()
+        raise
+    return result, final[0]
+
+
+def same_numbers(a: RunResult, b: RunResult) -> bool:
+    """Whether every loss and gradient is bit-identical (`assert_identical` as a predicate)."""
+    try:
+        assert_identical(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def assert_really_offloaded(stats: chunk_offload.OffloadStats) -> None:
+    assert set(stats.groups) == set(MODULE_KINDS)
+    for kind, g in stats.groups.items():
+        assert g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded, (kind, g)
+    assert stats.resident_bytes == 0 and stats.host_bytes == 0 and stats.pool.in_use_bytes == 0
+
+
+# ----------------------------------------------------------------------------- random delays
+
+DELAY_PATTERNS = (("d2h",), ("h2d",), ("compute",), ("d2h", "h2d", "compute"))
+# The compute stream sleeps before every saved tensor and every wait, so it gets shorter delays.
+MAX_DELAY_S = {("d2h",): 5e-4, ("h2d",): 5e-4, ("compute",): 1e-4, ("d2h", "h2d", "compute"): 1e-4}
+SEEDS = range(20)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_parity_under_random_delays(seed: int) -> None:
+    delay_on = DELAY_PATTERNS[seed % len(DELAY_PATTERNS)]
+    result, stats = run_offloaded(
+        lambda: CpuStreams(max_delay_s=MAX_DELAY_S[delay_on], delay_on=delay_on, seed=seed)
+    )
+    assert_identical(baseline(), result)
+    assert_really_offloaded(stats)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_interleaved_parity_under_random_delays(seed: int) -> None:
+    """The checker is not over-eager: with every wait present, the interleaved schedule raises nothing."""
+    result, stats = run_offloaded(
+        lambda: CpuStreams(max_delay_s=1e-4, delay_on=("d2h", "h2d", "compute"), seed=seed),
+        order=INTERLEAVED,
+        model_chunks=2,
+    )
+    assert_identical(baseline(INTERLEAVED, 2), result)
+    assert_really_offloaded(stats)
+
+
+# ----------------------------------------------------------------------------- each wait removed
+
+# Waits whose removal the 1F1B schedule itself exposes, and the rule the checker must name.
+SCHEDULE_WAIT_RULES = {
+    "offload_after_compute": "R1",
+    "release_after_offload": "R2",
+    "use_after_reload": "R2",
+    "reload_after_alloc": "R4",
+}
+# reuse_after_reload (R3) needs a buffer reused before compute waited on its reload; see below.
+EXPECTED_RULES = {**SCHEDULE_WAIT_RULES, "reuse_after_reload": "R3"}
+
+
+def test_every_wait_has_a_test() -> None:
+    assert set(EXPECTED_RULES) == set(WAIT_NAMES)
+
+
+@pytest.mark.parametrize("wait", list(SCHEDULE_WAIT_RULES))
+def test_missing_wait_is_caught_in_schedule(wait: str) -> None:
+    with pytest.raises(HappensBeforeError) as info:
+        run_offloaded(lambda: CpuStreams(), skip=(wait,))
+    assert info.value.rule == SCHEDULE_WAIT_RULES[wait], str(info.value)
+
+
+def test_unknown_wait_name_is_rejected() -> None:
+    with pytest.raises(chunk_offload.ChunkOffloadError, match="unknown wait names"):
+        OffloadManager(_test_skip_waits=("no_such_wait",))
+
+
+def test_reuse_wait_is_implied_in_plain_1f1b() -> None:
+    """In 1F1B compute waits on every reload before a later forward reuses its host buffer, so
+    even without the reuse wait the offload is ordered after the reload (transitively) and
+    nothing may fire; the numbers stay exact."""
+    result, stats = run_offloaded(
+        lambda: CpuStreams(max_delay_s=5e-4, delay_on=("d2h", "h2d"), seed=3), skip=("reuse_after_reload",)
+    )
+    assert_identical(baseline(), result)
+    assert_really_offloaded(stats)
+
+
+def test_missing_reload_wait_gives_wrong_numbers() -> None:
+    """With the checker off, using reloaded tensors without waiting reads them before the delayed
+    copy wrote them: the race is real, not only a checker finding."""
+    reference = baseline()
+    outcomes = []
+    for seed in range(4):
+        result, _ = run_offloaded(
+            lambda: CpuStreams(check_order=False, max_delay_s=5e-4, delay_on=("h2d",), seed=seed),
+            skip=("use_after_reload",),
+        )
+        outcomes.append(same_numbers(reference, result))
+        if not outcomes[-1]:
+            break
+    assert not all(outcomes), f"no mismatch over seeds {list(range(len(outcomes)))}"
+
+
+# ----------------------------------------------------------------------------- reuse during reload
+
+
+def _reuse_during_reload(streams: CpuStreams, *, skip: Sequence[str] = ()):
+    """Chunk A offloads one group; its reload is prefetched and nothing waits on it; chunk B, of
+    identical shapes, offloads into the same host buffer; then B's and A's backward.
+
+    Returns the gradients after B's backward and after A's, for the model with offload and for
+    the same model without, and the manager's final stats.
+    """
+    reference = make_stack(1, seed=0)
+    model = make_stack(1, seed=0)
+    xa, xb = microbatches(2)
+
+    ref_a = reference(xa).pow(2).mean()
+    ref_b = reference(xb).pow(2).mean()
+    ref_b.backward()
+    ref_grads_b = [p.grad.clone() for p in reference.parameters()]
+    ref_a.backward()
+    ref_grads_a = [p.grad.clone() for p in reference.parameters()]
+
+    manager = OffloadManager(min_offload_bytes=1, streams=streams, _test_skip_waits=tuple(skip))
+    try:
+        manager.offload_module(model[0].mlp_fc1, "mlp_fc1")
+        with manager.iteration():
+            with manager.chunk(microbatch=0) as handler_a:
+                loss_a = model(xa).pow(2).mean()
+            group_a = handler_a.groups[0]
+            assert group_a.state is GroupState.ON_HOST
+            handler_a.bulk_reload_group(0)  # prefetch; compute does not wait on it yet
+            assert group_a.state is GroupState.RELOADING
+            with manager.chunk(microbatch=1) as handler_b:  # reuses A's host buffer
+                loss_b = model(xb).pow(2).mean()
+            loss_b.backward()
+            grads_b = [p.grad.clone() for p in model.parameters()]
+            loss_a.backward()
+            grads_a = [p.grad.clone() for p in model.parameters()]
+            assert handler_b.groups[0].state is GroupState.RELEASED
+            assert group_a.state is GroupState.RELEASED
+        stats = manager.stats()
+    finally:
+        manager.close()
+    return (ref_a, ref_b, ref_grads_b, ref_grads_a), (loss_a, loss_b, grads_b, grads_a), stats
+
+
+def _assert_reuse_scenario_exact(reference, result, stats) -> None:
+    ref_a, ref_b, ref_grads_b, ref_grads_a = reference
+    loss_a, loss_b, grads_b, grads_a = result
+    assert torch.equal(loss_a, ref_a) and torch.equal(loss_b, ref_b)
+    for i, (x, y) in enumerate(zip(grads_b, ref_grads_b)):
+        assert torch.equal(x, y), f"gradient {i} after chunk B's backward differs"
+    for i, (x, y) in enumerate(zip(grads_a, ref_grads_a)):
+        assert torch.equal(x, y), f"gradient {i} after chunk A's backward differs"
+    g = stats.groups["mlp_fc1"]
+    assert g.groups == 2 and g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded
+    # One host buffer served both chunks: B's offload really reused the buffer A's reload read.
+    assert stats.pool.allocations == 1
+    assert stats.pool.in_use_bytes == 0 and stats.resident_bytes == 0 and stats.host_bytes == 0
+
+
+def test_missing_reuse_wait_is_caught() -> None:
+    with pytest.raises(HappensBeforeError) as info:
+        _reuse_during_reload(CpuStreams(), skip=("reuse_after_reload",))
+    assert info.value.rule == "R3", str(info.value)
+    assert "reused host buffer" in str(info.value)
+
+
+def test_reuse_during_reload_with_wait_is_exact() -> None:
+    reference, result, stats = _reuse_during_reload(CpuStreams())
+    _assert_reuse_scenario_exact(reference, result, stats)
+
+
+# Chunk B's forward takes about 1 to 10 ms here; reload delays of up to 100 ms make the reload
+# of A's buffer still pending when B's offload is issued for most seeds.
+REUSE_MAX_DELAY_S = 0.1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reuse_during_delayed_reload_is_exact(seed: int) -> None:
+    """The reload that reads the buffer is delayed; the next offload must wait for it."""
+    reference, result, stats = _reuse_during_reload(
+        CpuStreams(max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed)
+    )
+    _assert_reuse_scenario_exact(reference, result, stats)
+
+
+def test_missing_reuse_wait_gives_wrong_numbers() -> None:
+    """With the checker off and the reuse wait removed, B's offload overwrites the host buffer
+    before A's delayed reload read it, so A's backward sees B's activations."""
+    outcomes = []
+    for seed in range(6):
+        streams = CpuStreams(check_order=False, max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed)
+        reference, result, _ = _reuse_during_reload(streams, skip=("reuse_after_reload",))
+        ref_grads_a, grads_a = reference[3], result[3]
+        outcomes.append(all(torch.equal(x, y) for x, y in zip(grads_a, ref_grads_a)))
+        if not outcomes[-1]:
+            break
+    assert not all(outcomes), f"no mismatch over seeds {list(range(len(outcomes)))}"
+
+
+# ----------------------------------------------------------------------------- backward during offload
+
+
+def _train_backward_inside_chunk(manager: OffloadManager | None, iterations: int = 2) -> RunResult:
+    """Each microbatch's backward starts right where its forward ends, inside the chunk, so the
+    chunk's last group is still offloading (never released) when backward reaches it."""
+    model = make_stack(LAYERS, seed=0)
+    if manager is not None:
+        register(manager, model, MODULE_KINDS)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    xs = microbatches(4)
+    result = RunResult(losses=[], grads=[], params=[])
+    for _ in range(iterations):
+        optimizer.zero_grad(set_to_none=True)
+        with manager.iteration() if manager is not None else contextlib.nullcontext():
+            for m, x in enumerate(xs):
+                with manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext() as handler:
+                    loss = model(x).pow(2).mean()
+                    if handler is not None:
+                        assert handler.groups[-1].state is GroupState.OFFLOADING
+                        assert all(g.state is GroupState.ON_HOST for g in handler.groups[:-1])
+                    result.losses.append(loss.detach().clone())
+                    loss.backward()
+        result.grads.append([p.grad.detach().clone() for p in params])
+        optimizer.step()
+        if manager is not None:
+            assert manager.live_chunks() == []
+    result.params = [p.detach().clone() for p in params]
+    return result
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_backward_reaches_group_while_offloading(seed: int) -> None:
+    reference = _train_backward_inside_chunk(None)
+    manager = OffloadManager(
+        min_offload_bytes=1, streams=CpuStreams(max_delay_s=2e-3, delay_on=("d2h",), seed=seed)
+    )
+    try:
+        result = _train_backward_inside_chunk(manager)
+        stats = manager.stats()
+    finally:
+        manager.close()
+    assert_identical(reference, result)
+    # The last group of every chunk (layer 1's mlp_fc1) kept its device tensors: its offload was
+    # cancelled, so mlp_fc1 reloaded only layer 0's half. Every other kind went through host.
+    fc1 = stats.groups["mlp_fc1"]
+    assert fc1.bytes_offloaded > 0 and 2 * fc1.bytes_reloaded == fc1.bytes_offloaded
+    for kind in MODULE_KINDS:
+        if kind != "mlp_fc1":
+            g = stats.groups[kind]
+            assert g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded, (kind, g)
+    assert stats.resident_bytes == 0 and stats.host_bytes == 0
+    assert stats.pool.in_use_bytes == 0
