@@ -28,7 +28,7 @@ from .stats import ResidentBytes, StatsRecorder
 if TYPE_CHECKING:
     from .handler import ChunkOffloadHandler
 
-__all__ = ["GroupState", "OffloadGroup", "SavedRef", "EngineContext", "WAIT_NAMES"]
+__all__ = ["GroupState", "OffloadGroup", "SavedRef", "EngineContext", "WAIT_NAMES", "version_probe", "check_version"]
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
@@ -95,14 +95,14 @@ class _Storage:
 class SavedRef:
     """What the saved-tensor hook hands autograd for one offloaded tensor."""
 
-    __slots__ = ("group", "storage", "tensor", "version", "original", "dtype", "size", "stride", "offset_bytes", "__weakref__")
+    __slots__ = ("group", "storage", "tensor", "version", "probe", "dtype", "size", "stride", "offset_bytes", "__weakref__")
 
     def __init__(self, group: "OffloadGroup", storage: _Storage, tensor: torch.Tensor) -> None:
         self.group = group
         self.storage = storage
         self.tensor: torch.Tensor | None = tensor  # the original, held until the device copy is released
         self.version = tensor._version
-        self.original = weakref.ref(tensor)  # to check autograd's version counter on unpack
+        self.probe = version_probe(tensor)  # autograd's version counter, checked on unpack
         self.dtype = tensor.dtype
         self.size = tensor.size()
         self.stride = tensor.stride()
@@ -201,7 +201,12 @@ class OffloadGroup:
         if not ctx.offload or not self._storages:
             self.state = GroupState.KEPT
             return
-        self._offload()
+        try:
+            self._offload()
+        except BaseException:
+            # The bytes are accounted as saved: as a kept group, discard() or autograd frees them.
+            self.state = GroupState.KEPT
+            raise
 
     def _offload(self) -> None:
         ctx = self._ctx
@@ -307,13 +312,7 @@ class OffloadGroup:
 
     def unpack(self, ref: SavedRef) -> torch.Tensor:
         """Return the saved tensor for autograd (the unpack hook)."""
-        original = ref.original()
-        if original is not None and original._version != ref.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: saved tensor of shape {list(ref.size)} in offload group {self.name!r} is at "
-                f"version {original._version}; expected version {ref.version} instead."
-            )
+        check_version(ref.probe, ref.version, ref.size, self.name)
         if ref.tensor is not None:
             return ref.tensor  # the device original is still held: nothing was released
         self.ensure_resident()
@@ -369,6 +368,27 @@ class OffloadGroup:
                 ref.tensor = None
             storage.refs = []
         self.state = GroupState.DISCARDED
+
+
+def version_probe(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing ``tensor``'s version counter that holds none of its memory.
+
+    Autograd checks saved tensors for in-place changes only when no saved-tensor hooks are
+    installed, so the hooks must check themselves, also after the original tensor is gone.
+    """
+    probe = tensor.detach()  # shares the version counter
+    probe.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # keeps the counter, drops the storage
+    return probe
+
+
+def check_version(probe: torch.Tensor, version: int, size, group_name: str) -> None:
+    """Raise autograd's error if the tensor behind ``probe`` changed in place since it was saved."""
+    if probe._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: saved tensor of shape {list(size)} in offload group {group_name!r} is at "
+            f"version {probe._version}; expected version {version} instead."
+        )
 
 
 def _alive(storage: _Storage) -> list[SavedRef]:

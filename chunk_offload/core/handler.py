@@ -21,11 +21,22 @@ from typing import Any, NamedTuple
 import torch
 
 from .errors import ChunkOffloadError
-from .group import EngineContext, GroupState, OffloadGroup, SavedRef
+from .group import EngineContext, GroupState, OffloadGroup, SavedRef, check_version
 
 __all__ = ["ChunkKey", "ChunkOffloadHandler"]
 
 _TE_GROUP_NAME = "te_group"
+
+
+class _KeptRef:
+    """What the pack hook hands autograd for a saved tensor the policy leaves on device."""
+
+    __slots__ = ("tensor", "version", "group_name")
+
+    def __init__(self, tensor: torch.Tensor, group_name: str) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+        self.group_name = group_name
 
 
 class ChunkKey(NamedTuple):
@@ -142,11 +153,14 @@ class ChunkOffloadHandler:
             self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
         if not self.ctx.should_offload(tensor):
             self.ctx.stats.group(self.current.name).tensors_kept += 1
-            return tensor
+            return _KeptRef(tensor, self.current.name)
         return self.current.save(tensor)
 
     def tensor_pop(self, tensor_tag: Any, **kwargs: Any) -> torch.Tensor:
         """Unpack hook: the saved tensor for ``tensor_tag`` returned by `tensor_push`."""
+        if isinstance(tensor_tag, _KeptRef):
+            check_version(tensor_tag.tensor, tensor_tag.version, tensor_tag.tensor.shape, tensor_tag.group_name)
+            return tensor_tag.tensor
         if isinstance(tensor_tag, torch.Tensor):
             return tensor_tag
         if not isinstance(tensor_tag, SavedRef):

@@ -272,7 +272,11 @@ class ModuleOffload:
             return None
         keys = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-        out = manager.group_start(tuple(args[i] for i in keys) + tuple(kwargs[k] for k in names), self.name)
+        try:
+            out = manager.group_start(tuple(args[i] for i in keys) + tuple(kwargs[k] for k in names), self.name)
+        except BaseException:
+            self._opened.append(False)  # the always_call post hook runs next and must not commit
+            raise
         self._opened.append(True)
         new_args = list(args)
         for i, t in zip(keys, out):

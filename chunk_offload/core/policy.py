@@ -11,8 +11,14 @@ _KEEP_ATTR = "_chunk_offload_keep_on_device"
 
 
 def mark_not_offloadable(tensor: torch.Tensor) -> torch.Tensor:
-    """Keep ``tensor`` (and tensors that are views of it) on device when saved; returns it."""
+    """Keep ``tensor`` (and tensors that are views of it) on device when saved; returns it.
+
+    The mark is kept on the tensor and on its storage, so views of views and aliases that share
+    the storage (such as the detached aliases that group marks hand to a module) are kept too.
+    """
     setattr(tensor, _KEEP_ATTR, True)
+    if tensor.layout == torch.strided:
+        setattr(tensor.untyped_storage(), _KEEP_ATTR, True)
     return tensor
 
 
@@ -21,7 +27,9 @@ def is_marked_not_offloadable(tensor: torch.Tensor) -> bool:
     if getattr(tensor, _KEEP_ATTR, False):
         return True
     base = tensor._base
-    return base is not None and getattr(base, _KEEP_ATTR, False)
+    if base is not None and getattr(base, _KEEP_ATTR, False):
+        return True
+    return tensor.layout == torch.strided and getattr(tensor.untyped_storage(), _KEEP_ATTR, False)
 
 
 class OffloadPolicy:
@@ -64,9 +72,11 @@ class OffloadPolicy:
             return False
         if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
             return False
-        if tensor.is_leaf and tensor.requires_grad:
-            return False  # a leaf that requires grad is a parameter in all but type
         base = tensor._base
+        if base is None and tensor.is_leaf and tensor.requires_grad:
+            return False  # a leaf that requires grad is a parameter in all but type
+        # (a view made without grad mode, e.g. in a custom Function's forward, also reports
+        # is_leaf and requires_grad; its base decides)
         if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
             return False
         if is_marked_not_offloadable(tensor):

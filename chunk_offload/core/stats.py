@@ -85,7 +85,10 @@ class ResidentBytes:
         self.host_at_saved_peak = 0
 
     def _update_peak(self) -> None:
-        if self.resident > self.peak:
+        # On a tie keep the moment with the most saved bytes: the stage's peak (most chunks in
+        # flight), whose host bytes are the saving. With equal microbatches the device mark is
+        # first reached in the first chunk's forward, when almost nothing is on host.
+        if self.resident > self.peak or (self.resident == self.peak and self.resident + self.host > self.saved_at_peak):
             self.peak = self.resident
             self.host_at_peak = self.host
             self.saved_at_peak = self.resident + self.host

@@ -62,15 +62,18 @@ class Mark(NamedTuple):
 class Timing:
     """Seconds spent by one launched copy or one compute wait, known once it is done."""
 
-    __slots__ = ("_seconds", "_start", "_end")
+    __slots__ = ("_seconds", "_start", "_end", "_done")
 
-    def __init__(self, seconds: float | None = None, start=None, end=None) -> None:
+    def __init__(self, seconds: float | None = None, start=None, end=None, done: threading.Event | None = None) -> None:
         self._seconds = seconds
         self._start = start
         self._end = end
+        self._done = done  # CPU copy streams: set by the worker once the work ran (or was skipped)
 
     def seconds(self) -> float:
         """Block until the timed work is done and return its duration in seconds."""
+        if self._done is not None:
+            self._done.wait()
         if self._seconds is None and self._start is not None:
             self._end.synchronize()
             self._seconds = self._start.elapsed_time(self._end) / 1000.0
@@ -359,20 +362,23 @@ class _CpuCopyStream(Stream):
                     self._error = arg.error
             elif op == "record":
                 arg.set(self._error)
-            elif self._error is None:
-                self._delay()
-                start = time.perf_counter()
-                try:
-                    arg()
-                except BaseException as exc:  # surfaced to the host by the next event
-                    self._error = exc
+            else:
+                if self._error is None:
+                    self._delay()
+                    start = time.perf_counter()
+                    try:
+                        arg()
+                    except BaseException as exc:  # surfaced to the host by the next event
+                        self._error = exc
+                    if timing is not None:
+                        timing._seconds = time.perf_counter() - start
                 if timing is not None:
-                    timing._seconds = time.perf_counter() - start
+                    timing._done.set()
 
     def launch(self, fn, *, timed=False):
         self._check_running()
         mark = self._vc.tick(self.id)
-        timing = Timing(0.0) if timed else None
+        timing = Timing(0.0, done=threading.Event()) if timed else None
         self._queue.put(("run", fn, timing))
         return mark, timing
 

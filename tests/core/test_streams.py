@@ -1,0 +1,312 @@
+"""`CpuStreams`: ordering of the worker-thread copy streams, events, vector-clock checks, shutdown.
+
+Every backend a test creates is closed by the `make_streams` fixture, which also checks that the
+backend's two worker threads really ended.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+import chunk_offload
+from chunk_offload import ChunkOffloadError, CpuStreams, HappensBeforeError, default_streams
+
+JOIN_TIMEOUT_S = 10.0
+
+
+def _worker_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name in ("chunk_offload-d2h", "chunk_offload-h2d")}
+
+
+@pytest.fixture
+def make_streams():
+    """Create CpuStreams; at teardown close them and join their worker threads."""
+    created: list[tuple[CpuStreams, set[threading.Thread]]] = []
+
+    def make(**kwargs) -> CpuStreams:
+        before = _worker_threads()
+        backend = CpuStreams(**kwargs)
+        created.append((backend, _worker_threads() - before))
+        return backend
+
+    yield make
+    for backend, threads in created:
+        backend.close()
+        for thread in threads:
+            thread.join(JOIN_TIMEOUT_S)
+            assert not thread.is_alive(), f"worker thread {thread.name} still running after close()"
+
+
+def test_work_launched_on_one_copy_stream_runs_in_issue_order(make_streams):
+    streams = make_streams(max_delay_s=0.002, delay_on=("compute", "d2h", "h2d"), seed=7)
+    done: list[int] = []
+    for i in range(25):
+        streams.d2h.launch(lambda i=i: done.append(i))
+    streams.d2h.synchronize()
+    assert done == list(range(25))
+
+
+def test_copy_work_runs_on_the_named_worker_thread(make_streams):
+    streams = make_streams()
+    names: list[str] = []
+    streams.d2h.launch(lambda: names.append(threading.current_thread().name))
+    streams.h2d.launch(lambda: names.append(threading.current_thread().name))
+    streams.synchronize()
+    assert sorted(names) == ["chunk_offload-d2h", "chunk_offload-h2d"]
+
+
+def test_event_recorded_after_work_completes_only_after_it(make_streams):
+    streams = make_streams()
+    gate = threading.Event()
+    done: list[str] = []
+
+    def blocked() -> None:
+        assert gate.wait(JOIN_TIMEOUT_S)
+        done.append("work")
+
+    streams.d2h.launch(blocked)
+    event = streams.d2h.record_event()
+    time.sleep(0.05)
+    assert not event.query(), "event completed before the work issued ahead of it"
+    assert done == []
+    gate.set()
+    event.synchronize()
+    assert event.query()
+    assert done == ["work"]
+
+
+def test_event_recorded_before_later_work_does_not_wait_for_it(make_streams):
+    streams = make_streams()
+    gate = threading.Event()
+    streams.d2h.launch(lambda: None)
+    early = streams.d2h.record_event()
+    streams.d2h.launch(lambda: gate.wait(JOIN_TIMEOUT_S))
+    early.synchronize()  # must not block on the gated work issued after the record
+    assert early.query()
+    gate.set()
+    streams.d2h.synchronize()
+
+
+def test_compute_wait_event_blocks_until_copy_work_is_done(make_streams):
+    streams = make_streams()
+    done: list[str] = []
+
+    def slow() -> None:
+        time.sleep(0.1)
+        done.append("copy")
+
+    streams.d2h.launch(slow)
+    streams.compute.wait_event(streams.d2h.record_event())
+    assert done == ["copy"]
+
+
+def test_copy_stream_wait_event_orders_work_across_streams(make_streams):
+    streams = make_streams()
+    gate = threading.Event()
+    order: list[str] = []
+
+    def first() -> None:
+        assert gate.wait(JOIN_TIMEOUT_S)
+        order.append("d2h")
+
+    streams.d2h.launch(first)
+    streams.h2d.wait_event(streams.d2h.record_event())
+    streams.h2d.launch(lambda: order.append("h2d"))
+    h2d_done = streams.h2d.record_event()
+    time.sleep(0.05)
+    assert not h2d_done.query(), "h2d ran work before the d2h event it waits on"
+    assert order == []
+    gate.set()
+    h2d_done.synchronize()
+    assert order == ["d2h", "h2d"]
+
+
+def test_compute_stream_runs_launched_work_at_once_and_its_events_are_done(make_streams):
+    streams = make_streams()
+    done: list[int] = []
+    streams.compute.launch(lambda: done.append(1))
+    assert done == [1]
+    assert streams.compute.record_event().query()
+
+
+def test_require_without_wait_raises_naming_the_rule(make_streams):
+    streams = make_streams()
+    saved = streams.compute.tick()
+    with pytest.raises(HappensBeforeError, match=r"happens-before rule R1 violated") as info:
+        streams.d2h.require(saved, rule="R1", what="offload reading a saved tensor")
+    assert info.value.rule == "R1"
+    message = str(info.value)
+    assert "offload reading a saved tensor" in message
+    assert "stream 'd2h'" in message and "stream 'compute'" in message
+    assert f"its step {saved.step}" in message
+    assert isinstance(info.value, ChunkOffloadError)
+
+
+def test_require_passes_after_wait_stream_and_fails_for_a_later_mark(make_streams):
+    streams = make_streams()
+    saved = streams.compute.tick()
+    streams.d2h.wait_stream(streams.compute)
+    streams.d2h.require(saved, rule="R1", what="offload")  # no error
+    later = streams.compute.tick()
+    with pytest.raises(HappensBeforeError, match="R1") as info:
+        streams.d2h.require(later, rule="R1", what="offload")
+    assert info.value.rule == "R1"
+    streams.d2h.wait_stream(streams.compute)
+    streams.d2h.require(later, rule="R1", what="offload")
+    streams.synchronize()
+
+
+def test_wait_on_an_event_recorded_before_the_mark_does_not_cover_it(make_streams):
+    streams = make_streams()
+    event = streams.compute.record_event()
+    mark = streams.compute.tick()
+    streams.d2h.wait_event(event)
+    with pytest.raises(HappensBeforeError, match="R2") as info:
+        streams.d2h.require(mark, rule="R2", what="x")
+    assert info.value.rule == "R2"
+    streams.synchronize()
+
+
+def test_happens_before_is_transitive(make_streams):
+    streams = make_streams()
+    reload_mark, _ = streams.h2d.launch(lambda: None)
+    assert reload_mark is not None
+    streams.compute.wait_stream(streams.h2d)
+    with pytest.raises(HappensBeforeError, match="R3"):
+        streams.d2h.require(reload_mark, rule="R3", what="reuse")  # d2h has not waited on anything
+    streams.d2h.wait_stream(streams.compute)
+    streams.d2h.require(reload_mark, rule="R3", what="reuse")  # d2h -> compute -> h2d
+    streams.synchronize()
+
+
+def test_check_order_false_never_raises(make_streams):
+    streams = make_streams(check_order=False)
+    mark = streams.compute.tick()
+    streams.d2h.require(mark, rule="R1", what="x")
+    streams.h2d.require(streams.d2h.launch(lambda: None)[0], rule="R4", what="x")
+    streams.synchronize()
+
+
+def test_exception_in_launched_work_surfaces_on_synchronize(make_streams):
+    streams = make_streams()
+    ran: list[str] = []
+
+    def boom() -> None:
+        raise ValueError("copy exploded 1234")
+
+    streams.d2h.launch(boom)
+    streams.d2h.launch(lambda: ran.append("after"))
+    with pytest.raises(ChunkOffloadError, match=r"a copy on a CPU copy stream failed: ValueError\('copy exploded 1234'\)") as info:
+        streams.synchronize()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert ran == [], "work issued after a failed copy must not run"
+    # The failure stays visible to every later event of that stream ...
+    with pytest.raises(ChunkOffloadError, match="copy exploded 1234"):
+        streams.d2h.record_event().synchronize()
+    # ... to compute waiting on it ...
+    with pytest.raises(ChunkOffloadError, match="copy exploded 1234"):
+        streams.compute.wait_event(streams.d2h.record_event())
+    # ... and to a copy stream that waited on it.
+    streams.h2d.wait_event(streams.d2h.record_event())
+    with pytest.raises(ChunkOffloadError, match="copy exploded 1234"):
+        streams.h2d.synchronize()
+
+
+def test_invalid_delay_on_lists_valid_names():
+    with pytest.raises(ChunkOffloadError, match=r"delay_on names unknown streams \['gpu'\]; valid: \['compute', 'd2h', 'h2d'\]"):
+        CpuStreams(delay_on=("d2h", "gpu"))
+
+
+def test_negative_max_delay_is_rejected():
+    with pytest.raises(ChunkOffloadError, match=r"max_delay_s must be >= 0, got -0.5"):
+        CpuStreams(max_delay_s=-0.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_default_streams_without_cuda_are_cpu_streams():
+    before = _worker_threads()
+    backends = [default_streams(), default_streams("cpu"), default_streams(torch.device("cpu"))]
+    threads = _worker_threads() - before
+    try:
+        for backend in backends:
+            assert type(backend) is CpuStreams
+            assert backend.device == torch.device("cpu")
+            assert backend.pin_memory is False
+        assert len(threads) == 2 * len(backends)
+    finally:
+        for backend in backends:
+            backend.close()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+        assert not thread.is_alive()
+
+
+def test_close_stops_exactly_this_backends_worker_threads():
+    before = _worker_threads()
+    first = CpuStreams()
+    first_threads = _worker_threads() - before
+    second = CpuStreams()
+    second_threads = _worker_threads() - before - first_threads
+    assert sorted(t.name for t in first_threads) == ["chunk_offload-d2h", "chunk_offload-h2d"]
+    assert sorted(t.name for t in second_threads) == ["chunk_offload-d2h", "chunk_offload-h2d"]
+    try:
+        first.d2h.launch(lambda: time.sleep(0.02))
+        first.close()
+        first.close()  # idempotent
+        for thread in first_threads:
+            thread.join(JOIN_TIMEOUT_S)
+            assert not thread.is_alive(), f"{thread.name} of the closed backend still runs"
+        assert all(t.is_alive() for t in second_threads), "closing one backend stopped another's workers"
+        done: list[int] = []
+        second.h2d.launch(lambda: done.append(1))
+        second.synchronize()
+        assert done == [1]
+    finally:
+        second.close()
+    for thread in second_threads:
+        thread.join(JOIN_TIMEOUT_S)
+        assert not thread.is_alive()
+
+
+def test_worker_threads_stop_when_the_backend_is_garbage_collected():
+    before = _worker_threads()
+    backend = CpuStreams()
+    threads = _worker_threads() - before
+    assert len(threads) == 2
+    del backend
+    gc.collect()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+        assert not thread.is_alive()
+
+
+def test_timed_launch_on_a_copy_stream_reports_the_work_duration(make_streams):
+    # `Timing.seconds` promises to block until the timed work is done (it does on CUDA).
+    streams = make_streams()
+    _, timing = streams.d2h.launch(lambda: time.sleep(0.2), timed=True)
+    assert timing is not None
+    seconds = timing.seconds()  # no synchronize first: seconds() itself must wait
+    assert seconds >= 0.2
+    streams.synchronize()
+    assert timing.seconds() == seconds
+
+
+def test_timed_compute_launch_and_wait(make_streams):
+    streams = make_streams()
+    _, timing = streams.compute.launch(lambda: time.sleep(0.05), timed=True)
+    assert timing.seconds() >= 0.05
+    streams.d2h.launch(lambda: time.sleep(0.05))
+    wait = streams.compute.wait_event(streams.d2h.record_event(), timed=True)
+    assert wait is not None and wait.seconds() >= 0.0
+    assert streams.compute.wait_event(streams.d2h.record_event()) is None
+
+
+def test_public_names():
+    assert chunk_offload.CpuStreams is CpuStreams
+    assert issubclass(HappensBeforeError, ChunkOffloadError)
+    assert issubclass(ChunkOffloadError, RuntimeError)
