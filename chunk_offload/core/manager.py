@@ -100,6 +100,7 @@ class OffloadManager:
         self._iteration_handlers: list[ChunkOffloadHandler] = []
         self._live_handlers: list[ChunkOffloadHandler] = []
         self._closed = False
+        self._registrations: list[ModuleOffload] = []
 
     # ------------------------------------------------------------------ registration
     def offload_module(self, module: nn.Module, name: str) -> "ModuleOffload":
@@ -113,7 +114,9 @@ class OffloadManager:
         if not isinstance(name, str) or not name:
             raise ChunkOffloadError(f"offload_module needs a non-empty group name, got {name!r}")
         self.policy.protect(module)
-        return ModuleOffload(self, module, name)
+        registration = ModuleOffload(self, module, name)
+        self._registrations.append(registration)
+        return registration
 
     def protect_module(self, module: nn.Module) -> None:
         """Never offload parameters or buffers of ``module`` (or views of their storage)."""

@@ -1,0 +1,1 @@
+"""Integrations of chunk-offload with training frameworks; each optional one in its own module."""

@@ -1,0 +1,487 @@
+"""Run megatron-core on a CPU-only host: redirect the CUDA calls it makes to CPU equivalents.
+
+megatron-core 0.16.1 builds and trains ``GPTModel`` with the local (non-Transformer-Engine)
+layer spec on CPU tensors and the ``gloo`` backend, through its own pipeline schedules, once a
+handful of hard-wired CUDA calls are redirected. Everything that redirects them lives here, in
+one reversible object::
+
+    from chunk_offload.integrations.megatron import cpu_compat
+
+    with cpu_compat.megatron_on_cpu():          # or: compat = cpu_compat.enable(); ...; compat.disable()
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+        model = GPTModel(...)                   # parameters land on the CPU
+        get_forward_backward_func()(...)
+
+It is for tests and CPU development only. When ``torch.cuda.is_available()`` is true it is inert:
+it patches nothing and megatron-core runs on the GPU unchanged.
+
+What is redirected, and why (one line each; see ``docs/megatron_cpu.md``):
+
+* ``torch.cuda.current_device`` returns ``0``: megatron passes ``device=torch.cuda.current_device()``
+  to tensor factories; the device mode below turns that index into ``cpu``.
+* A ``TorchFunctionMode`` (this thread only) rewrites ``device="cuda"``, ``torch.device("cuda", i)``
+  and bare device indices in any torch call to ``cpu``; ``Tensor.cuda()`` and ``Tensor.to("cuda")``
+  return a copy, never the source, as a real device move does; ``pin_memory`` requests give plain
+  host memory (the pinned allocator needs an accelerator).
+  Autograd's engine entry is wrapped so that the mode is active in backward too (custom autograd
+  functions allocate there). See NOTE [ Device mode in backward ].
+* ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``default_stream`` / ``stream`` /
+  ``synchronize`` become synchronous stand-ins: CPU kernels run in program order, so every
+  ordering request is already satisfied. Megatron creates side streams (MoE shared experts and
+  token dispatch, its own activation offloading) and synchronizes after batched p2p.
+* ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` and megatron's
+  ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` act on the CPU default
+  generator, so ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` work.
+  See NOTE [ One generator on CPU ].
+* ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is set to ``None`` when missing:
+  without Transformer Engine the name is never bound, and the MoE router reads it.
+* The alltoall token dispatcher's ``maybe_move_tensor_to_cpu`` also turns CPU split sizes into
+  numpy arrays: megatron converts them only when they come from the GPU, and
+  ``all_to_all_single`` rejects tensors as split sizes.
+
+Only the thread that calls :func:`enable` sees the device rewrite (torch function modes are
+thread-local); the ``torch.cuda`` and megatron patches are process-wide. At most one handle is
+active per process, and it must be disabled on the thread that enabled it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ...core.errors import ChunkOffloadError, internal_assert
+
+try:
+    import megatron.core.tensor_parallel.random as _mcore_random
+    import megatron.core.transformer.moe.moe_utils as _mcore_moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as _mcore_token_dispatcher
+except ImportError as e:
+    raise ImportError(
+        "chunk_offload.integrations.megatron.cpu_compat needs megatron-core (tested with 0.16.1): "
+        'pip install "chunk-offload[megatron]"'
+    ) from e
+
+__all__ = ["MegatronCpuCompat", "enable", "megatron_on_cpu"]
+
+logger = logging.getLogger(__name__)
+
+# NOTE [ One generator on CPU ]
+# On a GPU, megatron keeps two random streams apart: the CPU generator and the CUDA generator,
+# whose state its RNG tracker swaps in and out (`get_cuda_rng_tracker().fork()`). A CPU-only host
+# has one generator that every CPU op draws from, so the "CUDA" state is redirected to the CPU
+# default generator: `torch.cuda.manual_seed(s)` reseeds it, and a tracker fork saves it, installs
+# the tracked state, and restores it on exit. Runs are still fully deterministic for a fixed seed,
+# but random numbers differ from a GPU run with the same seed. Megatron's check that "the CPU RNG
+# state did not change within the GPU RNG context" is meaningless here, so its warning is filtered
+# while the handle is active.
+
+# NOTE [ Device mode in backward ]
+# A TorchFunctionMode is popped while its handler runs, and `torch.autograd.backward`,
+# `torch.autograd.grad` and `Tensor.backward` are themselves torch functions. So `loss.backward()`
+# under the mode reaches autograd's engine with the mode popped, the engine snapshots that
+# thread-local state, and megatron's custom autograd functions then allocate in backward with
+# `device=torch.cuda.current_device()` and no rewrite (e.g. `_gather_along_first_dim` in the MoE
+# token dispatcher). The engine's Python entry `_engine_run_backward` is therefore wrapped to push
+# the mode back for the duration of the engine run, the same seam torch's own
+# `torch.compiler._patch_engine_backward` uses. Megatron's `custom_backward` (used with
+# `deallocate_pipeline_outputs=True`) calls the engine directly and never lost the mode.
+
+_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+
+# The one active handle of this process; needed to refuse a second, overlapping enable() whose
+# disable() would otherwise restore the first handle's patches instead of the originals.
+_active_handle: MegatronCpuCompat | None = None
+_active_lock = threading.Lock()
+
+
+# --------------------------------------------------------------------------------------------
+# Synchronous stand-ins for CUDA streams and events.
+# --------------------------------------------------------------------------------------------
+
+
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event``; CPU work is done when the call returns, so it is always complete."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self._recorded_at: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._recorded_at = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: _CpuEvent) -> float:
+        """Milliseconds between this event's record and ``end_event``'s, as ``torch.cuda.Event`` reports."""
+        if self._recorded_at is None or end_event._recorded_at is None:
+            raise ChunkOffloadError(
+                "chunk_offload: elapsed_time() needs both events recorded; call record() on each first"
+            )
+        return (end_event._recorded_at - self._recorded_at) * 1000.0
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``; every wait is already satisfied because CPU ops run in order."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
+        self.device = torch.device("cpu")
+        self.priority = priority
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: _CpuEvent | None = None) -> _CpuEvent:
+        event = _CpuEvent() if event is None else event
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<cpu_compat stream {id(self):#x}>"
+
+
+# --------------------------------------------------------------------------------------------
+# The device rewrite.
+# --------------------------------------------------------------------------------------------
+
+_CPU = torch.device("cpu")
+
+
+def _is_accelerator_device(device: Any) -> bool:
+    """True for ``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 0)`` and bare indices (``0`` means ``cuda:0``)."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.split(":", 1)[0] == "cuda"
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of torch calls to ``cpu``; counts the rewrites."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewrites = 0
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
+        kwargs = {} if kwargs is None else kwargs
+        if func is torch.Tensor.cuda:
+            self.rewrites += 1
+            return args[0].clone()  # a device move makes a new tensor; see below
+        if func is torch.Tensor.pin_memory:
+            return args[0].clone()  # pin_memory() copies; CPU-only hosts have no pinned allocator
+        moved = False
+        if "device" in kwargs and _is_accelerator_device(kwargs["device"]):
+            moved = True
+            kwargs = {**kwargs, "device": _CPU}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.to and any(_is_accelerator_device(a) for a in args[1:]):
+            # Tensor.to(device, ...) takes the device positionally, also as a bare index.
+            moved = True
+            args = (args[0], *(_CPU if _is_accelerator_device(a) else a for a in args[1:]))
+        if not moved:
+            return func(*args, **kwargs)
+        self.rewrites += 1
+        result = func(*args, **kwargs)
+        # On a GPU, moving a host tensor to the device never aliases it, and callers rely on that
+        # (a host staging buffer is refilled right after its upload). `.to("cpu")` of a CPU tensor
+        # returns the tensor itself, so copy to keep the GPU's semantics.
+        if func is torch.Tensor.to and result is args[0]:
+            result = result.clone()
+        return result
+
+
+class _RngWarningFilter(logging.Filter):
+    """Drops megatron's RNG-fork warning, meaningless with one generator (NOTE [ One generator on CPU ])."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _RNG_WARNING not in record.getMessage()
+
+
+# --------------------------------------------------------------------------------------------
+# The handle.
+# --------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+@dataclass(slots=True)
+class _Patch:
+    """One attribute replaced on a module: enough to put the original back."""
+
+    owner: Any
+    name: str
+    original: Any  # _MISSING when the attribute did not exist
+
+    @property
+    def label(self) -> str:
+        return f"{getattr(self.owner, '__name__', type(self.owner).__name__)}.{self.name}"
+
+
+class MegatronCpuCompat:
+    """An active (or inert) redirection of megatron-core's CUDA calls; undo it with :meth:`disable`.
+
+    Built by :func:`enable` or :func:`megatron_on_cpu`, not directly. Usable as a context manager.
+    """
+
+    def __init__(self, *, active: bool) -> None:
+        self._active = active
+        self._patches: list[_Patch] = []
+        self._mode: _CudaToCpuMode | None = None
+        self._rng_filter: _RngWarningFilter | None = None
+        self._thread = threading.get_ident()
+        self._default_stream = _CpuStream()
+        self._stream_stack: list[_CpuStream] = []
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """True while this handle redirects calls; False once disabled, or if CUDA was available."""
+        return self._active
+
+    @property
+    def device_rewrites(self) -> int:
+        """How many CUDA device arguments (and ``Tensor.cuda()`` calls) were redirected to ``cpu`` so far."""
+        return 0 if self._mode is None else self._mode.rewrites
+
+    @property
+    def patched(self) -> tuple[str, ...]:
+        """The ``module.attribute`` names currently replaced (empty when inert or disabled)."""
+        return tuple(p.label for p in self._patches)
+
+    def disable(self) -> None:
+        """Put every patched attribute back and pop the device mode. Idempotent."""
+        global _active_handle
+        if not self._active:
+            return
+        if threading.get_ident() != self._thread:
+            raise ChunkOffloadError(
+                "chunk_offload: cpu_compat handle disabled on another thread than the one that enabled it; "
+                "call disable() (or leave the `with` block) on the enabling thread"
+            )
+        # The device mode is thread-local and stacked: pop it only if it is the innermost mode.
+        # torch exposes no public accessor for the top of the stack.
+        top = torch.overrides._get_current_function_mode()
+        if top is not self._mode:
+            raise ChunkOffloadError(
+                f"chunk_offload: cpu_compat cannot disable while another TorchFunctionMode ({top!r}) "
+                "entered after it is still active; exit that mode first"
+            )
+        self._mode.__exit__(None, None, None)
+        self._restore()
+        self._active = False
+        with _active_lock:
+            internal_assert(_active_handle is self, "the active cpu_compat handle changed under us")
+            _active_handle = None
+        logger.debug("cpu_compat disabled after %d device rewrites", self.device_rewrites)
+
+    def __enter__(self) -> MegatronCpuCompat:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.disable()
+
+    # -- patching -------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        """Undo the patches, newest first, and drop the RNG warning filter."""
+        for patch in reversed(self._patches):
+            if patch.original is _MISSING:
+                delattr(patch.owner, patch.name)
+            else:
+                setattr(patch.owner, patch.name, patch.original)
+        self._patches.clear()
+        if self._rng_filter is not None:
+            logging.getLogger(_mcore_random.__name__).removeFilter(self._rng_filter)
+            self._rng_filter = None
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._patches.append(_Patch(owner, name, getattr(owner, name, _MISSING)))
+        setattr(owner, name, value)
+
+    def _install(self) -> None:
+        cuda = torch.cuda
+        # Factories get `device=torch.cuda.current_device()`; the mode maps index 0 to cpu.
+        self._patch(cuda, "current_device", lambda: 0)
+        # Side streams and events (MoE alltoall dispatch and shared experts, megatron offloading).
+        self._patch(cuda, "Stream", _CpuStream)
+        self._patch(cuda, "Event", _CpuEvent)
+        self._patch(cuda, "current_stream", self._current_stream)
+        self._patch(cuda, "default_stream", lambda device=None: self._default_stream)
+        self._patch(cuda, "stream", self._stream_context)
+        # p2p_communication synchronizes after batched isend/irecv.
+        self._patch(cuda, "synchronize", lambda device=None: None)
+        # RNG tracker: CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed seed and read
+        # the CUDA generator. See NOTE [ One generator on CPU ].
+        self._patch(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+        self._patch(cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
+        self._patch(cuda, "manual_seed", _cpu_manual_seed)
+        # The tracker's fork reads/writes the CUDA generator through these two; the original setter
+        # queues a lazy CUDA call that never runs on a CPU-only build (and piles up).
+        self._patch(_mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
+        self._patch(_mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+        # Custom autograd functions allocate on "cuda" in backward. See NOTE [ Device mode in backward ].
+        engine_run_backward = _engine_run_backward_with_mode(torch.autograd.graph._engine_run_backward, self)
+        self._patch(torch.autograd.graph, "_engine_run_backward", engine_run_backward)
+        self._patch(torch.autograd, "_engine_run_backward", engine_run_backward)
+        # Without Transformer Engine, moe_utils never binds te_general_gemm, yet the router reads it.
+        if not hasattr(_mcore_moe_utils, "te_general_gemm"):
+            self._patch(_mcore_moe_utils, "te_general_gemm", None)
+        # The alltoall dispatcher hands split sizes to all_to_all_single as numpy arrays only
+        # after a device-to-host move; on CPU they stay tensors, which the collective rejects.
+        self._patch(
+            _mcore_token_dispatcher,
+            "maybe_move_tensor_to_cpu",
+            _splits_to_numpy_on_cpu(_mcore_token_dispatcher.maybe_move_tensor_to_cpu),
+        )
+
+        self._rng_filter = _RngWarningFilter()
+        logging.getLogger(_mcore_random.__name__).addFilter(self._rng_filter)
+        self._mode = _CudaToCpuMode()
+        self._mode.__enter__()
+
+    # -- stream stand-ins bound to this handle -------------------------------------------------
+
+    def _current_stream(self, device: Any = None) -> _CpuStream:
+        return self._stream_stack[-1] if self._stream_stack else self._default_stream
+
+    @contextlib.contextmanager
+    def _stream_context(self, stream: _CpuStream | None) -> Iterator[None]:
+        # `torch.cuda.stream(None)` is a no-op, as in torch.
+        if stream is None:
+            yield
+            return
+        self._stream_stack.append(stream)
+        try:
+            yield
+        finally:
+            self._stream_stack.pop()
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    """``torch.cuda.manual_seed`` on the CPU generator (NOTE [ One generator on CPU ])."""
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _engine_run_backward_with_mode(original: Callable[..., Any], handle: MegatronCpuCompat) -> Callable[..., Any]:
+    """Wrap autograd's engine entry so backward runs with the device mode pushed.
+
+    See NOTE [ Device mode in backward ].
+    """
+
+    @functools.wraps(original)
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        mode = handle._mode
+        # No public accessor for the mode stack; skip the push when the mode is still on it.
+        if mode is None or mode in torch.overrides._get_current_function_mode_stack():
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    return run_backward
+
+
+def _splits_to_numpy_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Make megatron's ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` return numpy for CPU tensors too."""
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Megatron's ``_get_cuda_rng_state`` on the CPU generator (NOTE [ One generator on CPU ])."""
+    if graph_safe:
+        raise ChunkOffloadError(
+            "chunk_offload: graph-safe (CUDA graph) RNG states do not exist on CPU; "
+            "build the RNG tracker with use_cudagraphable_rng=False"
+        )
+    return torch.get_rng_state()  # a fresh tensor already, so `clone` needs nothing more
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    """Megatron's ``_set_cuda_rng_state`` on the CPU generator (NOTE [ One generator on CPU ])."""
+    if graph_safe:
+        raise ChunkOffloadError(
+            "chunk_offload: graph-safe (CUDA graph) RNG states do not exist on CPU; "
+            "build the RNG tracker with use_cudagraphable_rng=False"
+        )
+    torch.set_rng_state(new_state)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points.
+# --------------------------------------------------------------------------------------------
+
+
+def enable() -> MegatronCpuCompat:
+    """Redirect megatron-core's CUDA calls to the CPU until the returned handle's ``disable()``.
+
+    Inert when ``torch.cuda.is_available()``: the handle's ``active`` is False and nothing is
+    patched. Call it before building megatron models or process groups, on the thread that will
+    run training. Raises ``ChunkOffloadError`` if another handle is already active.
+    """
+    global _active_handle
+    if torch.cuda.is_available():
+        return MegatronCpuCompat(active=False)
+    with _active_lock:
+        if _active_handle is not None:
+            raise ChunkOffloadError(
+                "chunk_offload: cpu_compat is already enabled in this process; "
+                "reuse that handle or disable() it before enabling again"
+            )
+        handle = MegatronCpuCompat(active=True)
+        _active_handle = handle
+    try:
+        handle._install()
+    except BaseException:
+        handle._restore()  # a partial install; the mode is pushed last, so it is not on the stack
+        with _active_lock:
+            _active_handle = None
+        raise
+    logger.debug("cpu_compat enabled: %s", ", ".join(handle.patched))
+    return handle
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[MegatronCpuCompat]:
+    """``with megatron_on_cpu() as compat:`` – :func:`enable` on entry, ``disable()`` on exit."""
+    handle = enable()
+    try:
+        yield handle
+    finally:
+        handle.disable()

@@ -1,0 +1,496 @@
+"""Train a tiny megatron-core GPTModel on CPU ranks (gloo) and hand back what it did.
+
+The real purpose: compare a run WITH an offload manager against one without, bit for bit, under
+Megatron's own schedules (PP, interleaved VPP, EP). One call spawns ``world_size`` processes and
+runs every :class:`Run` in order inside them; each run re-initialises model parallelism, reseeds,
+builds the model, trains, and tears down again, so runs in one call start from the same state::
+
+    cfg = TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2)
+    baseline, offloaded = spawn_runs(                  # results[run][rank] -> RankResult
+        [Run(config=cfg), Run(config=cfg, hooks=Hooks(wrap_model=attach_offload))],
+        world_size=2,
+    )
+    for a, b in zip(baseline, offloaded):              # losses live on the last stage only
+        assert all(torch.equal(x, y) for la, lb in zip(a.losses, b.losses) for x, y in zip(la, lb))
+        assert a.param_digest() == b.param_digest()
+
+Hooks run inside the child processes, so they must be picklable: module-level functions,
+``functools.partial`` of them, or bound methods of a picklable object. Two bound methods of one
+object arrive in the child as methods of one object (the runs are pickled together), which is how
+``wrap_model`` and ``wrap_forward_backward`` can share, say, an offload manager.
+
+Every child arms ``faulthandler.dump_traceback_later``: a hang prints every thread's stack to
+stderr and kills the child; the parent joins with a deadline as well and fails with the stacks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import hashlib
+import os
+import signal
+import socket
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "Hooks",
+    "RankResult",
+    "Run",
+    "TinyGPTConfig",
+    "spawn_runs",
+]
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _nothing(model_chunks: list[torch.nn.Module]) -> None:
+    return None
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TinyGPTConfig:
+    """Shape, parallelism and training length of one tiny GPT run."""
+
+    tensor_parallel: int = 1
+    """``tensor_model_parallel_size`` (not covered by the tests in this directory)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs ``tensor_parallel > 1``; without Apex the local
+    spec's torch LayerNorm refuses it)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages (``pipeline_model_parallel_size``)."""
+    virtual_pipeline: int | None = None
+    """Model chunks per rank for the interleaved schedule; None for plain 1F1B."""
+    expert_parallel: int = 1
+    """``expert_model_parallel_size``; needs ``num_experts``."""
+    num_experts: int | None = None
+    """MoE experts per MoE layer (every layer is MoE when set); None for a dense MLP."""
+    moe_router_topk: int = 2
+    """Experts per token."""
+    moe_token_dispatcher: str = "allgather"
+    """Megatron's ``moe_token_dispatcher_type``: ``"allgather"`` or ``"alltoall"``."""
+    num_layers: int = 4
+    """Transformer layers in the whole model (split across stages and chunks)."""
+    hidden_size: int = 32
+    """Hidden size; FFN is 4x."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    vocab_size: int = 64
+    """Vocabulary size (tokens are drawn uniformly from it)."""
+    seq_length: int = 16
+    """Tokens per sequence."""
+    micro_batch_size: int = 2
+    """Sequences per microbatch."""
+    num_microbatches: int = 4
+    """Microbatches per iteration (a multiple of ``pipeline_parallel`` for VPP)."""
+    iterations: int = 2
+    """Optimizer steps."""
+    seed: int = 1234
+    """Seeds the model init (megatron RNG tracker) and the data."""
+    optimizer: str = "adam"
+    """``"adam"`` or ``"sgd"``."""
+    lr: float = 1e-2
+    """Learning rate."""
+    deallocate_pipeline_outputs: bool = True
+    """Megatron's option (Megatron-LM turns it on for training): a stage frees the data of each
+    output it sent downstream and runs backward through ``custom_backward``."""
+
+    def __post_init__(self) -> None:
+        pp, vp = self.pipeline_parallel, self.virtual_pipeline
+        if self.sequence_parallel and self.tensor_parallel < 2:
+            raise ValueError(f"sequence_parallel needs tensor_parallel >= 2, got {self.tensor_parallel}")
+        if vp is not None:
+            if pp < 2:
+                raise ValueError(f"virtual_pipeline={vp} needs pipeline_parallel >= 2, got {pp}")
+            if self.num_microbatches % pp:
+                raise ValueError(
+                    f"num_microbatches={self.num_microbatches} must be a multiple of pipeline_parallel={pp} "
+                    "for the interleaved schedule"
+                )
+        if self.num_layers % (pp * (vp or 1)):
+            raise ValueError(
+                f"num_layers={self.num_layers} must split evenly over {pp} stages x {vp or 1} chunks"
+            )
+        if self.expert_parallel > 1 and (self.num_experts is None or self.num_experts % self.expert_parallel):
+            raise ValueError(
+                f"expert_parallel={self.expert_parallel} needs num_experts divisible by it, got {self.num_experts}"
+            )
+        if self.iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Hooks:
+    """Where a run can be changed, e.g. to attach an offload manager; defaults change nothing.
+
+    Both run in the child process, after the model is built and before training, and must be
+    picklable (module-level functions or ``functools.partial`` of them).
+    """
+
+    wrap_model: Callable[[list[torch.nn.Module]], list[torch.nn.Module]] = _identity
+    """Gets the rank's model chunks (one per virtual stage, ``chunk.vp_stage`` set) and returns the
+    chunks to train (usually the same objects, with hooks attached)."""
+    wrap_forward_backward: Callable[[Callable[..., Any]], Callable[..., Any]] = _identity
+    """Gets megatron's ``get_forward_backward_func()`` result and returns the function that each
+    iteration calls with the same keyword arguments."""
+    report: Callable[[list[torch.nn.Module]], Any] = _nothing
+    """Called after the last step with the trained chunks; its picklable return value (e.g. an
+    offload manager's statistics) lands in ``RankResult.extra``."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Run:
+    """One training run: a config and its hooks."""
+
+    config: TinyGPTConfig
+    hooks: Hooks = field(default_factory=Hooks)
+
+
+@dataclass(kw_only=True)
+class RankResult:
+    """What one rank saw in one run."""
+
+    rank: int
+    pipeline_rank: int
+    is_last_stage: bool
+    """True when this rank computes the loss (losses are empty otherwise)."""
+    losses: list[list[torch.Tensor]]
+    """``losses[iteration][microbatch]``: the scalar loss tensors megatron's loss function returned."""
+    params: dict[str, torch.Tensor]
+    """Parameters after the last step, ``"chunk{i}.{name}"`` -> tensor."""
+    grads: dict[str, torch.Tensor]
+    """Gradients of the last iteration (after the data-parallel average, before the step)."""
+    device_rewrites: int
+    """CUDA device arguments redirected to cpu by cpu_compat during this run (> 0 proves it was active)."""
+    non_cpu_tensors: int
+    """Tensors any torch call returned on a device other than cpu during this run (must be 0)."""
+    seconds: float
+    """Wall time of the run inside the child (build + train)."""
+    extra: Any = None
+    """What ``Hooks.report`` returned."""
+
+    def param_digest(self) -> str:
+        """SHA-256 over the parameter names and bytes, in name order."""
+        h = hashlib.sha256()
+        for name in sorted(self.params):
+            h.update(name.encode())
+            h.update(self.params[name].contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def mean_losses(self) -> list[float]:
+        """Per-iteration mean loss as floats (for messages; compare ``losses`` for exactness)."""
+        return [float(torch.stack(it).mean()) for it in self.losses]
+
+
+def spawn_runs(
+    runs: Sequence[Run],
+    *,
+    world_size: int,
+    timeout_s: float = 120.0,
+) -> list[list[RankResult]]:
+    """Run ``runs`` in order in ``world_size`` spawned gloo ranks; returns ``results[run][rank]``.
+
+    A child that hangs past ``timeout_s`` dumps every thread's stack to stderr and exits; the
+    parent gives up ``timeout_s + 30`` seconds after the start, kills the children and raises.
+    """
+    with tempfile.TemporaryDirectory(prefix="chunk_offload_gpt_") as out_dir:
+        port = _free_port()
+        ctx = mp.start_processes(
+            _child_main,
+            args=(world_size, port, list(runs), out_dir, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s + 30.0
+        try:
+            while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"tiny GPT ranks did not finish within {timeout_s + 30:.0f} s; "
+                        "child stacks (faulthandler) are on stderr"
+                    )
+        except mp.ProcessExitedException as e:
+            # A rank that hangs past timeout_s dumps its stacks and exits with code 1; the others
+            # dump theirs when torch terminates them (SIGTERM).
+            raise RuntimeError(
+                f"rank {e.error_index} exited with code {e.exit_code} without a Python exception; "
+                f"if it hung for {timeout_s:.0f} s, every rank's stacks are on stderr (faulthandler)"
+            ) from e
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        return [
+            [torch.load(Path(out_dir) / f"run{i}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+            for i in range(len(runs))
+        ]
+
+
+# --------------------------------------------------------------------------------------------
+# Child side.
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_main(rank: int, world_size: int, port: int, runs: list[Run], out_dir: str, timeout_s: float) -> None:
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    # When another rank times out first, torch terminates this one: dump its stacks as well.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    try:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+        )
+        torch.set_num_threads(1)  # ranks share the host's cores
+        # megatron warns at import and build time that Apex / Transformer Engine are missing.
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        try:
+            from chunk_offload.integrations.megatron import cpu_compat
+
+            with cpu_compat.megatron_on_cpu() as compat:
+                for i, run in enumerate(runs):
+                    result = _train_once(run, compat, rank)
+                    torch.save(result, Path(out_dir) / f"run{i}_rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGTERM)
+
+
+class _DeviceAudit(TorchFunctionMode):
+    """Counts tensors that torch calls return on any device but cpu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.non_cpu = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                self.non_cpu += 1
+        return out
+
+
+def _train_once(run: Run, compat: Any, rank: int) -> RankResult:
+    """Initialise model parallelism, build, train ``run.config.iterations`` steps, tear down."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    cfg = run.config
+    started = time.perf_counter()
+    rewrites_before = compat.device_rewrites
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_parallel,
+        pipeline_model_parallel_size=cfg.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
+        expert_model_parallel_size=cfg.expert_parallel,
+    )
+    try:
+        with _DeviceAudit() as audit:
+            torch.manual_seed(cfg.seed)
+            model_parallel_cuda_manual_seed(cfg.seed)
+            chunks = run.hooks.wrap_model(_build_chunks(cfg))
+            losses, grads = _train(cfg, run.hooks, chunks)
+            params = _named(chunks, lambda p: p)
+            extra = run.hooks.report(chunks)
+        return RankResult(
+            rank=rank,
+            pipeline_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+            losses=losses,
+            params=params,
+            grads=grads,
+            device_rewrites=compat.device_rewrites - rewrites_before,
+            non_cpu_tensors=audit.non_cpu,
+            seconds=time.perf_counter() - started,
+            extra=extra,
+        )
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _train(
+    cfg: TinyGPTConfig, hooks: Hooks, chunks: list[torch.nn.Module]
+) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """The training loop; returns the losses (empty off the last stage) and the last gradients."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    optimizer_class = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD
+    optimizer = optimizer_class([p for chunk in chunks for p in chunk.parameters()], lr=cfg.lr)
+    forward_backward = hooks.wrap_forward_backward(get_forward_backward_func())
+    losses: list[list[torch.Tensor]] = []
+    grads: dict[str, torch.Tensor] = {}
+    for iteration in range(cfg.iterations):
+        optimizer.zero_grad(set_to_none=True)
+        batches = _make_batches(cfg, iteration)
+        interleaved = len(chunks) > 1
+        store = forward_backward(
+            forward_step_func=_forward_step,
+            # The interleaved schedule takes one iterator per chunk; each chunk reads every microbatch.
+            data_iterator=[iter(batches) for _ in chunks] if interleaved else iter(batches),
+            model=chunks if interleaved else chunks[0],
+            num_microbatches=cfg.num_microbatches,
+            seq_length=cfg.seq_length,
+            micro_batch_size=cfg.micro_batch_size,
+            forward_only=False,
+        )
+        if store:  # only the last stage computes losses
+            losses.append([d["lm loss"] for d in store])
+        _average_data_parallel_grads(chunks)
+        grads = _named(chunks, lambda p: p.grad)
+        optimizer.step()
+    return losses, grads
+
+
+def _named(chunks: list[torch.nn.Module], pick: Callable[[torch.nn.Parameter], Any]) -> dict[str, torch.Tensor]:
+    """``{"chunk{i}.{name}": pick(param).detach().clone()}``, skipping ``None``."""
+    out = {}
+    for i, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            t = pick(param)
+            if t is not None:
+                out[f"chunk{i}.{name}"] = t.detach().clone()
+    return out
+
+
+def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    moe = {}
+    if cfg.num_experts is not None:
+        moe = dict(
+            num_moe_experts=cfg.num_experts,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher,
+            moe_aux_loss_coeff=1e-2,
+            moe_grouped_gemm=False,
+        )
+    config = TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=4 * cfg.hidden_size,
+        tensor_model_parallel_size=cfg.tensor_parallel,
+        sequence_parallel=cfg.sequence_parallel,
+        pipeline_model_parallel_size=cfg.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
+        expert_model_parallel_size=cfg.expert_parallel,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Fused kernels are CUDA (or torch.compile) paths; the unfused ones are plain torch.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=cfg.deallocate_pipeline_outputs,
+        **moe,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False)
+    chunks = []
+    for vp_stage in range(cfg.virtual_pipeline or 1):
+        vp = vp_stage if cfg.virtual_pipeline is not None else None
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=cfg.vocab_size,
+                max_sequence_length=cfg.seq_length,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                share_embeddings_and_output_weights=False,
+                vp_stage=vp,
+            )
+        )
+    return chunks
+
+
+def _make_batches(cfg: TinyGPTConfig, iteration: int) -> list[dict[str, torch.Tensor]]:
+    """The iteration's microbatches; identical on every stage, different per data-parallel rank."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + dp_rank * 1_009 + iteration)
+    shape = (cfg.micro_batch_size, cfg.seq_length + 1)
+    batches = []
+    for _ in range(cfg.num_microbatches):
+        seq = torch.randint(0, cfg.vocab_size, shape, generator=gen)
+        batches.append(
+            {
+                "tokens": seq[:, :-1].contiguous(),
+                "labels": seq[:, 1:].contiguous(),
+                "position_ids": torch.arange(cfg.seq_length).expand(cfg.micro_batch_size, -1).contiguous(),
+            }
+        )
+    return batches
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    batch = next(data_iterator)
+    # attention_mask=None: the local attention builds megatron's default causal mask.
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, _loss_func
+
+
+def _loss_func(per_token_loss: torch.Tensor):
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _average_data_parallel_grads(chunks: list[torch.nn.Module]) -> None:
+    """Average gradients over data-parallel replicas (what megatron's DDP would do), fixed order.
+
+    Expert parameters (``allreduce=False``) average over the expert-data-parallel group.
+    """
+    from megatron.core import parallel_state
+
+    groups = {
+        True: parallel_state.get_data_parallel_group(),
+        False: parallel_state.get_expert_data_parallel_group(),
+    }
+    for chunk in chunks:
+        for _, p in sorted(chunk.named_parameters()):
+            if p.grad is None:
+                continue
+            group = groups[getattr(p, "allreduce", True)]
+            size = dist.get_world_size(group)
+            if size > 1:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(size)
