@@ -1,7 +1,13 @@
-"""Megatron-core integration.
+"""Megatron-core integration: offload chosen submodules of GPTModel chunks under Megatron's schedules.
 
-`cpu_compat` runs megatron-core on a CPU-only host (tests, CPU development); import it explicitly,
-it is not imported here because importing megatron-core is slow.
+    manager = attach(model_chunks, ["core_attn", "qkv_linear"], min_offload_bytes=1 << 20)
+    forward_backward = manager.wrap(get_forward_backward_func())
+
+`cpu_compat` runs megatron-core on a CPU-only host (tests, CPU development); import it
+explicitly, it is not imported here because importing megatron-core is slow.
 """
 
-__all__: list[str] = []
+from .attach import MegatronOffloadManager, attach
+from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
+
+__all__ = ["ALIASES", "MegatronOffloadManager", "OFFLOAD_MODULE_NAMES", "attach", "canonical_names"]

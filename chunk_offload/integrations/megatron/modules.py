@@ -1,0 +1,111 @@
+"""Which submodules of a megatron-core transformer layer each offload-module name means.
+
+Resolution is by attribute path on megatron-core's `TransformerLayer` (local and Transformer
+Engine specs), so nothing in Megatron is patched. A name whose module the model does not have
+(the TE spec fuses the attention norm into ``linear_qkv``; a dense model has no experts) is an
+error that lists the names this model does have.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from torch import nn
+
+from ...core.errors import ChunkOffloadError
+
+__all__ = ["OFFLOAD_MODULE_NAMES", "ALIASES", "canonical_names", "resolve"]
+
+OFFLOAD_MODULE_NAMES = (
+    "attn_norm",
+    "qkv_linear",
+    "core_attn",
+    "attn_proj",
+    "mlp_norm",
+    "mlp_fc1",
+    "expert_fc1",
+    "moe_act",
+)
+"""Every module name `attach` accepts (plus the aliases in `ALIASES`)."""
+
+ALIASES = {"router_fc1": "expert_fc1"}
+"""Other spellings users know from Megatron's own offload flags."""
+
+
+def canonical_names(names: str | list[str] | tuple[str, ...]) -> list[str]:
+    """Validate ``names`` (a list or a comma-separated string), resolve aliases, keep order, drop repeats."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    result: list[str] = []
+    for name in names:
+        canonical = ALIASES.get(name, name)
+        if canonical not in OFFLOAD_MODULE_NAMES:
+            valid = list(OFFLOAD_MODULE_NAMES) + sorted(ALIASES)
+            raise ChunkOffloadError(f"unknown offload module {name!r}; valid names: {valid}")
+        if canonical not in result:
+            result.append(canonical)
+    if not result:
+        raise ChunkOffloadError(f"no offload module given; choose from {list(OFFLOAD_MODULE_NAMES)}")
+    return result
+
+
+def _present(module: nn.Module | None) -> bool:
+    return module is not None and type(module).__name__ != "IdentityOp"
+
+
+def _attention(layer: nn.Module) -> nn.Module | None:
+    return getattr(layer, "self_attention", None)
+
+
+def _experts(layer: nn.Module) -> Iterator[nn.Module]:
+    """The expert MLPs of a MoE layer: each local expert (SequentialMLP) or the grouped one."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if experts is None:
+        return
+    local = getattr(experts, "local_experts", None)
+    yield from (local if local is not None else [experts])
+
+
+def _mlp(layer: nn.Module) -> nn.Module | None:
+    mlp = getattr(layer, "mlp", None)
+    return None if mlp is None or hasattr(mlp, "experts") else mlp
+
+
+_RESOLVERS: dict[str, Callable[[nn.Module], list[nn.Module | None]]] = {
+    "attn_norm": lambda layer: [getattr(layer, "input_layernorm", None)],
+    "qkv_linear": lambda layer: [getattr(_attention(layer), "linear_qkv", None)],
+    "core_attn": lambda layer: [getattr(_attention(layer), "core_attention", None)],
+    "attn_proj": lambda layer: [getattr(_attention(layer), "linear_proj", None)],
+    "mlp_norm": lambda layer: [getattr(layer, "pre_mlp_layernorm", None)],
+    "mlp_fc1": lambda layer: [getattr(_mlp(layer), "linear_fc1", None)],
+    "expert_fc1": lambda layer: [getattr(e, "linear_fc1", None) for e in _experts(layer)],
+    "moe_act": lambda layer: [
+        a for e in _experts(layer) if isinstance(a := getattr(e, "activation_func", None), nn.Module)
+    ],
+}
+
+
+def transformer_layers(model_chunk: nn.Module) -> list[nn.Module]:
+    """The `TransformerLayer`s of one model chunk, in forward order."""
+    decoder = getattr(getattr(model_chunk, "module", model_chunk), "decoder", None)
+    if decoder is None:
+        # Wrapped (DDP, Float16Module): look for the decoder anywhere below.
+        decoder = next((m for n, m in model_chunk.named_modules() if n.endswith("decoder")), None)
+    if decoder is None or not hasattr(decoder, "layers"):
+        raise ChunkOffloadError(
+            f"no megatron-core TransformerBlock (`.decoder.layers`) found in {type(model_chunk).__name__}; "
+            "attach expects GPTModel chunks (possibly wrapped in DDP/Float16Module)."
+        )
+    return list(decoder.layers)
+
+
+def resolve(model_chunk: nn.Module, name: str) -> list[nn.Module]:
+    """The submodules of ``model_chunk`` that offload name ``name`` (canonical) stands for.
+
+    Empty when the chunk has no layer with such a module (e.g. ``expert_fc1`` on a dense
+    stage of a mixed model); `attach` checks that each name matches somewhere on the rank.
+    """
+    modules: list[nn.Module] = []
+    for layer in transformer_layers(model_chunk):
+        modules += [m for m in _RESOLVERS[name](layer) if _present(m)]
+    return modules
