@@ -81,8 +81,13 @@ def test_quick_start_command_is_one_line_with_full_setup(request, fixture_name: 
     assert " && " in command, command
 
 
-def test_main_command_runs_core_demo(main_command: str) -> None:
-    assert main_command.endswith(" && python examples/core_demo.py"), main_command
+def test_main_command_runs_the_megatron_example_with_pp2_vpp2(main_command: str) -> None:
+    run = main_command.split(" && ", 1)[1].split()
+    assert run[:3] == ["torchrun", "--nproc-per-node", "2"] and run[3] == "examples/pretrain_gpt.py", main_command
+    flags = dict(zip(run[4::2], run[5::2]))
+    assert flags["--pipeline-model-parallel-size"] == "2", main_command
+    assert flags["--virtual-pipeline-model-parallel-size"] == "2", main_command
+    assert flags["--offload-modules"], main_command
 
 
 def test_tests_command_runs_pytest_on_tests(tests_command: str) -> None:
