@@ -22,14 +22,28 @@ def mark_not_offloadable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _carries_keep_mark(obj: object) -> bool:
+    # Our own mark, Transformer Engine's `mark_not_offload` and Megatron-core's
+    # `mark_not_offloadable` (plain attributes: honoured without importing either library).
+    return (
+        getattr(obj, _KEEP_ATTR, False)
+        or getattr(obj, "_TE_do_not_offload", False)
+        or getattr(obj, "offloading_activation", True) is False
+    )
+
+
 def is_marked_not_offloadable(tensor: torch.Tensor) -> bool:
-    """Whether `mark_not_offloadable` was called on ``tensor`` or on the base it views."""
-    if getattr(tensor, _KEEP_ATTR, False):
+    """Whether ``tensor``, the base it views or its storage carries a keep-on-device mark.
+
+    Besides `mark_not_offloadable`, the marks of Transformer Engine (``_TE_do_not_offload``) and
+    of Megatron-core's own offloading (``offloading_activation = False``) are honoured.
+    """
+    if _carries_keep_mark(tensor):
         return True
     base = tensor._base
-    if base is not None and getattr(base, _KEEP_ATTR, False):
+    if base is not None and _carries_keep_mark(base):
         return True
-    return tensor.layout == torch.strided and getattr(tensor.untyped_storage(), _KEEP_ATTR, False)
+    return tensor.layout == torch.strided and bool(getattr(tensor.untyped_storage(), _KEEP_ATTR, False))
 
 
 class OffloadPolicy:

@@ -636,3 +636,22 @@ def test_public_mark_api():
     assert chunk_offload.mark_not_offloadable(t) is t
     assert is_marked_not_offloadable(t)
     assert not is_marked_not_offloadable(torch.randn(4))
+
+
+@pytest.mark.parametrize(
+    "attribute, value",
+    [("_TE_do_not_offload", True), ("offloading_activation", False)],
+    ids=["transformer_engine", "megatron_core"],
+)
+def test_marks_of_transformer_engine_and_megatron_are_honoured(attribute, value):
+    from chunk_offload.core.policy import OffloadPolicy
+
+    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    x = torch.randn(8, 8) * 2
+    assert policy.should_offload(x)
+    setattr(x, attribute, value)
+    assert not policy.should_offload(x)
+    assert not policy.should_offload(x[1:])  # a view of the marked tensor
+    other = torch.randn(8, 8) * 2
+    setattr(other, attribute, not value)
+    assert policy.should_offload(other)
