@@ -60,6 +60,7 @@ class ChunkOffloadHandler:
         self._unreleased = 0
         self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
+        self._forward_ended = False  # finish_forward or abort ran: no new group may open
 
     def __repr__(self) -> str:
         return f"ChunkOffloadHandler{self.key}"
@@ -72,6 +73,12 @@ class ChunkOffloadHandler:
     # ------------------------------------------------------------------ named groups
     def open_group(self, name: str) -> OffloadGroup:
         """Start collecting the tensors saved by one call of submodule ``name``."""
+        if self._forward_ended:
+            raise ChunkOffloadError(
+                f"group {name!r} started on the handler of chunk {self.key} after that chunk's forward ended; "
+                "a handler serves one forward: enter manager.chunk(...) for each forward and use the handler it "
+                "yields (a Transformer Engine style handler reused across iterations is not supported)."
+            )
         if self.current is not None:
             raise ChunkOffloadError(
                 f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
@@ -114,6 +121,7 @@ class ChunkOffloadHandler:
                 f"chunk {self.key} ended with group {self.current.name!r} still open; every group_start "
                 "needs a group_commit inside the chunk."
             )
+        self._forward_ended = True
         self._release_held()
 
     def _release_held(self) -> None:
@@ -137,6 +145,7 @@ class ChunkOffloadHandler:
     def abort(self) -> None:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""
         self.ctx.streams.synchronize()
+        self._forward_ended = True
         self.current = None
         self._holding = []
         for group in self.groups:

@@ -7,7 +7,8 @@
 explicitly, it is not imported here because importing megatron-core is slow.
 """
 
+from .args import add_arguments, attach_from_args
 from .attach import MegatronOffloadManager, attach
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
-__all__ = ["ALIASES", "MegatronOffloadManager", "OFFLOAD_MODULE_NAMES", "attach", "canonical_names"]
+__all__ = ["ALIASES", "MegatronOffloadManager", "OFFLOAD_MODULE_NAMES", "add_arguments", "attach", "attach_from_args", "canonical_names"]

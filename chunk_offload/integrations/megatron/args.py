@@ -1,0 +1,241 @@
+"""Megatron-LM command-line flags for chunk-offload, and `attach` from the parsed arguments.
+
+`add_arguments` has the signature Megatron-LM expects of an ``extra_args_provider``::
+
+    from chunk_offload.integrations.megatron import add_arguments, attach_from_args
+
+    initialize_megatron(extra_args_provider=add_arguments)   # or pretrain(..., extra_args_provider=...)
+    manager = attach_from_args(model_chunks, get_args())      # None without --chunk-offload-modules
+    if manager is not None:
+        forward_backward_func = manager.wrap(get_forward_backward_func())
+
+Flags (group "chunk-offload"); every value lands in ``args.chunk_offload_*``:
+
+* ``--chunk-offload-modules core_attn,qkv_linear``: what to offload (comma- or space-separated
+  names from `OFFLOAD_MODULE_NAMES`, aliases from `ALIASES`), checked while parsing.
+* ``--chunk-offload-min-tensor-bytes N``: saved tensors smaller than N bytes stay on device.
+* ``--chunk-offload-host-pool-bytes N``: cap on pinned host memory (unset: no cap).
+* ``--chunk-offload-on-exhausted fallback|error``: what happens at the cap.
+* ``--chunk-offload-baseline``: track the same groups and bytes but copy nothing.
+* ``--chunk-offload-report PATH``: where the per-stage memory report will be written (stored in
+  ``args.chunk_offload_report`` only; the report itself is not implemented yet).
+
+Byte counts accept a plain integer or one with a binary suffix (``512KiB``, ``1MiB``, ``64GiB``).
+
+NOTE [Flag names]
+Megatron-LM defines flags of its own for its built-in offloading: ``--offload-modules`` and
+``--min-offloaded-tensor-size`` (generated from ``TransformerConfig``, for
+``--fine-grained-activation-offloading``) and ``--cpu-offloading*``. An ``extra_args_provider``
+adds its flags to Megatron-LM's parser, and argparse refuses a second ``--offload-modules`` with
+"conflicting option string". Our flags therefore all start with ``--chunk-offload-`` and store to
+``chunk_offload_*`` destinations, which no Megatron flag uses. The shorter spellings
+``--offload-modules``, ``--offload-min-tensor-bytes``, ``--offload-host-pool-bytes``,
+``--offload-on-exhausted``, ``--offload-baseline`` and ``--offload-report`` are added as aliases
+only when the parser defines none of them, all or nothing: under Megatron-LM, whose parser has
+``--offload-modules``, only the ``--chunk-offload-`` names exist, so no command line can mix our
+flags with Megatron's. `attach_from_args` refuses a Megatron ``--offload-modules`` given without
+Megatron's own offloading switched on (a likely mix-up with ours) and refuses to run both
+offloading mechanisms at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Sequence
+
+from torch import nn
+
+from ...core.errors import ChunkOffloadError
+from ...core.manager import OffloadConfig
+from .attach import MegatronOffloadManager, attach
+from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
+
+__all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args"]
+
+GROUP_TITLE = "chunk-offload"
+"""Title of the argument group `add_arguments` adds."""
+
+_LONG_PREFIX = "--chunk-offload-"
+_SHORT_PREFIX = "--offload-"
+_ON_EXHAUSTED_CHOICES = ("fallback", "error")  # OffloadConfig.on_exhausted's Literal; a test keeps them equal
+
+# Flag suffix -> destination in the parsed namespace. See NOTE [Flag names].
+_DESTS = {
+    "modules": "chunk_offload_modules",
+    "min-tensor-bytes": "chunk_offload_min_tensor_bytes",
+    "host-pool-bytes": "chunk_offload_host_pool_bytes",
+    "on-exhausted": "chunk_offload_on_exhausted",
+    "baseline": "chunk_offload_baseline",
+    "report": "chunk_offload_report",
+}
+
+# Megatron-LM's own activation offloading: namespace attribute -> its flag.
+_MEGATRON_OFFLOAD_SWITCHES = {
+    "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
+    "cpu_offloading": "--cpu-offloading",
+}
+
+_SIZE_UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def _byte_count(text: str) -> int:
+    """argparse ``type``: a byte count >= 0, as an integer with an optional binary suffix."""
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count >= 0 such as 1048576 or 1MiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
+        )
+    return int(match.group(1)) * _SIZE_UNITS[unit]
+
+
+class _ModulesAction(argparse.Action):
+    """Join the comma- or space-separated names, resolve aliases and reject unknown names at parse time."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        tokens = [values] if isinstance(values, str) else list(values)
+        try:
+            names = canonical_names(",".join(tokens))
+        except ChunkOffloadError as e:
+            raise argparse.ArgumentError(self, str(e).removeprefix("chunk_offload: ")) from e
+        setattr(namespace, self.dest, names)
+
+
+def _valid_names_text() -> str:
+    aliases = ", ".join(f"{alias} (= {name})" for alias, name in sorted(ALIASES.items()))
+    return f"{', '.join(OFFLOAD_MODULE_NAMES)}; aliases: {aliases}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "chunk-offload" argument group to ``parser`` and return ``parser``.
+
+    Usable as Megatron-LM's ``extra_args_provider``. The ``--chunk-offload-*`` flags are always
+    added; the ``--offload-*`` aliases only when ``parser`` defines none of them (NOTE [Flag names]).
+    Raises `ChunkOffloadError` if ``parser`` already has a ``--chunk-offload-*`` flag (e.g. when
+    called twice on one parser).
+    """
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise ChunkOffloadError(f"add_arguments expects an argparse.ArgumentParser, got {type(parser).__name__}")
+    existing = parser._option_string_actions  # argparse has no public lookup of defined flags
+    taken = sorted(_LONG_PREFIX + suffix for suffix in _DESTS if _LONG_PREFIX + suffix in existing)
+    if taken:
+        raise ChunkOffloadError(
+            f"the parser already defines {taken}; add_arguments adds the chunk-offload flags once per parser "
+            "(pass it as extra_args_provider only, or remove the other definition)."
+        )
+    with_short = not any(_SHORT_PREFIX + suffix in existing for suffix in _DESTS)
+
+    def names(suffix: str) -> list[str]:
+        return [_LONG_PREFIX + suffix] + ([_SHORT_PREFIX + suffix] if with_short else [])
+
+    defaults = OffloadConfig()
+    group = parser.add_argument_group(
+        title=GROUP_TITLE,
+        description=(
+            "Offload what chosen submodules save for backward to pinned host memory, per pipeline chunk "
+            "(chunk_offload.integrations.megatron.attach_from_args). Byte counts take an integer or a "
+            "KiB/MiB/GiB/TiB suffix."
+            + ("" if with_short else " The --offload-* aliases are off: this parser has Megatron-LM's own --offload-* flags.")
+        ),
+    )
+    group.add_argument(
+        *names("modules"),
+        dest=_DESTS["modules"],
+        nargs="+",
+        action=_ModulesAction,
+        default=None,
+        metavar="NAMES",
+        help=f"Submodules whose saved tensors are offloaded, comma- or space-separated: {_valid_names_text()}. Unset: no offload.",
+    )
+    group.add_argument(
+        *names("min-tensor-bytes"),
+        dest=_DESTS["min-tensor-bytes"],
+        type=_byte_count,
+        default=defaults.min_offload_bytes,
+        metavar="BYTES",
+        help=f"Saved tensors smaller than this stay on device (default: {defaults.min_offload_bytes}).",
+    )
+    group.add_argument(
+        *names("host-pool-bytes"),
+        dest=_DESTS["host-pool-bytes"],
+        type=_byte_count,
+        default=defaults.host_pool_bytes,
+        metavar="BYTES",
+        help="Cap on the pinned host memory of the pool (default: no cap).",
+    )
+    group.add_argument(
+        *names("on-exhausted"),
+        dest=_DESTS["on-exhausted"],
+        choices=_ON_EXHAUSTED_CHOICES,
+        default=defaults.on_exhausted,
+        help=(
+            "At the host pool cap: 'fallback' allocates unpooled host buffers (one warning), 'error' raises "
+            f"(default: {defaults.on_exhausted})."
+        ),
+    )
+    group.add_argument(
+        *names("baseline"),
+        dest=_DESTS["baseline"],
+        action="store_true",
+        help="Track the same groups and bytes but copy nothing: the baseline run of a memory comparison.",
+    )
+    group.add_argument(
+        *names("report"),
+        dest=_DESTS["report"],
+        default=None,
+        metavar="PATH",
+        help="Where the per-stage memory report will be written (the report is not implemented yet; stored only).",
+    )
+    return parser
+
+
+def _check_megatron_offloading(args: argparse.Namespace, modules: Sequence[str] | None) -> None:
+    """Refuse Megatron-LM offload flags that were likely meant for us, or that would run alongside us."""
+    switched_on = [flag for attr, flag in _MEGATRON_OFFLOAD_SWITCHES.items() if getattr(args, attr, False)]
+    megatron_modules = getattr(args, "offload_modules", None)  # Megatron-LM's own --offload-modules
+    if not modules:
+        if megatron_modules and not switched_on:
+            raise ChunkOffloadError(
+                f"args.offload_modules={list(megatron_modules)!r} is Megatron-LM's own --offload-modules, which does "
+                "nothing without --fine-grained-activation-offloading; chunk-offload reads --chunk-offload-modules. "
+                f"Pass --chunk-offload-modules {','.join(megatron_modules)} instead."
+            )
+        return
+    if switched_on:
+        raise ChunkOffloadError(
+            f"--chunk-offload-modules {','.join(modules)} cannot be combined with Megatron-LM's own activation "
+            f"offloading ({', '.join(switched_on)}): both would move the same saved tensors. Use one of them."
+        )
+
+
+def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Namespace, **options: Any) -> MegatronOffloadManager | None:
+    """`attach` with the options parsed by `add_arguments`; None when no module was given.
+
+    Args:
+        model: the rank's model chunks (one per virtual stage) or a single chunk.
+        args: the namespace parsed with `add_arguments` (Megatron-LM's ``get_args()``).
+        **options: further `attach` options (e.g. ``streams``), applied over those from ``args``.
+
+    Raises `ChunkOffloadError` when ``args`` was not parsed with `add_arguments`, or when it
+    also asks for Megatron-LM's own activation offloading (NOTE [Flag names]).
+    """
+    missing = [f"{_LONG_PREFIX}{suffix} ({dest})" for suffix, dest in _DESTS.items() if not hasattr(args, dest)]
+    if missing:
+        raise ChunkOffloadError(
+            f"args has no {missing}; parse the command line with chunk_offload.integrations.megatron.add_arguments "
+            "(Megatron-LM: extra_args_provider=add_arguments)."
+        )
+    modules = getattr(args, _DESTS["modules"])
+    _check_megatron_offloading(args, modules)
+    if not modules:
+        return None
+    config: dict[str, Any] = {
+        "min_offload_bytes": getattr(args, _DESTS["min-tensor-bytes"]),
+        "host_pool_bytes": getattr(args, _DESTS["host-pool-bytes"]),
+        "on_exhausted": getattr(args, _DESTS["on-exhausted"]),
+        "offload": not getattr(args, _DESTS["baseline"]),
+    }
+    config.update(options)
+    return attach(model, modules, **config)
