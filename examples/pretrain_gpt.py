@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chunk_offload.integrations.megatron import OFFLOAD_MODULE_NAMES, attach
+from chunk_offload.integrations.megatron import add_arguments, attach_from_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,13 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument(
-        "--offload-modules",
-        type=str,
-        default="",
-        help=f"comma list from {', '.join(OFFLOAD_MODULE_NAMES)} (alias router_fc1); empty: no offload",
-    )
-    p.add_argument("--offload-min-tensor-bytes", type=int, default=1024)
+    # --offload-modules, --offload-min-tensor-bytes, ... (also spelled --chunk-offload-*), exactly as
+    # Megatron-LM gets them through extra_args_provider=add_arguments.
+    add_arguments(p)
+    p.set_defaults(chunk_offload_min_tensor_bytes=1024)  # this model is tiny: offload tensors from 1 KiB
     p.add_argument("--save-state", type=Path, default=None, help="directory for every rank's final parameters")
     args = p.parse_args(argv)
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -221,8 +218,8 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
     chunks = build_model_chunks(args, device)
     manager = None
     forward_backward = get_forward_backward_func()
-    if args.offload_modules:
-        manager = attach(chunks, args.offload_modules, min_offload_bytes=args.offload_min_tensor_bytes)
+    manager = attach_from_args(chunks, args)
+    if manager is not None:
         forward_backward = manager.wrap(forward_backward)
     optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=args.lr)
     interleaved = len(chunks) > 1
@@ -259,7 +256,7 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
 
 
 def report(args: argparse.Namespace, gathered: list) -> None:
-    modules = args.offload_modules or "none"
+    modules = ",".join(args.chunk_offload_modules or []) or "none"
     print(
         f"PP={args.pipeline_model_parallel_size} VPP={args.virtual_pipeline_model_parallel_size or 1} "
         f"EP={args.expert_model_parallel_size} experts={args.num_experts or 0} offload={modules}"
