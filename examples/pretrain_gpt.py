@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from chunk_offload.integrations.megatron import add_arguments, attach_from_args
+from chunk_offload.integrations.megatron.gpt import GPTShape, build_gpt_chunks, gpt_forward_step, random_token_batches
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,91 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.virtual_pipeline_model_parallel_size == 1:
         args.virtual_pipeline_model_parallel_size = None
     return args
-
-
-def build_model_chunks(args: argparse.Namespace, device: torch.device) -> list[torch.nn.Module]:
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    moe = {}
-    if args.num_experts:
-        moe = dict(
-            num_moe_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_token_dispatcher_type="allgather",
-            moe_aux_loss_coeff=1e-2,
-            moe_grouped_gemm=False,
-        )
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=4 * args.hidden_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        deallocate_pipeline_outputs=True,
-        **moe,
-    )
-    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
-    vp_size = args.virtual_pipeline_model_parallel_size
-    chunks = []
-    for vp_stage in range(vp_size or 1):
-        vp = vp_stage if vp_size else None
-        chunk = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=args.vocab_size,
-            max_sequence_length=args.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=False,
-            vp_stage=vp,
-        )
-        chunks.append(chunk.to(device))
-    return chunks
-
-
-def make_batches(args: argparse.Namespace, iteration: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """Random tokens; the same on every stage of a pipeline, different per data-parallel rank."""
-    from megatron.core import parallel_state
-
-    dp_rank = parallel_state.get_data_parallel_rank()
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank * 1_009 + iteration)
-    batches = []
-    for _ in range(args.num_microbatches):
-        seq = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=gen)
-        batches.append(
-            {
-                "tokens": seq[:, :-1].contiguous().to(device),
-                "labels": seq[:, 1:].contiguous().to(device),
-                "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1).contiguous().to(device),
-            }
-        )
-    return batches
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-    def loss_func(per_token_loss: torch.Tensor):
-        loss = per_token_loss.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
-
-    return output, loss_func
 
 
 def average_data_parallel_grads(chunks: list[torch.nn.Module]) -> None:
@@ -215,7 +131,23 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
     )
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    chunks = build_model_chunks(args, device)
+    shape = GPTShape(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+    )
+    chunks = build_gpt_chunks(
+        shape,
+        pipeline_parallel=args.pipeline_model_parallel_size,
+        virtual_pipeline=args.virtual_pipeline_model_parallel_size,
+        expert_parallel=args.expert_model_parallel_size,
+        device=device,
+    )
     manager = None
     forward_backward = get_forward_backward_func()
     manager = attach_from_args(chunks, args)
@@ -226,9 +158,9 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
     losses = []
     for iteration in range(args.iterations):
         optimizer.zero_grad(set_to_none=True)
-        batches = make_batches(args, iteration, device)
+        batches = random_token_batches(shape, num_microbatches=args.num_microbatches, seed=args.seed, iteration=iteration, device=device)
         store = forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=gpt_forward_step,
             data_iterator=[iter(batches) for _ in chunks] if interleaved else iter(batches),
             model=chunks if interleaved else chunks[0],
             num_microbatches=args.num_microbatches,

@@ -1,0 +1,150 @@
+"""Build the megatron-core GPTModel chunks of this pipeline rank, and feed them random tokens.
+
+Shared by the pretraining example, the test harness and (later) the stage replay, so that all
+of them train the very same model: local layer spec (no Transformer Engine), fused CUDA
+kernels off, dropout 0, deterministic on CPU. Model parallelism must be initialised first
+(``parallel_state.initialize_model_parallel``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["GPTShape", "build_gpt_chunks", "random_token_batches", "gpt_forward_step"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class GPTShape:
+    """Dimensions of a GPT model (the whole model, before pipeline splitting)."""
+
+    num_layers: int = 4
+    """Transformer layers of the whole model."""
+    hidden_size: int = 64
+    """Hidden size."""
+    ffn_hidden_size: int | None = None
+    """MLP (and expert) hidden size; default 4 x hidden."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None for multi-head attention."""
+    vocab_size: int = 128
+    """Vocabulary size."""
+    seq_length: int = 32
+    """Tokens per sequence."""
+    micro_batch_size: int = 2
+    """Sequences per microbatch."""
+    num_experts: int | None = None
+    """Experts per MoE layer (every layer is MoE when set); None for dense MLPs."""
+    moe_router_topk: int = 2
+    """Experts per token."""
+    moe_token_dispatcher: str = "allgather"
+    """megatron's ``moe_token_dispatcher_type``."""
+    dtype: torch.dtype = torch.float32
+    """Parameter and activation dtype."""
+
+
+def build_gpt_chunks(
+    shape: GPTShape,
+    *,
+    pipeline_parallel: int = 1,
+    virtual_pipeline: int | None = None,
+    expert_parallel: int = 1,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    deallocate_pipeline_outputs: bool = True,
+    device: torch.device | str | None = None,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks, one per virtual stage, as megatron's schedules expect them."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    moe: dict[str, Any] = {}
+    if shape.num_experts is not None:
+        moe = dict(
+            num_moe_experts=shape.num_experts,
+            moe_router_topk=shape.moe_router_topk,
+            moe_token_dispatcher_type=shape.moe_token_dispatcher,
+            moe_aux_loss_coeff=1e-2,
+            moe_grouped_gemm=False,
+        )
+    config = TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size or 4 * shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        tensor_model_parallel_size=tensor_parallel,
+        sequence_parallel=sequence_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
+        expert_model_parallel_size=expert_parallel,
+        pipeline_dtype=shape.dtype,
+        params_dtype=shape.dtype,
+        bf16=shape.dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Fused kernels are CUDA (or torch.compile) paths; the unfused ones are plain torch.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+        **moe,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
+    chunks = []
+    for vp_stage in range(virtual_pipeline or 1):
+        vp = vp_stage if virtual_pipeline is not None else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=shape.vocab_size,
+            max_sequence_length=shape.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=False,
+            vp_stage=vp,
+        )
+        chunks.append(chunk.to(device) if device is not None else chunk)
+    return chunks
+
+
+def random_token_batches(
+    shape: GPTShape, *, num_microbatches: int, seed: int, iteration: int, device: torch.device | str | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """One iteration's microbatches: the same on every stage of a pipeline, different per data-parallel rank."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + dp_rank * 1_009 + iteration)
+    b, s = shape.micro_batch_size, shape.seq_length
+    batches = []
+    for _ in range(num_microbatches):
+        seq = torch.randint(0, shape.vocab_size, (b, s + 1), generator=gen)
+        batch = {
+            "tokens": seq[:, :-1].contiguous(),
+            "labels": seq[:, 1:].contiguous(),
+            "position_ids": torch.arange(s).expand(b, -1).contiguous(),
+        }
+        batches.append({k: v.to(device) for k, v in batch.items()} if device is not None else batch)
+    return batches
+
+
+def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    """megatron's ``forward_step_func``: next batch through ``model``; the loss is the mean token loss."""
+    batch = next(data_iterator)
+    # attention_mask=None: the local attention builds megatron's default causal mask.
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, _mean_token_loss
+
+
+def _mean_token_loss(per_token_loss: torch.Tensor):
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
