@@ -44,6 +44,7 @@ class MegatronOffloadManager(OffloadManager):
     """An `OffloadManager` bound to the model chunks of one pipeline rank."""
 
     def __init__(self, model_chunks: nn.Module | Sequence[nn.Module], offload_modules: str | Sequence[str], **options: Any) -> None:
+        offload_modules = canonical_names(offload_modules)  # fail before the streams start
         super().__init__(**options)
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
@@ -51,7 +52,7 @@ class MegatronOffloadManager(OffloadManager):
                 f"attach expects a GPTModel chunk or a list of them (one per virtual stage), got {model_chunks!r:.200}"
             )
         self.model_chunks = chunks
-        self.offload_modules = canonical_names(offload_modules)
+        self.offload_modules = offload_modules
         self.registered: dict[str, int] = {}
         for chunk in chunks:
             self.protect_module(chunk)

@@ -77,11 +77,19 @@ class TinyGPTConfig:
     expert_parallel: int = 1
     """``expert_model_parallel_size``; needs ``num_experts``."""
     num_experts: int | None = None
-    """MoE experts per MoE layer (every layer is MoE when set); None for a dense MLP."""
+    """MoE experts per MoE layer (which layers are MoE: ``moe_layer_freq``); None for a dense MLP."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Megatron's ``moe_layer_freq`` when ``num_experts`` is set: ``N`` makes every N-th layer MoE
+    (from the first), a tuple of 0/1 per layer (1: MoE) sets the pattern; 1: every layer is MoE."""
     moe_router_topk: int = 2
     """Experts per token."""
     moe_token_dispatcher: str = "allgather"
     """Megatron's ``moe_token_dispatcher_type``: ``"allgather"`` or ``"alltoall"``."""
+    add_bias_linear: bool = True
+    """Megatron's ``add_bias_linear``. MoE with ``expert_parallel=1`` and ``tensor_parallel=1`` needs
+    False: with a bias, megatron-core 0.16.1's local expert MLP adds the fc2 bias in place to the
+    output of ``reduce_from_tensor_model_parallel_region``, which at TP=1 returns its input as-is
+    (a view made by a custom Function), and autograd refuses that in-place update."""
     num_layers: int = 4
     """Transformer layers in the whole model (split across stages and chunks)."""
     hidden_size: int = 32
@@ -127,6 +135,12 @@ class TinyGPTConfig:
         if self.expert_parallel > 1 and (self.num_experts is None or self.num_experts % self.expert_parallel):
             raise ValueError(
                 f"expert_parallel={self.expert_parallel} needs num_experts divisible by it, got {self.num_experts}"
+            )
+        if isinstance(self.moe_layer_freq, tuple) and (
+            len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}
+        ):
+            raise ValueError(
+                f"moe_layer_freq={self.moe_layer_freq} must hold one 0 or 1 per layer ({self.num_layers})"
             )
         if self.iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {self.iterations}")
@@ -387,7 +401,7 @@ def _named(chunks: list[torch.nn.Module], pick: Callable[[torch.nn.Parameter], A
 def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     moe = {}
@@ -398,6 +412,7 @@ def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
             moe_token_dispatcher_type=cfg.moe_token_dispatcher,
             moe_aux_loss_coeff=1e-2,
             moe_grouped_gemm=False,
+            moe_layer_freq=list(cfg.moe_layer_freq) if isinstance(cfg.moe_layer_freq, tuple) else cfg.moe_layer_freq,
         )
     config = TransformerConfig(
         num_layers=cfg.num_layers,
@@ -421,12 +436,18 @@ def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=cfg.deallocate_pipeline_outputs,
+        add_bias_linear=cfg.add_bias_linear,
         **moe,
     )
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False)
     chunks = []
     for vp_stage in range(cfg.virtual_pipeline or 1):
         vp = vp_stage if cfg.virtual_pipeline is not None else None
+        if cfg.num_experts is not None and cfg.moe_layer_freq != 1:
+            # Dense and MoE layers mixed: megatron's block spec picks each layer's spec from
+            # moe_layer_freq and slices out this stage's (and chunk's) layers.
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+        else:
+            spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False)
         chunks.append(
             GPTModel(
                 config=config,

@@ -10,18 +10,45 @@ import torch
 
 @dataclass
 class OffloadHooks:
-    """``wrap_model`` attaches a manager; ``wrap_forward_backward`` wraps Megatron's schedule with it."""
+    """``wrap_model`` attaches a manager; ``wrap_forward_backward`` wraps Megatron's schedule with it.
+
+    ``evaluate_between``: after each training call, run a ``forward_only=True`` call (under
+    ``torch.no_grad()``, as Megatron's evaluation does) over the same microbatches.
+
+    ``evaluation_forwards`` counts the model-chunk forwards run with gradients disabled.
+    Independently of the engine, ``wrap_model`` also counts the calls of each local expert's
+    ``linear_fc1`` with gradients enabled (training forwards) and the bytes of their inputs, so
+    tests can check ``expert_fc1`` group counts and offloaded bytes against the routing.
+    """
 
     modules: tuple[str, ...]
     options: dict[str, Any] = field(default_factory=lambda: {"min_offload_bytes": 1})
     evaluate_between: bool = False
     manager: Any = None
+    expert_fc1_calls: int = 0
+    expert_fc1_input_bytes: int = 0
+    evaluations: int = 0
+    evaluation_forwards: int = 0
 
     def wrap_model(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         from chunk_offload.integrations.megatron import attach
 
+        for chunk in chunks:
+            chunk.register_forward_pre_hook(self._count_evaluation_forward)
+            for name, module in chunk.named_modules():
+                if ".experts.local_experts." in name and name.endswith(".linear_fc1"):
+                    module.register_forward_pre_hook(self._count_expert_input)
         self.manager = attach(chunks, list(self.modules), **self.options)
         return chunks
+
+    def _count_evaluation_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled():
+            self.evaluation_forwards += 1
+
+    def _count_expert_input(self, module: torch.nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            self.expert_fc1_calls += 1
+            self.expert_fc1_input_bytes += args[0].numel() * args[0].element_size()
 
     def wrap_forward_backward(self, forward_backward):
         wrapped = self.manager.wrap(forward_backward)
@@ -29,9 +56,18 @@ class OffloadHooks:
             return wrapped
 
         def train_then_evaluate(**kwargs):
-            out = wrapped(**kwargs)
+            # The training call consumes the data iterator(s): keep the microbatches for the evaluation.
+            data = kwargs["data_iterator"]
+            if isinstance(data, list):
+                kept = [list(it) for it in data]
+                fresh = lambda: [iter(k) for k in kept]  # noqa: E731
+            else:
+                kept = list(data)
+                fresh = lambda: iter(kept)  # noqa: E731
+            out = wrapped(**{**kwargs, "data_iterator": fresh()})
             with torch.no_grad():
-                wrapped(**{**kwargs, "forward_only": True})
+                wrapped(**{**kwargs, "data_iterator": fresh(), "forward_only": True})
+            self.evaluations += 1
             return out
 
         return train_then_evaluate
@@ -49,4 +85,8 @@ class OffloadHooks:
             "host": stats.host_bytes,
             "live_chunks": self.manager.live_chunks(),
             "observed_order": list(self.manager.observed_order),
+            "expert_fc1_calls": self.expert_fc1_calls,
+            "expert_fc1_input_bytes": self.expert_fc1_input_bytes,
+            "evaluations": self.evaluations,
+            "evaluation_forwards": self.evaluation_forwards,
         }
