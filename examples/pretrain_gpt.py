@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from chunk_offload.integrations.megatron import add_arguments, attach_from_args
-from chunk_offload.integrations.megatron.gpt import GPTShape, build_gpt_chunks, gpt_forward_step, random_token_batches
+from chunk_offload.integrations.megatron.gpt import (
+    GPTShape,
+    average_data_parallel_grads,
+    build_gpt_chunks,
+    gpt_forward_step,
+    random_token_batches,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,22 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.virtual_pipeline_model_parallel_size == 1:
         args.virtual_pipeline_model_parallel_size = None
     return args
-
-
-def average_data_parallel_grads(chunks: list[torch.nn.Module]) -> None:
-    """Average gradients over data-parallel replicas (experts over the expert-data-parallel group)."""
-    from megatron.core import parallel_state
-
-    dense = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    experts = parallel_state.get_expert_data_parallel_group()
-    for chunk in chunks:
-        for param in chunk.parameters():
-            if param.grad is None:
-                continue
-            group = dense if getattr(param, "allreduce", True) else experts
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(param.grad, group=group)
-                param.grad /= dist.get_world_size(group)
 
 
 def summary_rows(manager, pp_rank: int, rank: int) -> list[dict]:

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["GPTShape", "build_gpt_chunks", "random_token_batches", "gpt_forward_step"]
+__all__ = ["GPTShape", "build_gpt_chunks", "random_token_batches", "gpt_forward_step", "average_data_parallel_grads"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -38,10 +38,15 @@ class GPTShape:
     """Sequences per microbatch."""
     num_experts: int | None = None
     """Experts per MoE layer (every layer is MoE when set); None for dense MLPs."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Which layers are MoE when ``num_experts`` is set: every N-th, or one 0/1 per layer."""
     moe_router_topk: int = 2
     """Experts per token."""
     moe_token_dispatcher: str = "allgather"
     """megatron's ``moe_token_dispatcher_type``."""
+    add_bias_linear: bool = True
+    """megatron's ``add_bias_linear`` (MoE with EP=1 and TP=1 needs False in megatron-core 0.16.1:
+    the expert MLP adds its fc2 bias in place onto a view)."""
     dtype: torch.dtype = torch.float32
     """Parameter and activation dtype."""
 
@@ -60,7 +65,7 @@ def build_gpt_chunks(
     """This rank's model chunks, one per virtual stage, as megatron's schedules expect them."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     moe: dict[str, Any] = {}
@@ -71,6 +76,7 @@ def build_gpt_chunks(
             moe_token_dispatcher_type=shape.moe_token_dispatcher,
             moe_aux_loss_coeff=1e-2,
             moe_grouped_gemm=False,
+            moe_layer_freq=list(shape.moe_layer_freq) if isinstance(shape.moe_layer_freq, tuple) else shape.moe_layer_freq,
         )
     config = TransformerConfig(
         num_layers=shape.num_layers,
@@ -96,12 +102,18 @@ def build_gpt_chunks(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+        add_bias_linear=shape.add_bias_linear,
         **moe,
     )
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
     chunks = []
     for vp_stage in range(virtual_pipeline or 1):
         vp = vp_stage if virtual_pipeline is not None else None
+        if shape.num_experts is not None and shape.moe_layer_freq != 1:
+            # Dense and MoE layers mixed: megatron's block spec picks each layer's spec from
+            # moe_layer_freq and slices out this stage's (and chunk's) layers.
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+        else:
+            spec = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -148,3 +160,26 @@ def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: to
 def _mean_token_loss(per_token_loss: torch.Tensor):
     loss = per_token_loss.float().mean()
     return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+
+def average_data_parallel_grads(chunks: list[torch.nn.Module]) -> None:
+    """Average gradients over data-parallel replicas in a fixed order (what megatron's DDP would do).
+
+    Expert parameters (``allreduce=False``) average over the expert-data-parallel group.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    groups = {
+        True: parallel_state.get_data_parallel_group(),
+        False: parallel_state.get_expert_data_parallel_group(),
+    }
+    for chunk in chunks:
+        for _, param in sorted(chunk.named_parameters()):
+            if param.grad is None:
+                continue
+            group = groups[getattr(param, "allreduce", True)]
+            size = dist.get_world_size(group)
+            if size > 1:
+                dist.all_reduce(param.grad, group=group)
+                param.grad.div_(size)

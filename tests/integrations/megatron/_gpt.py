@@ -34,7 +34,7 @@ import socket
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -360,6 +360,8 @@ def _train(
     """The training loop; returns the losses (empty off the last stage) and the last gradients."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from chunk_offload.integrations.megatron.gpt import average_data_parallel_grads, gpt_forward_step, random_token_batches
+
     optimizer_class = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD
     optimizer = optimizer_class([p for chunk in chunks for p in chunk.parameters()], lr=cfg.lr)
     forward_backward = hooks.wrap_forward_backward(get_forward_backward_func())
@@ -367,10 +369,10 @@ def _train(
     grads: dict[str, torch.Tensor] = {}
     for iteration in range(cfg.iterations):
         optimizer.zero_grad(set_to_none=True)
-        batches = _make_batches(cfg, iteration)
+        batches = random_token_batches(_shape(cfg), num_microbatches=cfg.num_microbatches, seed=cfg.seed, iteration=iteration)
         interleaved = len(chunks) > 1
         store = forward_backward(
-            forward_step_func=_forward_step,
+            forward_step_func=gpt_forward_step,
             # The interleaved schedule takes one iterator per chunk; each chunk reads every microbatch.
             data_iterator=[iter(batches) for _ in chunks] if interleaved else iter(batches),
             model=chunks if interleaved else chunks[0],
@@ -381,7 +383,7 @@ def _train(
         )
         if store:  # only the last stage computes losses
             losses.append([d["lm loss"] for d in store])
-        _average_data_parallel_grads(chunks)
+        average_data_parallel_grads(chunks)
         grads = _named(chunks, lambda p: p.grad)
         optimizer.step()
     return losses, grads
@@ -399,119 +401,32 @@ def _named(chunks: list[torch.nn.Module], pick: Callable[[torch.nn.Parameter], A
 
 
 def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+    from chunk_offload.integrations.megatron.gpt import build_gpt_chunks
 
-    moe = {}
-    if cfg.num_experts is not None:
-        moe = dict(
-            num_moe_experts=cfg.num_experts,
-            moe_router_topk=cfg.moe_router_topk,
-            moe_token_dispatcher_type=cfg.moe_token_dispatcher,
-            moe_aux_loss_coeff=1e-2,
-            moe_grouped_gemm=False,
-            moe_layer_freq=list(cfg.moe_layer_freq) if isinstance(cfg.moe_layer_freq, tuple) else cfg.moe_layer_freq,
-        )
-    config = TransformerConfig(
+    return build_gpt_chunks(
+        _shape(cfg),
+        pipeline_parallel=cfg.pipeline_parallel,
+        virtual_pipeline=cfg.virtual_pipeline,
+        expert_parallel=cfg.expert_parallel,
+        tensor_parallel=cfg.tensor_parallel,
+        sequence_parallel=cfg.sequence_parallel,
+        deallocate_pipeline_outputs=cfg.deallocate_pipeline_outputs,
+    )
+
+
+def _shape(cfg: TinyGPTConfig):
+    from chunk_offload.integrations.megatron.gpt import GPTShape
+
+    return GPTShape(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
-        ffn_hidden_size=4 * cfg.hidden_size,
-        tensor_model_parallel_size=cfg.tensor_parallel,
-        sequence_parallel=cfg.sequence_parallel,
-        pipeline_model_parallel_size=cfg.pipeline_parallel,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
-        expert_model_parallel_size=cfg.expert_parallel,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        # Fused kernels are CUDA (or torch.compile) paths; the unfused ones are plain torch.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        deallocate_pipeline_outputs=cfg.deallocate_pipeline_outputs,
+        vocab_size=cfg.vocab_size,
+        seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        num_experts=cfg.num_experts,
+        moe_layer_freq=cfg.moe_layer_freq,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_token_dispatcher=cfg.moe_token_dispatcher,
         add_bias_linear=cfg.add_bias_linear,
-        **moe,
     )
-    chunks = []
-    for vp_stage in range(cfg.virtual_pipeline or 1):
-        vp = vp_stage if cfg.virtual_pipeline is not None else None
-        if cfg.num_experts is not None and cfg.moe_layer_freq != 1:
-            # Dense and MoE layers mixed: megatron's block spec picks each layer's spec from
-            # moe_layer_freq and slices out this stage's (and chunk's) layers.
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
-        else:
-            spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False)
-        chunks.append(
-            GPTModel(
-                config=config,
-                transformer_layer_spec=spec,
-                vocab_size=cfg.vocab_size,
-                max_sequence_length=cfg.seq_length,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                share_embeddings_and_output_weights=False,
-                vp_stage=vp,
-            )
-        )
-    return chunks
-
-
-def _make_batches(cfg: TinyGPTConfig, iteration: int) -> list[dict[str, torch.Tensor]]:
-    """The iteration's microbatches; identical on every stage, different per data-parallel rank."""
-    from megatron.core import parallel_state
-
-    dp_rank = parallel_state.get_data_parallel_rank()
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + dp_rank * 1_009 + iteration)
-    shape = (cfg.micro_batch_size, cfg.seq_length + 1)
-    batches = []
-    for _ in range(cfg.num_microbatches):
-        seq = torch.randint(0, cfg.vocab_size, shape, generator=gen)
-        batches.append(
-            {
-                "tokens": seq[:, :-1].contiguous(),
-                "labels": seq[:, 1:].contiguous(),
-                "position_ids": torch.arange(cfg.seq_length).expand(cfg.micro_batch_size, -1).contiguous(),
-            }
-        )
-    return batches
-
-
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-    batch = next(data_iterator)
-    # attention_mask=None: the local attention builds megatron's default causal mask.
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, _loss_func
-
-
-def _loss_func(per_token_loss: torch.Tensor):
-    loss = per_token_loss.float().mean()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def _average_data_parallel_grads(chunks: list[torch.nn.Module]) -> None:
-    """Average gradients over data-parallel replicas (what megatron's DDP would do), fixed order.
-
-    Expert parameters (``allreduce=False``) average over the expert-data-parallel group.
-    """
-    from megatron.core import parallel_state
-
-    groups = {
-        True: parallel_state.get_data_parallel_group(),
-        False: parallel_state.get_expert_data_parallel_group(),
-    }
-    for chunk in chunks:
-        for _, p in sorted(chunk.named_parameters()):
-            if p.grad is None:
-                continue
-            group = groups[getattr(p, "allreduce", True)]
-            size = dist.get_world_size(group)
-            if size > 1:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(size)
