@@ -1,8 +1,13 @@
-"""The identity autograd functions that mark where a group starts and where it is committed.
+"""The identity autograd function that marks where a group is committed.
 
-`GroupStart` sits on the group's inputs and `GroupCommit` on its outputs, so autograd runs
-``GroupCommit.backward`` just before the group's backward and ``GroupStart.backward`` just
-after it. They carry no tensors in ``ctx``; the handler and group are plain attributes.
+NOTE [No node on group inputs]
+A group is opened by a plain call (`OffloadManager.group_start`), not by an autograd node on
+its inputs. An identity node there would sum the gradients of an input's uses inside the group
+before adding those of its uses after the group; floating-point addition is not associative,
+so gradients would differ in the last bits from training without offload whenever a group uses
+an input twice and the input is used again later (a residual). `GroupCommit` sits on the
+group's *new* outputs only (never on a leaf or on an input passed through), where all
+downstream gradients are summed exactly as without it before flowing into the group.
 """
 
 from __future__ import annotations
@@ -11,39 +16,23 @@ from typing import NamedTuple
 
 import torch
 
-from .handler import ChunkOffloadHandler
 from .group import OffloadGroup
+from .handler import ChunkOffloadHandler
 
 __all__ = ["GroupFunctions", "build_group_functions"]
 
 
 class GroupFunctions(NamedTuple):
-    start: type[torch.autograd.Function]
     commit: type[torch.autograd.Function]
 
 
 def build_group_functions() -> GroupFunctions:
-    """Build the `GroupStart` / `GroupCommit` pair.
+    """Build `GroupCommit`, used as ``GroupCommit.apply(handler, name, *tensors)``.
 
-    ``GroupStart.apply(handler, name, *tensors)``: forward opens group ``name`` in ``handler``;
-    backward marks the group's backward done.
-    ``GroupCommit.apply(handler, name, *tensors)``: forward commits the group and starts its
-    offload; backward makes the group resident (waiting for its reload) and prefetches the next.
-    Both return their tensors unchanged (as a tuple of aliases).
+    Forward commits group ``name`` of ``handler`` and starts its offload; backward (which
+    autograd runs just before the group's own backward) makes the group resident, waiting for
+    its reload, and prefetches the group before it. Returns its tensors as detached aliases.
     """
-
-    class GroupStart(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, handler: ChunkOffloadHandler, name: str, *tensors: torch.Tensor):
-            ctx.set_materialize_grads(False)
-            ctx.handler = handler
-            ctx.group = handler.open_group(name)
-            return _alias(tensors)
-
-        @staticmethod
-        def backward(ctx, *grads):
-            ctx.handler.end_group_backward(ctx.group)
-            return (None, None, *grads)
 
     class GroupCommit(torch.autograd.Function):
         @staticmethod
@@ -58,7 +47,7 @@ def build_group_functions() -> GroupFunctions:
             ctx.handler.begin_group_backward(ctx.group)
             return (None, None, *grads)
 
-    return GroupFunctions(GroupStart, GroupCommit)
+    return GroupFunctions(GroupCommit)
 
 
 def _alias(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -54,7 +54,7 @@ class EngineContext:
 
     streams: StreamBackend
     pool: HostPool
-    should_offload: Callable[[torch.Tensor], bool]
+    should_offload: Callable[[torch.Tensor, frozenset[int]], bool]
     resident: ResidentBytes
     stats: StatsRecorder
     offload: bool = True
@@ -129,7 +129,8 @@ class OffloadGroup:
         self.name = name
         self.index = index
         self.state = GroupState.COLLECTING
-        self.backward_done = False
+        self.input_nodes: set = set()  # grad_fns of the group's inputs (set by group_start)
+        self.activations: frozenset[int] = frozenset()  # storages of leaf inputs that are activations
         self._ctx: EngineContext = handler.ctx
         self._storages: dict[int, _Storage] = {}
         self._live_storages = 0

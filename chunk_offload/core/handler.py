@@ -138,10 +138,6 @@ class ChunkOffloadHandler:
             if previous.state is GroupState.ON_HOST:
                 previous.reload()
 
-    def end_group_backward(self, group: OffloadGroup) -> None:
-        """The backward of ``group`` finished (all of its inputs' gradients are computed)."""
-        group.backward_done = True
-
     def abort(self) -> None:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""
         self.ctx.streams.synchronize()
@@ -160,7 +156,7 @@ class ChunkOffloadHandler:
         """Pack hook: returns what autograd stores instead of ``tensor``."""
         if self.current is None:
             self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
-        if not self.ctx.should_offload(tensor):
+        if not self.ctx.should_offload(tensor, self.current.activations):
             self.ctx.stats.group(self.current.name).tensors_kept += 1
             return _KeptRef(tensor, self.current.name)
         return self.current.save(tensor)

@@ -194,25 +194,39 @@ class OffloadManager:
         gradients disabled, this returns ``tensors`` unchanged.
         """
         handler = self._current
-        if handler is None or not torch.is_grad_enabled():
+        if handler is None or not torch.is_grad_enabled() or _foreign_saved_tensors_hooks(handler):
             return tensors
-        flat, rebuild = _flatten(tensors)
-        out = self._functions.start.apply(handler, name, *flat)
+        flat, _ = _flatten(tensors)
+        # A plain call, no autograd node on the inputs: see NOTE [No node on group inputs].
+        group = handler.open_group(name)
+        group.input_nodes = {t.grad_fn for t in flat if t.grad_fn is not None}
+        group.activations = _leaf_activation_storages(flat)
         hooks = saved_tensors_hooks(handler.tensor_push, handler.tensor_pop)
         hooks.__enter__()
         self._hooks_pushed.append(hooks)
-        return rebuild(out)
+        return tensors
 
     def group_commit(self, tensors: Any, name: str) -> Any:
         """Commit group ``name`` on its outputs ``tensors`` and start its offload; returns them."""
         handler = self._current
         if handler is None or not torch.is_grad_enabled():
             return tensors
+        if handler.current is None and _foreign_saved_tensors_hooks(handler):
+            return tensors  # group_start skipped it: another saved-tensor hook owns this region
         if handler.current is None or handler.current.name != name:
             handler.commit_group(name)  # raises the precise error
         self._hooks_pushed.pop().__exit__(None, None, None)
         flat, rebuild = _flatten(tensors)
-        return rebuild(self._functions.commit.apply(handler, name, *flat))
+        # Only outputs the group created pass through GroupCommit: a leaf (a parameter returned
+        # as a bias) or an input handed back unchanged would have its gradient contributions
+        # summed in another order (NOTE [No node on group inputs] in functions.py).
+        inputs, handler.current.input_nodes = handler.current.input_nodes, set()  # no graph refs kept
+        marked = [i for i, t in enumerate(flat) if t.grad_fn is not None and t.grad_fn not in inputs]
+        out = list(flat)
+        aliases = self._functions.commit.apply(handler, name, *(flat[i] for i in marked))
+        for i, alias in zip(marked, aliases):
+            out[i] = alias
+        return rebuild(out)
 
     # ------------------------------------------------------------------ results
     def stats(self) -> OffloadStats:
@@ -268,26 +282,20 @@ class ModuleOffload:
             module.register_forward_hook(self._post, with_kwargs=True, always_call=True),
         ]
 
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         manager = self.manager
-        if manager.current_handler is None or not torch.is_grad_enabled():
+        handler = manager.current_handler
+        if handler is None or not torch.is_grad_enabled() or _foreign_saved_tensors_hooks(handler):
             self._opened.append(False)
             return None
-        keys = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         try:
-            out = manager.group_start(tuple(args[i] for i in keys) + tuple(kwargs[k] for k in names), self.name)
+            manager.group_start(inputs, self.name)
         except BaseException:
             self._opened.append(False)  # the always_call post hook runs next and must not commit
             raise
         self._opened.append(True)
-        new_args = list(args)
-        for i, t in zip(keys, out):
-            new_args[i] = t
-        new_kwargs = dict(kwargs)
-        for k, t in zip(names, out[len(keys) :]):
-            new_kwargs[k] = t
-        return tuple(new_args), new_kwargs
+        return None
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self._opened.pop():
@@ -299,6 +307,28 @@ class ModuleOffload:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _leaf_activation_storages(tensors: list[torch.Tensor]) -> frozenset[int]:
+    """Storages of group inputs that are plain leaves requiring grad (or views of one).
+
+    Such an input is an activation handed to the group (a pipeline stage's received input, a
+    detached chunk input), not a parameter, so the policy's leaf rule must not keep it.
+    """
+    storages = set()
+    for t in tensors:
+        root = t._base if t._base is not None else t
+        if type(root) is torch.Tensor and root.is_leaf and root.requires_grad and t.layout == torch.strided:
+            storages.add(t.untyped_storage().data_ptr())
+    return frozenset(storages)
+
+
+def _foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
+    """Whether saved-tensor hooks other than ``handler``'s own are active (a non-reentrant
+    checkpoint region, ``save_on_cpu``, ...): a group opened there would take their tensors.
+    ``handler``'s own hooks (a group still open) fall through to the nesting error."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__self__", None) is not handler
 
 
 def _flatten(tensors: Any):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["OffloadPolicy", "mark_not_offloadable", "is_marked_not_offloadable"]
 
@@ -46,6 +47,20 @@ def is_marked_not_offloadable(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and bool(getattr(tensor.untyped_storage(), _KEEP_ATTR, False))
 
 
+def _plain_tensors(tensor: torch.Tensor):
+    """The plain tensors holding the data of ``tensor``: itself, or for a wrapper subclass such as
+    DTensor (FSDP2's sharded parameters) its inner tensors, whose storages are the real ones
+    (a wrapper's own ``untyped_storage()`` raises)."""
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        for attr in attrs:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
+                yield from _plain_tensors(inner)
+    else:
+        yield tensor
+
+
 class OffloadPolicy:
     """Decides per saved tensor whether it is offloaded.
 
@@ -75,24 +90,31 @@ class OffloadPolicy:
 
     def _add_storages(self, module: nn.Module) -> None:
         for tensor in (*module.parameters(), *module.buffers()):
-            if tensor.layout == torch.strided and tensor.numel() > 0:
-                self._protected.add(tensor.untyped_storage().data_ptr())
+            for plain in _plain_tensors(tensor):
+                if plain.layout == torch.strided and plain.numel() > 0 and plain.device.type != "meta":
+                    self._protected.add(plain.untyped_storage().data_ptr())
 
-    def should_offload(self, tensor: torch.Tensor) -> bool:
-        """True for a large strided activation on the offload device that is not protected."""
+    def should_offload(self, tensor: torch.Tensor, activations: frozenset[int] = frozenset()) -> bool:
+        """True for a large strided activation on the offload device that is not protected.
+
+        ``activations``: storages known to be activations (the group's leaf inputs), to which
+        the leaf-requires-grad rule does not apply.
+        """
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return False  # parameters, subclasses (DTensor, fake, functional) and sparse tensors
         if tensor.device.type != self.device_type:
             return False
         if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
             return False
-        base = tensor._base
-        if base is None and tensor.is_leaf and tensor.requires_grad:
-            return False  # a leaf that requires grad is a parameter in all but type
-        # (a view made without grad mode, e.g. in a custom Function's forward, also reports
-        # is_leaf and requires_grad; its base decides)
-        if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
-            return False
+        storage = tensor.untyped_storage().data_ptr()
+        if storage not in activations:
+            base = tensor._base
+            if base is None and tensor.is_leaf and tensor.requires_grad:
+                return False  # a leaf that requires grad is a parameter in all but type
+            # (a view made without grad mode, e.g. in a custom Function's forward, also reports
+            # is_leaf and requires_grad; its base decides)
+            if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
+                return False
         if is_marked_not_offloadable(tensor):
             return False
-        return tensor.untyped_storage().data_ptr() not in self._protected
+        return storage not in self._protected

@@ -49,6 +49,13 @@ class GPTShape:
     the expert MLP adds its fc2 bias in place onto a view)."""
     dtype: torch.dtype = torch.float32
     """Parameter and activation dtype."""
+    recompute_granularity: str | None = None
+    """megatron's activation recomputation: ``"selective"`` (``recompute_modules``, core attention
+    by default) or ``"full"``; None for none."""
+    recompute_method: str | None = None
+    """With full recomputation: ``"uniform"`` or ``"block"``."""
+    recompute_num_layers: int | None = None
+    """With full recomputation: layers per checkpointed group (uniform) or checkpointed layers per chunk (block)."""
 
 
 def build_gpt_chunks(
@@ -103,6 +110,9 @@ def build_gpt_chunks(
         persist_layer_norm=False,
         deallocate_pipeline_outputs=deallocate_pipeline_outputs,
         add_bias_linear=shape.add_bias_linear,
+        recompute_granularity=shape.recompute_granularity,
+        recompute_method=shape.recompute_method,
+        recompute_num_layers=shape.recompute_num_layers,
         **moe,
     )
     chunks = []
