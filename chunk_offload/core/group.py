@@ -136,6 +136,7 @@ class OffloadGroup:
         self._live_storages = 0
         self._d2h_event: Event | None = None
         self._h2d_event: Event | None = None
+        self._offload_cancelled = False  # backward kept the originals while their copy to host was in flight
 
     def __repr__(self) -> str:
         return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.handler.key}, state={self.state.value})"
@@ -300,6 +301,7 @@ class OffloadGroup:
             if storage.host is not None:
                 self._ctx.pool.release(storage.host, self._d2h_event)
                 storage.host = None
+        self._offload_cancelled = True
         self.state = GroupState.RESIDENT
 
     def ensure_resident(self) -> None:
@@ -342,6 +344,12 @@ class OffloadGroup:
             # its buffer, which was allocated on compute (NOTE [Reload allocation]): compute must
             # wait before the allocator can hand that memory to anything else.
             self.ensure_resident()
+        if self._offload_cancelled and storage.device_bytes is not None:
+            # The cancelled offload's copy may still read the originals: compute waits on it before
+            # they are freed, or the allocator could hand their memory out under the copy (R2).
+            compute = ctx.streams.compute
+            self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
+            compute.require(self._d2h_event.mark, rule="R2", what=f"free of the originals of {self.name!r} (offload cancelled)")
         if storage.host is not None:
             ctx.pool.release(storage.host, self._d2h_event)
             storage.host = None

@@ -61,6 +61,15 @@ def _nothing(model_chunks: list[torch.nn.Module]) -> None:
     return None
 
 
+def _no_step_record(model_chunks: list[torch.nn.Module], iteration: int) -> None:
+    return None
+
+
+def step_params(model_chunks: list[torch.nn.Module], iteration: int) -> dict[str, torch.Tensor]:
+    """A ``Hooks.after_step`` that records every parameter after each optimizer step."""
+    return _named(model_chunks, lambda p: p)
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class TinyGPTConfig:
     """Shape, parallelism and training length of one tiny GPT run."""
@@ -115,6 +124,14 @@ class TinyGPTConfig:
     deallocate_pipeline_outputs: bool = True
     """Megatron's option (Megatron-LM turns it on for training): a stage frees the data of each
     output it sent downstream and runs backward through ``custom_backward``."""
+    recompute_granularity: str | None = None
+    """Megatron's activation recomputation: ``"selective"`` (core attention by default) or
+    ``"full"`` (whole layers, see ``recompute_method``); None for none."""
+    recompute_method: str | None = None
+    """With ``recompute_granularity="full"``: ``"uniform"`` (every layer, in groups of
+    ``recompute_num_layers``) or ``"block"`` (the first ``recompute_num_layers`` layers of each chunk)."""
+    recompute_num_layers: int | None = None
+    """With ``recompute_granularity="full"``: see ``recompute_method``."""
 
     def __post_init__(self) -> None:
         pp, vp = self.pipeline_parallel, self.virtual_pipeline
@@ -146,6 +163,10 @@ class TinyGPTConfig:
             raise ValueError(f"iterations must be >= 1, got {self.iterations}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.recompute_granularity not in (None, "selective", "full"):
+            raise ValueError(f"recompute_granularity must be None, 'selective' or 'full', got {self.recompute_granularity!r}")
+        if (self.recompute_granularity == "full") != (self.recompute_method is not None and self.recompute_num_layers is not None):
+            raise ValueError("recompute_granularity='full' needs recompute_method and recompute_num_layers, and only it takes them")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -165,6 +186,9 @@ class Hooks:
     report: Callable[[list[torch.nn.Module]], Any] = _nothing
     """Called after the last step with the trained chunks; its picklable return value (e.g. an
     offload manager's statistics) lands in ``RankResult.extra``."""
+    after_step: Callable[[list[torch.nn.Module], int], Any] = _no_step_record
+    """Called after each optimizer step with the chunks and the 0-based iteration; its picklable
+    return values land in ``RankResult.steps``, one per iteration (e.g. `step_params`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -197,6 +221,8 @@ class RankResult:
     """Wall time of the run inside the child (build + train)."""
     extra: Any = None
     """What ``Hooks.report`` returned."""
+    steps: list[Any] = field(default_factory=list)
+    """What ``Hooks.after_step`` returned after each optimizer step, in iteration order."""
 
     def param_digest(self) -> str:
         """SHA-256 over the parameter names and bytes, in name order."""
@@ -335,7 +361,7 @@ def _train_once(run: Run, compat: Any, rank: int) -> RankResult:
             torch.manual_seed(cfg.seed)
             model_parallel_cuda_manual_seed(cfg.seed)
             chunks = run.hooks.wrap_model(_build_chunks(cfg))
-            losses, grads = _train(cfg, run.hooks, chunks)
+            losses, grads, steps = _train(cfg, run.hooks, chunks)
             params = _named(chunks, lambda p: p)
             extra = run.hooks.report(chunks)
         return RankResult(
@@ -349,6 +375,7 @@ def _train_once(run: Run, compat: Any, rank: int) -> RankResult:
             non_cpu_tensors=audit.non_cpu,
             seconds=time.perf_counter() - started,
             extra=extra,
+            steps=steps,
         )
     finally:
         parallel_state.destroy_model_parallel()
@@ -356,8 +383,9 @@ def _train_once(run: Run, compat: Any, rank: int) -> RankResult:
 
 def _train(
     cfg: TinyGPTConfig, hooks: Hooks, chunks: list[torch.nn.Module]
-) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
-    """The training loop; returns the losses (empty off the last stage) and the last gradients."""
+) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor], list[Any]]:
+    """The training loop; returns the losses (empty off the last stage), the last gradients and
+    what ``hooks.after_step`` returned after each step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from chunk_offload.integrations.megatron.gpt import average_data_parallel_grads, gpt_forward_step, random_token_batches
@@ -367,6 +395,7 @@ def _train(
     forward_backward = hooks.wrap_forward_backward(get_forward_backward_func())
     losses: list[list[torch.Tensor]] = []
     grads: dict[str, torch.Tensor] = {}
+    steps: list[Any] = []
     for iteration in range(cfg.iterations):
         optimizer.zero_grad(set_to_none=True)
         batches = random_token_batches(_shape(cfg), num_microbatches=cfg.num_microbatches, seed=cfg.seed, iteration=iteration)
@@ -386,7 +415,8 @@ def _train(
         average_data_parallel_grads(chunks)
         grads = _named(chunks, lambda p: p.grad)
         optimizer.step()
-    return losses, grads
+        steps.append(hooks.after_step(chunks, iteration))
+    return losses, grads, steps
 
 
 def _named(chunks: list[torch.nn.Module], pick: Callable[[torch.nn.Parameter], Any]) -> dict[str, torch.Tensor]:
@@ -417,7 +447,18 @@ def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
 def _shape(cfg: TinyGPTConfig):
     from chunk_offload.integrations.megatron.gpt import GPTShape
 
+    # Recompute options only when set, so GPTShape without them keeps working.
+    recompute = {
+        k: v
+        for k, v in (
+            ("recompute_granularity", cfg.recompute_granularity),
+            ("recompute_method", cfg.recompute_method),
+            ("recompute_num_layers", cfg.recompute_num_layers),
+        )
+        if v is not None
+    }
     return GPTShape(
+        **recompute,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,

@@ -19,6 +19,9 @@ class OffloadHooks:
     Independently of the engine, ``wrap_model`` also counts the calls of each local expert's
     ``linear_fc1`` with gradients enabled (training forwards) and the bytes of their inputs, so
     tests can check ``expert_fc1`` group counts and offloaded bytes against the routing.
+
+    ``after_step`` (for ``Hooks.after_step``): after each optimizer step, the parameters and the
+    manager's memory counters (see `step_record`).
     """
 
     modules: tuple[str, ...]
@@ -72,6 +75,11 @@ class OffloadHooks:
 
         return train_then_evaluate
 
+    def after_step(self, chunks: list[torch.nn.Module], iteration: int) -> dict[str, Any]:
+        from ._gpt import step_params
+
+        return {"params": step_params(chunks, iteration), "memory": step_record(self.manager)}
+
     def report(self, chunks: list[torch.nn.Module]) -> dict[str, Any]:
         stats = self.manager.stats()
         self.manager.close()
@@ -90,3 +98,24 @@ class OffloadHooks:
             "evaluations": self.evaluations,
             "evaluation_forwards": self.evaluation_forwards,
         }
+
+
+def step_record(manager: Any) -> dict[str, Any]:
+    """The manager's memory counters now (``stats()`` waits for the copies first)."""
+    stats = manager.stats()
+    return {
+        "resident_bytes": stats.resident_bytes,
+        "host_bytes": stats.host_bytes,
+        "peak_resident_bytes": stats.peak_resident_bytes,
+        "pool_allocated_bytes": stats.pool.allocated_bytes,
+        "pool_in_use_bytes": stats.pool.in_use_bytes,
+        "pool_allocations": stats.pool.allocations,
+        "pool_fallback_allocations": stats.pool.fallback_allocations,
+        "pool_fallback_in_use_bytes": stats.pool.fallback_in_use_bytes,
+        "bytes_offloaded": stats.bytes_offloaded,
+        "live_chunks": len(manager.live_chunks()),
+        # The host buffers themselves, read from the pool's free lists (private, test only):
+        # their bytes must match the pool's own accounting, and the same buffers must be reused.
+        "pool_free_bytes": sum(b.capacity for bufs in manager.pool._free.values() for b in bufs),
+        "pool_buffer_ptrs": sorted(b.tensor.data_ptr() for bufs in manager.pool._free.values() for b in bufs),
+    }
