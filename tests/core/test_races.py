@@ -84,7 +84,7 @@ def run_offloaded(
             after_iteration=after_iteration,
         )
     except BaseException:
-        for manager in managers:  # run_schedule closes only on success; close() is not idempotent
+        for manager in managers:  # run_schedule closes its manager only on success
             manager.close()
         raise
     return result, final[0]
