@@ -74,7 +74,10 @@ class OffloadPolicy:
         self.min_offload_bytes = min_offload_bytes
         self.device_type = device_type
         self._modules: list[nn.Module] = []
-        self._protected: set[int] = set()
+        # data pointer -> the storage itself: holding it keeps the address from being reused by
+        # another allocation while it is in the set (a buffer that a module replaces in forward
+        # would otherwise free its address, and a new activation there would look protected).
+        self._protected: dict[int, torch.UntypedStorage] = {}
 
     def protect(self, module: nn.Module) -> None:
         """Never offload the parameters and buffers of ``module`` (recursively), or their views."""
@@ -84,7 +87,7 @@ class OffloadPolicy:
 
     def refresh(self) -> None:
         """Collect the protected storages anew."""
-        self._protected = set()
+        self._protected = {}
         for module in self._modules:
             self._add_storages(module)
 
@@ -92,7 +95,8 @@ class OffloadPolicy:
         for tensor in (*module.parameters(), *module.buffers()):
             for plain in _plain_tensors(tensor):
                 if plain.layout == torch.strided and plain.numel() > 0 and plain.device.type != "meta":
-                    self._protected.add(plain.untyped_storage().data_ptr())
+                    storage = plain.untyped_storage()
+                    self._protected[storage.data_ptr()] = storage
 
     def should_offload(self, tensor: torch.Tensor, activations: frozenset[int] = frozenset()) -> bool:
         """True for a large strided activation on the offload device that is not protected.

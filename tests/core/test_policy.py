@@ -655,3 +655,26 @@ def test_marks_of_transformer_engine_and_megatron_are_honoured(attribute, value)
     other = torch.randn(8, 8) * 2
     setattr(other, attribute, not value)
     assert policy.should_offload(other)
+
+
+def test_a_replaced_buffer_keeps_its_address_until_the_next_refresh():
+    """A module that replaces a registered buffer in forward (as MoE routers do with their token
+    counters) frees the old storage. While the policy lists its address as protected, that memory
+    must not be reusable by a new activation, which would then wrongly be kept on device: the
+    policy holds the storage itself until the next refresh."""
+    import gc
+    import weakref
+
+    from chunk_offload.core.policy import OffloadPolicy
+
+    module = nn.Module()
+    module.register_buffer("counts", torch.zeros(64))
+    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy.protect(module)
+    old = weakref.ref(module.counts.untyped_storage())
+    module.counts = torch.zeros(64)
+    gc.collect()
+    assert old() is not None, "the protected storage was freed while the policy still listed its address"
+    policy.refresh()
+    gc.collect()
+    assert old() is None, "a refresh must drop storages the module no longer has"
