@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import os
 import warnings
 from pathlib import Path
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_arguments(p)
     p.set_defaults(chunk_offload_min_tensor_bytes=1024)  # this model is tiny: offload tensors from 1 KiB
     p.add_argument("--save-state", type=Path, default=None, help="directory for every rank's final parameters")
+    p.add_argument(
+        "--hang-timeout-s", type=float, default=0.0, help="print every thread's stack and exit after this long (0: off)"
+    )
     args = p.parse_args(argv)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // args.pipeline_model_parallel_size
@@ -91,6 +95,8 @@ def summary_rows(manager, pp_rank: int, rank: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.hang_timeout_s > 0:
+        faulthandler.dump_traceback_later(args.hang_timeout_s, exit=True)
     cuda = torch.cuda.is_available()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if cuda:

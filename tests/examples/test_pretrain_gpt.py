@@ -29,7 +29,7 @@ def _launch(tmp_path: Path, name: str, world: int, extra: list[str]) -> tuple[st
     state = tmp_path / name
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-        str(EXAMPLE), "--iterations", "3", "--save-state", str(state), *extra,
+        str(EXAMPLE), "--iterations", "3", "--save-state", str(state), "--hang-timeout-s", "240", *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
