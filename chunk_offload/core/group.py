@@ -161,10 +161,6 @@ class OffloadGroup:
         if timed_kind is not None:
             self._ctx.stats.timing(self.name, timed_kind, timing)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._storages.values())
-
     # ------------------------------------------------------------------ forward
     def save(self, tensor: torch.Tensor) -> SavedRef:
         """Register a saved tensor of this group (the pack hook)."""

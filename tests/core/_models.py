@@ -75,6 +75,11 @@ class Block(nn.Module):
         return x + self.mlp_fc2(F.gelu(self.mlp_fc1(self.mlp_norm(x))))
 
 
+def no_saved_tensor_hooks() -> bool:
+    """Whether no saved-tensor hooks are installed (a leak check after an iteration or an error)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def make_stack(layers: int = 2, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(*[Block() for _ in range(layers)])

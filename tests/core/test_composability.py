@@ -18,7 +18,6 @@ the very same code run without a manager.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
 
 import pytest
 import torch

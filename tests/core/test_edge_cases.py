@@ -16,11 +16,10 @@ from typing import Callable, Sequence
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadManager
-from tests.core._models import HIDDEN, make_stack, microbatches, register
+from tests.core._models import HIDDEN, make_stack, microbatches, no_saved_tensor_hooks, register
 
 B, T, H = 2, 8, 32
 N = B * T
@@ -42,13 +41,9 @@ def make_manager():
         manager.close()
 
 
-def _no_saved_tensor_hooks() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-
-
 def assert_clean(mgr: OffloadManager) -> None:
     gc.collect()
-    assert _no_saved_tensor_hooks(), "saved-tensor hooks left installed"
+    assert no_saved_tensor_hooks(), "saved-tensor hooks left installed"
     stats = mgr.stats()
     assert stats.pool.in_use_bytes == 0
     assert stats.pool.fallback_in_use_bytes == 0

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadManager
-from tests.core._models import HIDDEN, make_stack, microbatches, register
+from tests.core._models import HIDDEN, make_stack, microbatches, no_saved_tensor_hooks, register
 
 CHUNK0 = re.escape("(microbatch=0, vp_stage=0)")
 
@@ -43,12 +43,8 @@ def make_manager():
         mgr.close()
 
 
-def _no_saved_tensor_hooks() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-
-
 def assert_clean(mgr: OffloadManager) -> None:
-    assert _no_saved_tensor_hooks(), "saved-tensor hooks left installed"
+    assert no_saved_tensor_hooks(), "saved-tensor hooks left installed"
     stats = mgr.stats()
     assert stats.pool.in_use_bytes == 0
     assert stats.pool.fallback_in_use_bytes == 0

@@ -40,7 +40,6 @@ import torch
 
 from chunk_offload import CpuStreams, OffloadManager
 from chunk_offload.core.group import GroupState
-from chunk_offload.core.host_pool import HostPool
 from tests.core._models import (
     MODULE_KINDS,
     ONE_F_ONE_B,

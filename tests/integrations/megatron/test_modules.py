@@ -12,7 +12,6 @@ import importlib.util
 import logging
 
 import pytest
-import torch
 from torch import nn
 
 import chunk_offload
