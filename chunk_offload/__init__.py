@@ -2,7 +2,8 @@
 
 Public API: the names in ``__all__``. Everything else (modules starting with ``_``, the
 group state machine's internals, `chunk_offload.core.group.SavedRef`) is internal and may
-change without notice. Integrations live in ``chunk_offload.integrations``.
+change without notice. Integrations live in ``chunk_offload.integrations``; plans and
+schedule-driven decisions in ``chunk_offload.schedule``.
 """
 
 from .core import (
@@ -15,9 +16,11 @@ from .core import (
     HappensBeforeError,
     HostPool,
     HostPoolStats,
+    IterationRecord,
     OffloadConfig,
     OffloadManager,
     OffloadStats,
+    SchedulePolicy,
     build_group_functions,
     default_streams,
     mark_not_offloadable,
@@ -35,9 +38,11 @@ __all__ = [
     "HappensBeforeError",
     "HostPool",
     "HostPoolStats",
+    "IterationRecord",
     "OffloadConfig",
     "OffloadManager",
     "OffloadStats",
+    "SchedulePolicy",
     "build_group_functions",
     "default_streams",
     "mark_not_offloadable",

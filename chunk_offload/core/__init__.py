@@ -10,7 +10,8 @@ from .handler import ChunkKey, ChunkOffloadHandler
 from .host_pool import HostBuffer, HostPool, HostPoolStats
 from .manager import ModuleOffload, OffloadConfig, OffloadManager
 from .policy import OffloadPolicy, is_marked_not_offloadable, mark_not_offloadable
-from .stats import GroupStats, OffloadStats
+from .schedule_policy import SchedulePolicy
+from .stats import GroupStats, IterationRecord, OffloadStats
 from .streams import CpuStreams, CudaStreams, Event, Stream, StreamBackend, default_streams
 
 __all__ = [
@@ -27,12 +28,14 @@ __all__ = [
     "HostBuffer",
     "HostPool",
     "HostPoolStats",
+    "IterationRecord",
     "ModuleOffload",
     "OffloadConfig",
     "OffloadGroup",
     "OffloadManager",
     "OffloadPolicy",
     "OffloadStats",
+    "SchedulePolicy",
     "Stream",
     "StreamBackend",
     "build_group_functions",

@@ -57,8 +57,8 @@ class EngineContext:
     should_offload: Callable[[torch.Tensor, frozenset[int]], bool]
     resident: ResidentBytes
     stats: StatsRecorder
-    offload: bool = True
-    """False: account saved bytes but copy nothing (the baseline of a report)."""
+    on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None
+    """Called when backward first reaches one of a chunk's groups (after that group's reload)."""
     measure_time: bool = True
     skip_waits: frozenset[str] = frozenset()
     """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
@@ -137,6 +137,7 @@ class OffloadGroup:
         self._d2h_event: Event | None = None
         self._h2d_event: Event | None = None
         self._offload_cancelled = False  # backward kept the originals while their copy to host was in flight
+        self.saved_bytes = 0  # bytes accounted at commit (storage spans, deduplicated)
 
     def __repr__(self) -> str:
         return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.handler.key}, state={self.state.value})"
@@ -195,8 +196,9 @@ class OffloadGroup:
             start = min(s for s, _ in spans) // _SPAN_ALIGN * _SPAN_ALIGN
             end = max(e for _, e in spans)
             storage.start, storage.nbytes = start, max(end - start, 0)
+            self.saved_bytes += storage.nbytes
             ctx.resident.saved(storage.nbytes)
-        if not ctx.offload or not self._storages:
+        if not self.handler.offload or not self._storages:
             self.state = GroupState.KEPT
             return
         try:
@@ -223,7 +225,9 @@ class OffloadGroup:
             refs = _alive(storage)
             storage.device_bytes = _byte_view(refs[0].tensor, storage.start, storage.nbytes)
             src, dst = storage.device_bytes, buf.view()
-            _, timing = d2h.launch(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time)
+            _, timing = d2h.launch(
+                lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time, nbytes=storage.nbytes
+            )
             ctx.stats.timing(self.name, "offload_time_s", timing)
             stats.bytes_offloaded += storage.nbytes
             stats.tensors_offloaded += len(refs)
@@ -280,7 +284,9 @@ class OffloadGroup:
                 self._d2h_event.mark, rule="R4", what=f"reload of {self.name!r} reading a host buffer before its offload finished"
             )
             src, dst = storage.host.view(), storage.device_bytes
-            _, timing = h2d.launch(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time)
+            _, timing = h2d.launch(
+                lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time, nbytes=storage.nbytes
+            )
             ctx.stats.timing(self.name, "reload_time_s", timing)
             stats.bytes_reloaded += storage.nbytes
             storage.on_host = False

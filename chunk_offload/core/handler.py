@@ -11,7 +11,9 @@ the chunk's earlier groups (compute waits on their offload events first: R2). Th
 thus overlaps the compute of g + 1. When the chunk's forward ends, every group is released.
 Backward runs groups in reverse: when group g's backward starts, compute waits for g's
 reload (issued now if nobody prefetched it) and the reload of g - 1 is issued, so it overlaps
-g's backward compute.
+g's backward compute. A `SchedulePolicy` may start the reload of a chunk's last groups
+earlier, during the action before the chunk's backward (`prefetch`), or keep a chunk whose
+backward follows at once on device (``offload=False``).
 """
 
 from __future__ import annotations
@@ -52,15 +54,18 @@ class ChunkKey(NamedTuple):
 class ChunkOffloadHandler:
     """Offload groups of one chunk, in forward order. See NOTE [Release and prefetch order]."""
 
-    def __init__(self, ctx: EngineContext, key: ChunkKey) -> None:
+    def __init__(self, ctx: EngineContext, key: ChunkKey, *, offload: bool = True) -> None:
         self.ctx = ctx
         self.key = key
+        self.offload = offload
+        """Whether committed groups are copied to host (False: kept on device, still accounted)."""
         self.groups: list[OffloadGroup] = []
         self.current: OffloadGroup | None = None
         self._unreleased = 0
         self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
         self._forward_ended = False  # finish_forward or abort ran: no new group may open
+        self._backward_started = False
 
     def __repr__(self) -> str:
         return f"ChunkOffloadHandler{self.key}"
@@ -137,6 +142,35 @@ class ChunkOffloadHandler:
             previous = self.groups[group.index - 1]
             if previous.state is GroupState.ON_HOST:
                 previous.reload()
+        if not self._backward_started:
+            # After this chunk's own reloads, so that they come first on the copy stream.
+            self._backward_started = True
+            if self.ctx.on_backward_start is not None:
+                self.ctx.on_backward_start(self)
+
+    def prefetch(self, budget_bytes: int | None = None) -> int:
+        """Start reloading the chunk's last groups ahead of its backward; returns the bytes issued.
+
+        Groups are taken from the last one down while their bytes fit in ``budget_bytes``
+        (stopping at the first that does not); None takes one group, the one backward needs
+        first (the engine reloads the group before it when that backward starts). Groups not
+        on host (kept, already reloading, empty) are skipped without counting.
+        """
+        issued = 0
+        for group in reversed(self.groups):
+            if group.state is not GroupState.ON_HOST:
+                continue
+            if budget_bytes is not None and issued + group.saved_bytes > budget_bytes:
+                break
+            group.reload()
+            issued += group.saved_bytes
+            if budget_bytes is None:
+                break
+        return issued
+
+    def group_bytes(self) -> list[int]:
+        """Saved bytes of each committed group, in forward order."""
+        return [g.saved_bytes for g in self.groups]
 
     def abort(self) -> None:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""

@@ -8,6 +8,7 @@ the chunk being run is the manager's own scoped state, restored on exit.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Literal, Sequence
 
@@ -21,7 +22,8 @@ from .group import WAIT_NAMES, EngineContext
 from .handler import ChunkKey, ChunkOffloadHandler
 from .host_pool import HostPool
 from .policy import OffloadPolicy
-from .stats import OffloadStats, ResidentBytes, StatsRecorder
+from .schedule_policy import SchedulePolicy
+from .stats import GroupStats, IterationRecord, OffloadStats, ResidentBytes, StatsRecorder
 from .streams import StreamBackend, default_streams
 
 __all__ = ["OffloadConfig", "OffloadManager"]
@@ -41,10 +43,16 @@ class OffloadConfig:
     """False: track groups and resident bytes but copy nothing (a baseline with identical accounting)."""
     measure_time: bool = True
     """Time copies and compute waits (CUDA events on GPU); `stats` reports them."""
+    trace: bool = False
+    """Record the resident saved bytes (and on CUDA the allocated device memory) after every
+    accounting change of an iteration, in `IterationRecord.resident_trace` / ``device_trace``."""
 
     def validate(self) -> None:
         if not isinstance(self.min_offload_bytes, int) or self.min_offload_bytes < 0:
             raise ChunkOffloadError(f"min_offload_bytes must be an int >= 0, got {self.min_offload_bytes!r}")
+        for name in ("offload", "measure_time", "trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ChunkOffloadError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 class OffloadManager:
@@ -62,10 +70,20 @@ class OffloadManager:
     Args:
         streams: the stream backend; default CUDA streams when CUDA is available, else CPU
             worker-thread streams.
+        schedule_policy: which chunks to offload and what to reload ahead, from the pipeline
+            schedule (`chunk_offload.schedule.PlanPolicy`); default offload every chunk and
+            reload one group ahead in backward.
         **options: fields of `OffloadConfig`.
     """
 
-    def __init__(self, *, streams: StreamBackend | None = None, _test_skip_waits: Sequence[str] = (), **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        streams: StreamBackend | None = None,
+        schedule_policy: SchedulePolicy | None = None,
+        _test_skip_waits: Sequence[str] = (),
+        **options: Any,
+    ) -> None:
         unknown = sorted(set(options) - set(OffloadConfig.__slots__))
         if unknown:
             raise ChunkOffloadError(f"unknown OffloadManager options {unknown}; valid: {sorted(OffloadConfig.__slots__)}")
@@ -80,6 +98,12 @@ class OffloadManager:
             pin_memory=self.streams.pin_memory,
             on_exhausted=self.config.on_exhausted,
         )
+        if schedule_policy is not None and not isinstance(schedule_policy, SchedulePolicy):
+            raise ChunkOffloadError(
+                f"schedule_policy must be a chunk_offload SchedulePolicy (e.g. chunk_offload.schedule.PlanPolicy), "
+                f"got {type(schedule_policy).__name__}"
+            )
+        self.schedule_policy = schedule_policy if schedule_policy is not None else SchedulePolicy()
         self.policy = OffloadPolicy(min_offload_bytes=self.config.min_offload_bytes, device_type=self.streams.device.type)
         self._resident = ResidentBytes()
         self._stats = StatsRecorder()
@@ -89,7 +113,7 @@ class OffloadManager:
             should_offload=self.policy.should_offload,
             resident=self._resident,
             stats=self._stats,
-            offload=self.config.offload,
+            on_backward_start=self._on_backward_start,
             measure_time=self.config.measure_time,
             skip_waits=frozenset(_test_skip_waits),
         )
@@ -101,6 +125,11 @@ class OffloadManager:
         self._live_handlers: list[ChunkOffloadHandler] = []
         self._closed = False
         self._registrations: list[ModuleOffload] = []
+        self._iteration_offload = self.config.offload
+        self._by_key: dict[ChunkKey, ChunkOffloadHandler] = {}
+        self._order: list[tuple[str, int, int]] = []
+        self.last_iteration: IterationRecord | None = None
+        """What the last iteration that completed did (peaks, traces, bytes per group)."""
 
     # ------------------------------------------------------------------ registration
     def offload_module(self, module: nn.Module, name: str) -> "ModuleOffload":
@@ -124,17 +153,30 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ scopes
     @contextlib.contextmanager
-    def iteration(self) -> Iterator["OffloadManager"]:
-        """One optimizer step's forwards and backwards. On an exception, every chunk is discarded."""
+    def iteration(self, *, offload: bool | None = None) -> Iterator["OffloadManager"]:
+        """One optimizer step's forwards and backwards. On an exception, every chunk is discarded.
+
+        ``offload=False`` makes this iteration a baseline: the same groups and bytes are
+        tracked, nothing is copied (None: `OffloadConfig.offload`). When it completes,
+        `last_iteration` describes it.
+        """
         if self._closed:
             raise ChunkOffloadError("iteration() on a closed OffloadManager; create a new manager.")
         if self._in_iteration:
             raise ChunkOffloadError("iteration() entered while an iteration is already open; they cannot nest.")
+        if offload is not None and not isinstance(offload, bool):
+            raise ChunkOffloadError(f"iteration(offload=...) takes True, False or None, got {offload!r}")
         self.policy.refresh()
+        self._iteration_offload = self.config.offload if offload is None else offload
+        self.schedule_policy.begin_iteration()
         self._in_iteration = True
         self._iteration_handlers = []
+        self._by_key = {}
+        self._order = []
+        start = self._start_record()
         try:
             yield self
+            self.last_iteration = self._finish_record(*start)
         except BaseException:
             for handler in self._iteration_handlers:
                 handler.abort()
@@ -143,6 +185,48 @@ class OffloadManager:
             self._in_iteration = False
             self._live_handlers = [h for h in (*self._live_handlers, *self._iteration_handlers) if not h.released]
             self._iteration_handlers = []
+            self._by_key = {}
+
+    def _start_record(self) -> tuple[dict[str, GroupStats], float]:
+        cuda = self.streams.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.streams.device)
+            torch.cuda.reset_peak_memory_stats(self.streams.device)
+        device_bytes = (lambda: torch.cuda.memory_allocated(self.streams.device)) if cuda else None
+        self._resident.start_window(trace=self.config.trace, device_bytes=device_bytes)
+        self.streams.synchronize()
+        self._stats.fold()
+        return {name: replace(g) for name, g in self._stats.groups.items()}, time.perf_counter()
+
+    def _finish_record(self, before: dict[str, GroupStats], started: float) -> IterationRecord:
+        cuda = self.streams.device.type == "cuda"
+        self.streams.synchronize()
+        if cuda:
+            torch.cuda.synchronize(self.streams.device)
+        wall = time.perf_counter() - started
+        self._stats.fold()
+        groups = {}
+        for name, now in self._stats.groups.items():
+            was = before.get(name, GroupStats())
+            groups[name] = GroupStats(**{f: getattr(now, f) - getattr(was, f) for f in GroupStats.__dataclass_fields__})
+        window = self._resident.window
+        return IterationRecord(
+            offload=self._iteration_offload,
+            peak_resident_bytes=window.peak,
+            peak_saved_bytes=window.saved_peak,
+            host_bytes_at_saved_peak=window.host_at_saved_peak,
+            device_peak_bytes=torch.cuda.max_memory_allocated(self.streams.device) if cuda else None,
+            resident_trace=self._resident.trace,
+            device_trace=self._resident.device_trace,
+            group_bytes={tuple(h.key): h.group_bytes() for h in self._iteration_handlers},
+            groups=groups,
+            order=list(self._order),
+            wall_time_s=wall,
+        )
+
+    def group_bytes(self) -> dict[tuple[int, int], list[int]]:
+        """(microbatch, vp_stage) -> saved bytes per group, in forward order, of the last iteration."""
+        return dict(self.last_iteration.group_bytes) if self.last_iteration is not None else {}
 
     @contextlib.contextmanager
     def chunk(self, *, microbatch: int, vp_stage: int = 0) -> Iterator[ChunkOffloadHandler | None]:
@@ -163,7 +247,12 @@ class OffloadManager:
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             yield None
             return
-        handler = ChunkOffloadHandler(self._ctx, ChunkKey(microbatch, vp_stage))
+        key = ChunkKey(microbatch, vp_stage)
+        self._order.append(("F", microbatch, vp_stage))
+        self._prefetch(self.schedule_policy.prefetch_on("F", key))
+        offload = self._iteration_offload and self.schedule_policy.offload_chunk(key)
+        handler = ChunkOffloadHandler(self._ctx, key, offload=offload)
+        self._by_key[key] = handler  # a chunk key entered twice (no schedule does that) maps to its latest forward
         self._iteration_handlers.append(handler)
         self._current = handler
         try:
@@ -176,6 +265,17 @@ class OffloadManager:
             raise
         finally:
             self._current = None
+
+    def _on_backward_start(self, handler: ChunkOffloadHandler) -> None:
+        self._order.append(("B", handler.key.microbatch, handler.key.vp_stage))
+        if self._in_iteration:
+            self._prefetch(self.schedule_policy.prefetch_on("B", handler.key))
+
+    def _prefetch(self, requests) -> None:
+        for key, budget in requests:
+            handler = self._by_key.get(ChunkKey(*key))
+            if handler is not None:  # a chunk that did not run forward (a plan that is wrong) is skipped
+                handler.prefetch(budget)
 
     @property
     def current_handler(self) -> ChunkOffloadHandler | None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .host_pool import HostPoolStats
 from .streams import Timing
 
-__all__ = ["GroupStats", "OffloadStats", "ResidentBytes", "StatsRecorder"]
+__all__ = ["GroupStats", "IterationRecord", "OffloadStats", "ResidentBytes", "StatsRecorder"]
 
 
 @dataclass
@@ -66,56 +67,123 @@ class OffloadStats:
         return sum(g.bytes_offloaded for g in self.groups.values())
 
 
+@dataclass
+class IterationRecord:
+    """What one `OffloadManager.iteration` did: its peaks, traces and bytes per group.
+
+    The accounting fields count the saved bytes of offload groups (storage spans, deduplicated),
+    over this iteration only. ``device_peak_bytes`` is the device's own measure where it has one
+    (CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the start of
+    the iteration), None on CPU.
+    """
+
+    offload: bool
+    """Whether copies were made (False: a baseline iteration with identical accounting)."""
+    peak_resident_bytes: int
+    """High-water mark of device-resident saved bytes in this iteration."""
+    peak_saved_bytes: int
+    """High-water mark of saved bytes wherever they live: the peak this iteration would have without offload."""
+    host_bytes_at_saved_peak: int
+    """Bytes on host only at the moment of ``peak_saved_bytes``."""
+    device_peak_bytes: int | None
+    """CUDA: peak allocated device memory of the iteration; None on CPU."""
+    resident_trace: list[int] | None
+    """Device-resident saved bytes after each accounting change (``OffloadConfig.trace``), else None."""
+    device_trace: list[int] | None
+    """CUDA with ``trace``: ``torch.cuda.memory_allocated()`` at the same moments, else None."""
+    group_bytes: dict[tuple[int, int], list[int]]
+    """(microbatch, vp_stage) -> saved bytes of each of the chunk's groups, in forward order."""
+    groups: dict[str, GroupStats]
+    """Counters of this iteration per group name (bytes, copy and wait seconds)."""
+    order: list[tuple[str, int, int]]
+    """("F" | "B", microbatch, vp_stage) as the engine saw the chunks start forward and backward
+    (backward: when it first reached one of the chunk's groups)."""
+    wall_time_s: float
+    """Host wall time of the iteration (the device synchronised at both ends on CUDA)."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The peak this report measures: device memory on CUDA, the accounting on CPU."""
+        return self.device_peak_bytes if self.device_peak_bytes is not None else self.peak_resident_bytes
+
+
+class _HighWater:
+    """High-water marks of resident and of saved bytes, with the host bytes at each."""
+
+    __slots__ = ("peak", "host_at_peak", "saved_at_peak", "saved_peak", "host_at_saved_peak")
+
+    def __init__(self, resident: int = 0, host: int = 0) -> None:
+        self.peak = resident
+        self.host_at_peak = host
+        self.saved_at_peak = resident + host
+        self.saved_peak = resident + host
+        self.host_at_saved_peak = host
+
+    def update(self, resident: int, host: int, *, check_device: bool, check_saved: bool) -> None:
+        # On a tie keep the moment with the most saved bytes: the stage's peak (most chunks in
+        # flight), whose host bytes are the saving. With equal microbatches the device mark is
+        # first reached in the first chunk's forward, when almost nothing is on host.
+        if check_device and (resident > self.peak or (resident == self.peak and resident + host > self.saved_at_peak)):
+            self.peak = resident
+            self.host_at_peak = host
+            self.saved_at_peak = resident + host
+        saved = resident + host
+        if check_saved and saved >= self.saved_peak:  # the latest moment at the peak: every release so far counted
+            self.saved_peak = saved
+            self.host_at_saved_peak = host
+
+
 class ResidentBytes:
-    """Accounting of where the saved bytes of offload groups live, and its high-water mark.
+    """Accounting of where the saved bytes of offload groups live, and its high-water marks.
 
     Counted per storage span, deduplicated like the copies. ``saved = resident + host``
-    holds at every moment. Two high-water marks: of ``resident`` (what the device holds) and
-    of ``saved`` (what it would hold without offload), with the host bytes at each.
+    holds at every moment. Marks are kept twice: since the last `reset_peak` (what
+    `OffloadManager.stats` reports) and since the last `start_window` (one iteration's
+    `IterationRecord`). With ``trace`` set, every change appends the resident bytes (and the
+    value of ``device_bytes()``, e.g. ``torch.cuda.memory_allocated``) to the window's traces.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.resident = 0
         self.host = 0
-        self.peak = 0
-        self.host_at_peak = 0
-        self.saved_at_peak = 0
-        self.saved_peak = 0
-        self.host_at_saved_peak = 0
+        self.total = _HighWater()
+        self.window = _HighWater()
+        self.trace: list[int] | None = None
+        self.device_trace: list[int] | None = None
+        self.device_bytes: Callable[[], int] | None = None
 
-    def _update_peak(self) -> None:
-        # On a tie keep the moment with the most saved bytes: the stage's peak (most chunks in
-        # flight), whose host bytes are the saving. With equal microbatches the device mark is
-        # first reached in the first chunk's forward, when almost nothing is on host.
-        if self.resident > self.peak or (self.resident == self.peak and self.resident + self.host > self.saved_at_peak):
-            self.peak = self.resident
-            self.host_at_peak = self.host
-            self.saved_at_peak = self.resident + self.host
+    # The marks since reset_peak, under the names OffloadStats uses.
+    peak = property(lambda self: self.total.peak)
+    host_at_peak = property(lambda self: self.total.host_at_peak)
+    saved_at_peak = property(lambda self: self.total.saved_at_peak)
+    saved_peak = property(lambda self: self.total.saved_peak)
+    host_at_saved_peak = property(lambda self: self.total.host_at_saved_peak)
 
-    def _update_saved_peak(self) -> None:
-        saved = self.resident + self.host
-        if saved >= self.saved_peak:  # the latest moment at the peak: every release so far counted
-            self.saved_peak = saved
-            self.host_at_saved_peak = self.host
+    def _changed(self, *, check_device: bool, check_saved: bool) -> None:
+        self.total.update(self.resident, self.host, check_device=check_device, check_saved=check_saved)
+        self.window.update(self.resident, self.host, check_device=check_device, check_saved=check_saved)
+        if self.trace is not None:
+            self.trace.append(self.resident)
+            if self.device_trace is not None and self.device_bytes is not None:
+                self.device_trace.append(self.device_bytes())
 
     def saved(self, nbytes: int) -> None:
         with self._lock:
             self.resident += nbytes
-            self._update_peak()
-            self._update_saved_peak()
+            self._changed(check_device=True, check_saved=True)
 
     def moved_to_host(self, nbytes: int) -> None:
         with self._lock:
             self.resident -= nbytes
             self.host += nbytes
-            self._update_saved_peak()
+            self._changed(check_device=False, check_saved=True)
 
     def moved_to_device(self, nbytes: int) -> None:
         with self._lock:
             self.host -= nbytes
             self.resident += nbytes
-            self._update_peak()
+            self._changed(check_device=True, check_saved=False)
 
     def freed(self, nbytes: int, *, on_host: bool) -> None:
         with self._lock:
@@ -123,14 +191,19 @@ class ResidentBytes:
                 self.host -= nbytes
             else:
                 self.resident -= nbytes
+            self._changed(check_device=False, check_saved=False)
 
     def reset_peak(self) -> None:
         with self._lock:
-            self.peak = self.resident
-            self.host_at_peak = self.host
-            self.saved_at_peak = self.resident + self.host
-            self.saved_peak = self.resident + self.host
-            self.host_at_saved_peak = self.host
+            self.total = _HighWater(self.resident, self.host)
+
+    def start_window(self, *, trace: bool, device_bytes: Callable[[], int] | None = None) -> None:
+        """Restart the window's marks from now; record traces in it when ``trace``."""
+        with self._lock:
+            self.window = _HighWater(self.resident, self.host)
+            self.trace = [self.resident] if trace else None
+            self.device_bytes = device_bytes
+            self.device_trace = [device_bytes()] if trace and device_bytes is not None else None
 
 
 @dataclass

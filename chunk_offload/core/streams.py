@@ -150,8 +150,8 @@ class Stream:
         self._vc = clocks
         clocks.register(self.id, name)
 
-    def launch(self, fn: Callable[[], None], *, timed: bool = False) -> tuple[Mark | None, Timing | None]:
-        """Issue ``fn`` (which issues copies) in this stream's order; return its mark and timing."""
+    def launch(self, fn: Callable[[], None], *, timed: bool = False, nbytes: int = 0) -> tuple[Mark | None, Timing | None]:
+        """Issue ``fn`` (which issues copies of ``nbytes`` bytes) in this stream's order; return its mark and timing."""
         raise NotImplementedError
 
     def record_event(self) -> Event:
@@ -222,7 +222,7 @@ class _CudaStream(Stream):
     def _raw(self) -> torch.cuda.Stream:
         return self._stream if self._stream is not None else torch.cuda.current_stream()
 
-    def launch(self, fn, *, timed=False):
+    def launch(self, fn, *, timed=False, nbytes=0):
         raw = self._raw()
         mark = self._vc.tick(self.id)
         start = end = None
@@ -315,7 +315,7 @@ class _CpuComputeStream(Stream):
         super().__init__(name, clocks)
         self._delay = delay
 
-    def launch(self, fn, *, timed=False):
+    def launch(self, fn, *, timed=False, nbytes=0):
         self._delay()
         mark = self._vc.tick(self.id)
         start = time.perf_counter()
@@ -342,9 +342,10 @@ class _CpuComputeStream(Stream):
 class _CpuCopyStream(Stream):
     """A worker thread executing launched work, event records and waits in issue order."""
 
-    def __init__(self, name, clocks, delay: _Delay) -> None:
+    def __init__(self, name, clocks, delay: _Delay, link_bytes_per_s: float | None = None) -> None:
         super().__init__(name, clocks)
         self._delay = delay
+        self._link_bytes_per_s = link_bytes_per_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._stopped = False
@@ -353,7 +354,7 @@ class _CpuCopyStream(Stream):
 
     def _run(self) -> None:
         while True:
-            op, arg, timing = self._queue.get()
+            op, arg, timing, nbytes = self._queue.get()
             if op == "stop":
                 return
             if op == "wait":
@@ -368,6 +369,8 @@ class _CpuCopyStream(Stream):
                     start = time.perf_counter()
                     try:
                         arg()
+                        if self._link_bytes_per_s:
+                            time.sleep(nbytes / self._link_bytes_per_s)  # the simulated link's transfer time
                     except BaseException as exc:  # surfaced to the host by the next event
                         self._error = exc
                     if timing is not None:
@@ -375,11 +378,11 @@ class _CpuCopyStream(Stream):
                 if timing is not None:
                     timing._done.set()
 
-    def launch(self, fn, *, timed=False):
+    def launch(self, fn, *, timed=False, nbytes=0):
         self._check_running()
         mark = self._vc.tick(self.id)
         timing = Timing(0.0, done=threading.Event()) if timed else None
-        self._queue.put(("run", fn, timing))
+        self._queue.put(("run", fn, timing, nbytes))
         return mark, timing
 
     def record_event(self) -> Event:
@@ -387,12 +390,12 @@ class _CpuCopyStream(Stream):
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
         event = _CpuEvent(clocks, mark)
-        self._queue.put(("record", event, None))
+        self._queue.put(("record", event, None, 0))
         return event
 
     def wait_event(self, event, *, timed=False):
         self._vc.merge(self.id, event.clocks)
-        self._queue.put(("wait", event, None))
+        self._queue.put(("wait", event, None, 0))
         return None
 
     def _check_running(self) -> None:
@@ -402,7 +405,7 @@ class _CpuCopyStream(Stream):
 
     def stop(self) -> None:
         self._stopped = True
-        self._queue.put(("stop", None, None))
+        self._queue.put(("stop", None, None, 0))
 
 
 class CpuStreams(StreamBackend):
@@ -414,6 +417,8 @@ class CpuStreams(StreamBackend):
         delay_on: which of ``"d2h"``, ``"h2d"``, ``"compute"`` get delays.
         seed: seeds the delays, so a failing interleaving can be replayed.
         check_order: check the rules of NOTE [Happens-before rules].
+        link_bytes_per_s: simulate a host link of this bandwidth: each copy also takes
+            ``bytes / link_bytes_per_s`` seconds on its stream (None: copies take what memcpy takes).
     """
 
     _STREAM_NAMES = ("compute", "d2h", "h2d")
@@ -425,12 +430,15 @@ class CpuStreams(StreamBackend):
         delay_on: tuple[str, ...] = ("d2h", "h2d"),
         seed: int = 0,
         check_order: bool = True,
+        link_bytes_per_s: float | None = None,
     ) -> None:
         unknown = sorted(set(delay_on) - set(self._STREAM_NAMES))
         if unknown:
             raise ChunkOffloadError(f"delay_on names unknown streams {unknown}; valid: {list(self._STREAM_NAMES)}")
         if max_delay_s < 0:
             raise ChunkOffloadError(f"max_delay_s must be >= 0, got {max_delay_s}")
+        if link_bytes_per_s is not None and not link_bytes_per_s > 0:
+            raise ChunkOffloadError(f"link_bytes_per_s must be > 0 or None, got {link_bytes_per_s}")
         self.device = torch.device("cpu")
         self.pin_memory = False
         self._clocks = _VectorClocks(check_order)
@@ -439,8 +447,8 @@ class CpuStreams(StreamBackend):
             return _Delay(max_delay_s if name in delay_on else 0.0, seed * 3 + offset)
 
         self.compute = _CpuComputeStream("compute", self._clocks, delay("compute", 0))
-        self.d2h = _CpuCopyStream("d2h", self._clocks, delay("d2h", 1))
-        self.h2d = _CpuCopyStream("h2d", self._clocks, delay("h2d", 2))
+        self.d2h = _CpuCopyStream("d2h", self._clocks, delay("d2h", 1), link_bytes_per_s)
+        self.h2d = _CpuCopyStream("h2d", self._clocks, delay("h2d", 2), link_bytes_per_s)
         self._finalizer = weakref.finalize(self, _stop_workers, self.d2h, self.h2d)
 
     def close(self) -> None:

@@ -1,0 +1,38 @@
+"""`SchedulePolicy`: what the engine asks the pipeline schedule about each chunk.
+
+Two decisions need to know the order in which chunks run, which the engine itself does not:
+whether a chunk's groups are worth offloading at all (its backward may follow at once), and
+which chunk to start reloading ahead of its backward. The base class answers without a
+schedule: offload every chunk, and reload each group when backward reaches the group after it
+(NOTE [Release and prefetch order] in handler.py). `chunk_offload.schedule.PlanPolicy`
+answers from the rank's plan; users may subclass either.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .handler import ChunkKey
+
+__all__ = ["SchedulePolicy"]
+
+
+class SchedulePolicy:
+    """Offload every chunk; no reload ahead of the engine's own (one group ahead in backward)."""
+
+    def begin_iteration(self) -> None:
+        """A training iteration starts (the first action of the plan comes next)."""
+
+    def offload_chunk(self, key: ChunkKey) -> bool:
+        """Whether the groups of chunk ``key`` are copied to host (False: they stay on device)."""
+        return True
+
+    def prefetch_on(self, kind: str, key: ChunkKey) -> Sequence[tuple[ChunkKey, int | None]]:
+        """Reloads to start when action ``kind`` (``"F"`` or ``"B"``) of chunk ``key`` begins.
+
+        Returns ``(chunk, budget_bytes)`` pairs: the engine reloads that chunk's last groups
+        (backward runs them first) while their bytes fit in the budget; a budget of None means
+        the one group the chunk's backward needs first.
+        ``"B"`` is reported when backward first reaches one of the chunk's groups.
+        """
+        return ()

@@ -1,0 +1,72 @@
+"""`PlanPolicy`: offload and prefetch decisions read from the rank's plan.
+
+- Lifespan: a chunk whose backward follows its forward after fewer than ``min_lifespan``
+  other actions (the last stage under 1F1B, where every ``F`` is followed by its ``B``) stays
+  on device: a copy out and straight back would cost bandwidth and stall its backward.
+- Prefetch: when the action just before a chunk's backward starts (a forward in steady
+  1F1B, the previous backward in the cool-down), the reload of that chunk's last groups starts,
+  so they are on device when its backward begins. ``prefetch_bytes`` bounds what is reloaded
+  ahead, which bounds how far the stage's peak rises above reload-at-group-start; None
+  reloads ahead the one group the chunk's backward needs first (when that backward starts,
+  the engine reloads the group before it, overlapping the first group's backward).
+
+`chunk_offload.schedule.simulate` predicts the resident bytes these decisions give.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..core.errors import ChunkOffloadError
+from ..core.handler import ChunkKey
+from ..core.schedule_policy import SchedulePolicy
+from .plan import Action, ActionKind, Plan
+
+__all__ = ["PlanPolicy"]
+
+
+class PlanPolicy(SchedulePolicy):
+    """Offload by lifespan and prefetch the next backward chunk, from ``plan``.
+
+    Args:
+        plan: the rank's actions for one iteration.
+        min_lifespan: offload a chunk only if at least this many actions run between its
+            forward and its backward.
+        prefetch_bytes: reload budget per chunk, issued during the action before its
+            backward; None: the chunk's last group; 0: no plan-driven prefetch.
+    """
+
+    def __init__(self, plan: Plan, *, min_lifespan: int = 1, prefetch_bytes: int | None = None) -> None:
+        if not isinstance(plan, Plan):
+            raise ChunkOffloadError(f"PlanPolicy needs a chunk_offload.schedule.Plan, got {type(plan).__name__}")
+        if not isinstance(min_lifespan, int) or min_lifespan < 0:
+            raise ChunkOffloadError(f"min_lifespan must be an int >= 0, got {min_lifespan!r}")
+        if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
+            raise ChunkOffloadError(f"prefetch_bytes must be None or an int >= 0, got {prefetch_bytes!r}")
+        self.plan = plan
+        self.min_lifespan = min_lifespan
+        self.prefetch_bytes = prefetch_bytes
+        self._step = {a: i for i, a in enumerate(plan.actions)}
+        self._offload = {chunk: plan.lifespan(*chunk) >= min_lifespan for chunk in plan.chunks}
+
+    def __repr__(self) -> str:
+        return f"PlanPolicy({self.plan.source}, min_lifespan={self.min_lifespan}, prefetch_bytes={self.prefetch_bytes})"
+
+    def offload_chunk(self, key: ChunkKey) -> bool:
+        # A chunk the plan does not know (the plan is wrong) is offloaded as without a plan.
+        return self._offload.get(tuple(key), True)
+
+    def kept_chunks(self) -> list[tuple[int, int]]:
+        """Chunks this policy keeps on device, in forward order."""
+        return [chunk for chunk, offload in self._offload.items() if not offload]
+
+    def prefetch_on(self, kind: str, key: ChunkKey) -> Sequence[tuple[ChunkKey, int | None]]:
+        if self.prefetch_bytes == 0:
+            return ()
+        step = self._step.get(Action(ActionKind(kind), key[0], key[1]))
+        if step is None or step + 1 >= len(self.plan.actions):
+            return ()
+        following = self.plan.actions[step + 1]
+        if following.kind is not ActionKind.BACKWARD or not self._offload.get(following.chunk, True):
+            return ()
+        return ((ChunkKey(*following.chunk), self.prefetch_bytes),)
