@@ -103,10 +103,14 @@ class Plan:
                 self._fail(i, f"{action} runs before its backward")
         missing = [f"{vp}B{mb}" for kind, (mb, vp) in seen if kind is ActionKind.FORWARD and (ActionKind.BACKWARD, (mb, vp)) not in seen]
         if missing:
-            raise ChunkOffloadError(f"plan {self.source or ''} has forwards without a backward: {missing}\n{self.format()}")
+            raise ChunkOffloadError(f"{self._name} has forwards without a backward: {missing}\n{self.format()}")
+
+    @property
+    def _name(self) -> str:
+        return f"plan ({self.source})" if self.source else "plan"
 
     def _fail(self, step: int, why: str) -> None:
-        raise ChunkOffloadError(f"invalid plan {self.source}: step {step} ({self.actions[step]}): {why}\n{self.format(mark=step)}")
+        raise ChunkOffloadError(f"invalid {self._name}: step {step} ({self.actions[step]}): {why}\n{self.format(mark=step)}")
 
     # ------------------------------------------------------------------ queries
     @property
@@ -144,9 +148,11 @@ class Plan:
         got = [_as_action(a) for a in observed]
         for step, (want, have) in enumerate(zip(self.actions, got)):
             if want != have:
-                return f"step {step}: plan {self.source} says {want}, observed {have}\n" + self._side_by_side(got, step)
+                return f"step {step}: {self._name} says {want}, observed {have}\n" + self._side_by_side(got, step)
         if len(got) != len(self.actions):
-            return f"plan {self.source} has {len(self.actions)} actions, observed {len(got)}\n" + self._side_by_side(got, min(len(got), len(self.actions)))
+            return f"{self._name} has {len(self.actions)} actions, observed {len(got)}\n" + self._side_by_side(
+                got, min(len(got), len(self.actions))
+            )
         return None
 
     # ------------------------------------------------------------------ display

@@ -9,8 +9,16 @@ Nothing in Megatron is patched. Module hooks do all the work:
 - `MegatronOffloadManager.wrap(forward_backward_func)` makes each call one iteration, and runs a
   ``forward_only=True`` call (evaluation) without offload, leaving the training state untouched.
 
-The order in which chunks ran forward and backward is recorded per iteration
-(`observed_order`), so schedule-driven decisions can be checked against what really ran.
+The rank's plan comes from Megatron's own schedule tables (`chunk_offload.schedule.megatron_plan`)
+at the first training call, and drives a `PlanPolicy` by default: chunks whose backward follows
+at once stay on device, and the next backward chunk is reloaded during the action before it.
+The order in which chunks really ran is recorded per iteration (`observed_order`) and checked
+against the plan after every iteration: on a difference a warning shows both, and the observed
+order becomes the plan.
+
+``baseline_iterations=N`` runs the first N training calls without copies (identical
+accounting); their `IterationRecord` and the last offloaded one are kept in `records`, from
+which `report` builds the rank's per-stage report.
 """
 
 from __future__ import annotations
@@ -18,14 +26,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Any, Callable, Sequence
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
 
 from ...core.errors import ChunkOffloadError
 from ...core.manager import OffloadManager
+from ...core.schedule_policy import SchedulePolicy
+from ...core.stats import IterationRecord
+from ...schedule import Plan, PlanPolicy, megatron_plan
 from .modules import canonical_names, resolve
+
+if TYPE_CHECKING:
+    from ...report import StageReport
 
 __all__ = ["MegatronOffloadManager", "attach"]
 
@@ -43,9 +58,36 @@ _MISSING_HINTS = {
 class MegatronOffloadManager(OffloadManager):
     """An `OffloadManager` bound to the model chunks of one pipeline rank."""
 
-    def __init__(self, model_chunks: nn.Module | Sequence[nn.Module], offload_modules: str | Sequence[str], **options: Any) -> None:
+    def __init__(
+        self,
+        model_chunks: nn.Module | Sequence[nn.Module],
+        offload_modules: str | Sequence[str],
+        *,
+        schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
+        prefetch_bytes: int | None = None,
+        baseline_iterations: int = 0,
+        **options: Any,
+    ) -> None:
         offload_modules = canonical_names(offload_modules)  # fail before the streams start
-        super().__init__(**options)
+        if not (schedule_policy is None or schedule_policy == "plan" or isinstance(schedule_policy, SchedulePolicy)):
+            raise ChunkOffloadError(
+                f"schedule_policy must be 'plan', None (reload at group start) or a SchedulePolicy, got {schedule_policy!r}"
+            )
+        if not isinstance(baseline_iterations, int) or baseline_iterations < 0:
+            raise ChunkOffloadError(f"baseline_iterations must be an int >= 0, got {baseline_iterations!r}")
+        use_plan = isinstance(schedule_policy, str)
+        super().__init__(schedule_policy=None if use_plan else schedule_policy, **options)
+        self._plan_policy = use_plan
+        self._prefetch_bytes = prefetch_bytes
+        if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
+            raise ChunkOffloadError(f"prefetch_bytes must be None or an int >= 0, got {prefetch_bytes!r}")
+        self.baseline_iterations = baseline_iterations
+        self.plan: Plan | None = None
+        """This rank's plan for the last training call (Megatron's tables, or the observed order if they differed)."""
+        self._baseline_records: list[IterationRecord] = []
+        self._last_record: IterationRecord | None = None
+        self._training_calls = 0
+        self._plan_key: tuple | None = None
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
             raise ChunkOffloadError(
@@ -116,13 +158,95 @@ class MegatronOffloadManager(OffloadManager):
                     return forward_backward_func(*args, **kwargs)
                 finally:
                     self._forward_only = previous
+            self._prepare_plan(kwargs.get("num_microbatches"))
             self._forwards = [0] * len(self.model_chunks)
             self.observed_order = []
-            with self.iteration():
-                return forward_backward_func(*args, **kwargs)
+            offload = False if self._training_calls < self.baseline_iterations else None
+            with self.iteration(offload=offload):
+                result = forward_backward_func(*args, **kwargs)
+            self._training_calls += 1
+            self._keep_record(self.last_iteration)
+            self._check_plan()
+            return result
 
         wrapped.__wrapped__ = forward_backward_func
         return wrapped
+
+    # ------------------------------------------------------------------ plan
+    def _prepare_plan(self, num_microbatches: int | None) -> None:
+        """Build this rank's plan from Megatron's tables (once per microbatch count)."""
+        if num_microbatches is None:
+            raise ChunkOffloadError("the wrapped forward_backward_func must be called with num_microbatches=... (keyword)")
+        from megatron.core import parallel_state
+
+        config = getattr(self.model_chunks[0], "config", None)
+        vp = len(self.model_chunks) if len(self.model_chunks) > 1 else None
+        key = (
+            num_microbatches,
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            vp,
+            getattr(config, "microbatch_group_size_per_vp_stage", None),
+        )
+        if key == self._plan_key:
+            return
+        self._plan_key = key
+        self.plan = megatron_plan(
+            num_microbatches=key[0], pp_size=key[1], pp_rank=key[2], vp_size=key[3], microbatch_group_size_per_vp_stage=key[4]
+        )
+        self._use_plan(self.plan)
+
+    def _use_plan(self, plan: Plan) -> None:
+        if self._plan_policy:
+            self.schedule_policy = PlanPolicy(plan, prefetch_bytes=self._prefetch_bytes)
+
+    def _check_plan(self) -> None:
+        """After an iteration: the order that ran must be the plan; if not, the observed order wins."""
+        if self.plan is None:
+            return
+        difference = self.plan.diff(self.observed_order)
+        if difference is None:
+            return
+        try:
+            observed = Plan.from_order(
+                self.observed_order, pp_rank=self.plan.pp_rank, pp_size=self.plan.pp_size, vp_size=self.plan.vp_size, source="observed"
+            )
+        except ChunkOffloadError as e:
+            observed = None
+            difference += f"\nThe observed order is not a complete plan either ({e}); schedule decisions are off."
+        warnings.warn(
+            f"chunk_offload: the schedule that ran differs from Megatron's table; using the observed order. {difference}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.plan = observed
+        if observed is not None:
+            self._use_plan(observed)
+        elif self._plan_policy:
+            self.schedule_policy = SchedulePolicy()
+
+    def _keep_record(self, record: IterationRecord | None) -> None:
+        if record is None:
+            return
+        if self._training_calls <= self.baseline_iterations:
+            self._baseline_records.append(record)
+        else:
+            self._last_record = record
+
+    @property
+    def records(self) -> list[IterationRecord]:
+        """The baseline iterations' records, then the last later iteration's."""
+        return self._baseline_records + ([self._last_record] if self._last_record is not None else [])
+
+    def report(self) -> "StageReport":
+        """This rank's per-stage report: the first baseline iteration against the last offloaded one.
+
+        Needs ``baseline_iterations >= 1`` and one offloaded training call after them. Gather
+        the ranks' reports explicitly with `chunk_offload.report.gather_reports`.
+        """
+        from .reporting import build_stage_report
+
+        return build_stage_report(self)
 
     def detach(self) -> None:
         """Remove every hook this manager installed on the model."""

@@ -67,9 +67,14 @@ def build_gpt_chunks(
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     deallocate_pipeline_outputs: bool = True,
+    microbatch_group_size_per_vp_stage: int | None = None,
     device: torch.device | str | None = None,
 ) -> list[torch.nn.Module]:
-    """This rank's model chunks, one per virtual stage, as megatron's schedules expect them."""
+    """This rank's model chunks, one per virtual stage, as megatron's schedules expect them.
+
+    ``microbatch_group_size_per_vp_stage``: megatron's interleaved-schedule option (None: the
+    pipeline size); the schedule reads it from the first chunk's config.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
@@ -109,6 +114,7 @@ def build_gpt_chunks(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         add_bias_linear=shape.add_bias_linear,
         recompute_granularity=shape.recompute_granularity,
         recompute_method=shape.recompute_method,

@@ -121,6 +121,8 @@ class TinyGPTConfig:
     """``"adam"`` or ``"sgd"``."""
     lr: float = 1e-2
     """Learning rate."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Megatron's interleaved-schedule option: microbatches per virtual stage before switching (None: PP size)."""
     deallocate_pipeline_outputs: bool = True
     """Megatron's option (Megatron-LM turns it on for training): a stage frees the data of each
     output it sent downstream and runs backward through ``custom_backward``."""
@@ -441,6 +443,7 @@ def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
         tensor_parallel=cfg.tensor_parallel,
         sequence_parallel=cfg.sequence_parallel,
         deallocate_pipeline_outputs=cfg.deallocate_pipeline_outputs,
+        microbatch_group_size_per_vp_stage=cfg.microbatch_group_size_per_vp_stage,
     )
 
 

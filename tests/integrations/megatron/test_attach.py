@@ -22,15 +22,14 @@ is not a parameter is offloaded.
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.integrations.megatron import ALIASES, OFFLOAD_MODULE_NAMES, attach, canonical_names
+from chunk_offload.schedule import megatron_plan
 
 from ._gpt import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
 from ._offload_hooks import OffloadHooks
@@ -116,7 +115,9 @@ class _Spawned:
 
 
 def _hooks(offload: _Offload) -> Hooks:
-    hooks = OffloadHooks(offload.modules, evaluate_between=offload.evaluate_between)
+    # Reload at group start and offload every chunk (no plan policy): the byte formulas below
+    # count every call on every rank. The plan policy is tested in test_schedule.py.
+    hooks = OffloadHooks(offload.modules, options={"min_offload_bytes": 1, "schedule_policy": None}, evaluate_between=offload.evaluate_between)
     return Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, report=hooks.report)
 
 
@@ -216,43 +217,10 @@ def _bytes_per_call(cfg: TinyGPTConfig, name: str) -> int:
 
 def _expected_order(cfg: TinyGPTConfig, pp_rank: int) -> list[tuple[str, int, int]]:
     """The (F|B, microbatch, vp_stage) actions megatron's schedule runs on ``pp_rank`` per iteration."""
-    m, p = cfg.num_microbatches, cfg.pipeline_parallel
-    if cfg.virtual_pipeline is None:
-        # forward_backward_pipelining_without_interleaving: p - r - 1 warm-up forwards, then 1F1B;
-        # with p = 1 (forward_backward_no_pipelining) no warm-up: F, B per microbatch.
-        warmup = min(p - pp_rank - 1, m)
-        forwards = [("F", i, 0) for i in range(m)]
-        backwards = [("B", i, 0) for i in range(m)]
-        steady = [a for i in range(m - warmup) for a in (forwards[warmup + i], backwards[i])]
-        return forwards[:warmup] + steady + backwards[m - warmup :]
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
-        from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order
-
-    vp = cfg.virtual_pipeline
-    group = p  # ModelParallelConfig.microbatch_group_size_per_vp_stage defaults to the PP size
-    comm = SimpleNamespace(  # what get_pp_rank_microbatches reads from a P2PCommunicator
-        pp_group=SimpleNamespace(size=lambda: p, rank=lambda: pp_rank),
-        virtual_pipeline_model_parallel_size=vp,
+    plan = megatron_plan(
+        pp_size=cfg.pipeline_parallel, pp_rank=pp_rank, num_microbatches=cfg.num_microbatches, vp_size=cfg.virtual_pipeline
     )
-    total, _, warmup, remaining = get_pp_rank_microbatches(m, vp, group, p2p_communicator=comm)
-    table = get_schedule_table(m, vp, group)  # virtual microbatch k -> (microbatch, model chunk)
-    forwards = [("F", mb, chunk) for mb, chunk in table]
-    # Backward k runs chunk vp - 1 - table[k].chunk; per chunk, backwards pop microbatches in the
-    # order their forwards ran (megatron keeps one FIFO of outputs per chunk).
-    backwards, popped = [], [0] * vp
-    for _, chunk in table:
-        chunk = vp - 1 - chunk
-        backwards.append(("B", popped[chunk], chunk))
-        popped[chunk] += 1
-    steady = [a for k in range(remaining) for a in (forwards[warmup + k], backwards[k])]
-    order = forwards[:warmup] + steady + backwards[total - warmup :]
-    # Cross-check the chunk sequence with megatron's own conversion (forward c -> c + 1, backward c -> -c - 1).
-    encoded = [c + 1 if kind == "F" else -c - 1 for kind, _, c in order]
-    assert encoded == convert_schedule_table_to_order(warmup, vp, table)
-    return order
+    return [(a.kind.value, a.microbatch, a.vp_stage) for a in plan.actions]
 
 
 # --------------------------------------------------------------------------------------------
