@@ -1,0 +1,315 @@
+"""`attach`: offload chosen submodules of the stages of a torch.distributed.pipelining schedule.
+
+Nothing in torch is edited. The attachment wraps methods on the *instances* it is given:
+
+- ``schedule.step``: each training call is one `OffloadManager.iteration`; ``eval()`` (and a
+  schedule without a loss) runs without offload;
+- each stage's ``forward_one_chunk(fwd_chunk_id, ...)``: the chunk scope of (microbatch
+  ``fwd_chunk_id``, virtual stage = the stage's position among this rank's stages);
+- each stage's ``backward_one_chunk`` / ``backward_weight_one_chunk``: record ``B`` / ``W``.
+
+The offloaded submodules get the core's module hooks (`OffloadManager.offload_module`).
+
+NOTE [Observed order wins]
+The plan is first read from the schedule's own lists (`order.listed_plan`). Those lists are
+not always what runs: torch 2.13's `Schedule1F1B` executes its hand-written loop, and its list
+for the last rank names forwards 1..m instead of 0..m-1. So the first training iteration
+records the order the stage methods were really called in; if it differs from the listed plan
+(or the list is not a valid plan), a warning shows the difference and the observed order
+becomes `PipelineOffloadManager.plan`.
+
+NOTE [Zero-bubble weight steps]
+Zero-bubble schedules split a chunk's backward into ``I`` (input gradients, run with
+``retain_graph=True``) and ``W`` (weight gradients from the intermediates ``I`` kept). The
+saved tensors a ``W`` step unpacks stay referenced by autograd until it ran, and a group frees
+a storage only when autograd drops its last reference, so nothing is released before ``W``.
+A group reloaded in ``I`` stays resident for ``W``; one that ``I`` did not touch (torch runs the
+first stage's whole backward in ``W``) is reloaded on demand there. In the plan ``I`` is ``B``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import warnings
+from typing import Any, Callable, Mapping, Sequence, Union
+
+from torch import nn
+
+from ...core.errors import ChunkOffloadError
+from ...core.manager import OffloadManager
+from ...schedule.plan import Action, ActionKind, Plan
+from . import order
+
+__all__ = ["ModuleSelector", "PipelineOffloadManager", "attach"]
+
+logger = logging.getLogger(__name__)
+
+ModuleSelector = Union[str, type[nn.Module], list[Union[str, type[nn.Module]]], tuple[Union[str, type[nn.Module]], ...]]
+"""What one offload-module name stands for: fnmatch patterns over qualified submodule names of
+a stage's ``submod`` (``"layers.*.attn"``; ``*`` also matches dots) and/or module classes,
+alone or in a list or tuple."""
+
+_MARK = "__chunk_offload_pipelining__"
+_MAX_LISTED_NAMES = 40
+_MISSING = object()  # no instance attribute of that name before `_patch`
+
+
+def _first_difference(listed: list[Action], observed: list[Action]) -> str:
+    """Where two action lists first differ, with both drawn side by side."""
+    step = next((i for i, (a, b) in enumerate(zip(listed, observed)) if a != b), min(len(listed), len(observed)))
+    want = listed[step] if step < len(listed) else "nothing"
+    have = observed[step] if step < len(observed) else "nothing"
+    return (
+        f"step {step}: listed {want}, observed {have}\n"
+        f"  listed:   {Plan.format_actions(listed, mark=step)}\n  observed: {Plan.format_actions(observed, mark=step)}"
+    )
+
+
+class PipelineOffloadManager(OffloadManager):
+    """An `OffloadManager` bound to the stages of one rank of a pipelining schedule.
+
+    Attributes:
+        schedule: the schedule it is attached to.
+        stages: this rank's stages in stage order; ``stages[v]`` is virtual stage ``v``.
+        listed_plan: the plan from the schedule's own list (None if it lists none or lists an
+            invalid order; ``listed_error`` then says why).
+        plan: `listed_plan` until the first training iteration, then the plan checked against
+            the observed order (See NOTE [Observed order wins]).
+        plan_mismatch: the difference the first iteration found, or None.
+        observed_order: the actions of the last training iteration, as they ran.
+        registered: offload-module name -> qualified names of the submodules it matched, per stage.
+    """
+
+    def __init__(self, schedule: Any, offload_modules: Sequence[str] | Mapping[str, ModuleSelector], **options: Any) -> None:
+        if not order.is_schedule(schedule):
+            raise ChunkOffloadError(
+                f"attach expects a torch.distributed.pipelining schedule (Schedule1F1B, ScheduleInterleaved1F1B, ...), "
+                f"got {type(schedule).__name__}"
+            )
+        if getattr(schedule.step, _MARK, False):
+            raise ChunkOffloadError(
+                f"{type(schedule).__name__} already has an offload manager attached; call its detach() first"
+            )
+        stages = order.schedule_stages(schedule)
+        selectors = _selectors(offload_modules)
+        matches = _resolve(stages, selectors)  # fail before the streams start
+        listed_actions, listed, listed_error = None, None, None
+        try:
+            listed_actions = order.listed_actions(schedule)
+            listed = order.listed_plan(schedule)
+        except ChunkOffloadError as e:
+            listed_error = str(e).removeprefix("chunk_offload: ").split("\n")[0]
+        super().__init__(**options)
+        self.schedule = schedule
+        self.stages = stages
+        self.listed_actions: list[Action] | None = listed_actions
+        self.listed_plan: Plan | None = listed
+        self.listed_error: str | None = listed_error
+        self.plan: Plan | None = listed
+        self.plan_mismatch: str | None = None
+        self.observed_order: list[Action] = []
+        self.registered: dict[str, list[list[str]]] = {name: [] for name in selectors}
+        self._checked = False
+        self._patched: list[tuple[Any, str, Any]] = []
+        for vp_stage, stage in enumerate(stages):
+            self.protect_module(stage.submod)
+            for name in selectors:
+                self.registered[name].append([qualified for qualified, _ in matches[vp_stage][name]])
+                for _, module in matches[vp_stage][name]:
+                    self.offload_module(module, name)
+            self._patch(stage, "forward_one_chunk", self._wrap_forward(stage.forward_one_chunk, vp_stage))
+            for method, kind in (("backward_one_chunk", ActionKind.BACKWARD), ("backward_weight_one_chunk", ActionKind.WEIGHT)):
+                self._patch(stage, method, self._wrap_record(getattr(stage, method), kind, vp_stage))
+        self._patch(schedule, "step", self._wrap_step(schedule.step))
+
+    # ------------------------------------------------------------------ wrappers
+    def _patch(self, obj: Any, name: str, wrapper: Callable) -> None:
+        """Set ``wrapper`` as an instance attribute of ``obj`` (the class is left alone)."""
+        self._patched.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        setattr(obj, name, wrapper)
+
+    def _wrap_step(self, step: Callable) -> Callable:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self._in_iteration or not order.schedule_has_backward(self.schedule):
+                return step(*args, **kwargs)  # eval(): forward only, nothing to offload
+            self.observed_order = []
+            with self.iteration():
+                result = step(*args, **kwargs)
+            self._check_order()
+            return result
+
+        setattr(wrapped, _MARK, True)
+        wrapped.__wrapped__ = step
+        return wrapped
+
+    def _wrap_forward(self, forward_one_chunk: Callable, vp_stage: int) -> Callable:
+        def wrapped(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            if not self._in_iteration:
+                return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            self.observed_order.append(Action(ActionKind.FORWARD, fwd_chunk_id, vp_stage))
+            with self.chunk(microbatch=fwd_chunk_id, vp_stage=vp_stage):
+                return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        wrapped.__wrapped__ = forward_one_chunk
+        return wrapped
+
+    def _wrap_record(self, method: Callable, kind: ActionKind, vp_stage: int) -> Callable:
+        def wrapped(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            if self._in_iteration:
+                self.observed_order.append(Action(kind, bwd_chunk_id, vp_stage))
+            return method(bwd_chunk_id, *args, **kwargs)
+
+        wrapped.__wrapped__ = method
+        return wrapped
+
+    # ------------------------------------------------------------------ plan check
+    def _check_order(self) -> None:
+        """After the first training iteration: compare the plan with what ran (NOTE [Observed order wins])."""
+        if self._checked:
+            return
+        self._checked = True
+        name, rank = type(self.schedule).__name__, order.schedule_rank(self.schedule)
+        try:
+            observed = Plan(
+                tuple(self.observed_order),
+                pp_rank=rank,
+                pp_size=int(self.stages[0].group_size),
+                vp_size=len(self.stages),
+                source="observed",
+            )
+        except ChunkOffloadError as e:
+            self.plan = None
+            message = f"the order {name} ran on rank {rank} is not a plan chunk_offload can use, so no plan is set: {e}"
+            warnings.warn(f"chunk_offload: {message}", stacklevel=3)
+            return
+        self.plan_mismatch = self._difference(observed)
+        if self.plan_mismatch is not None:
+            message = f"{name} on rank {rank} did not run the order it lists; using the observed order. {self.plan_mismatch}"
+            warnings.warn(f"chunk_offload: {message}", stacklevel=3)
+            self.plan = observed
+        elif self.listed_plan is None:
+            logger.info("chunk_offload: %s lists no order; using the observed one: %s", name, observed)
+            self.plan = observed
+        # else: the listed plan is what ran; it stays (with its source).
+
+    def _difference(self, observed: Plan) -> str | None:
+        """How the schedule's list differs from ``observed``; None if equal or if it lists nothing."""
+        if self.listed_plan is not None:
+            return self.listed_plan.diff(observed.actions)
+        if self.listed_error is None:
+            return None
+        if self.listed_actions is None:
+            return f"its list cannot be read ({self.listed_error}); observed: {observed.format()}"
+        difference = _first_difference(self.listed_actions, list(observed.actions))
+        return f"its list is not a valid plan ({self.listed_error}); {difference}"
+
+    # ------------------------------------------------------------------ teardown
+    def detach(self) -> None:
+        """Restore the schedule's and stages' methods and remove the module hooks (idempotent)."""
+        for obj, name, previous in reversed(self._patched):
+            if previous is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, previous)
+        self._patched = []
+        for registration in self._registrations:
+            registration.remove()
+        self._registrations.clear()
+
+
+def _selectors(offload_modules: Sequence[str] | Mapping[str, ModuleSelector]) -> dict[str, list[str | type[nn.Module]]]:
+    """Offload-module name -> its patterns and classes, validated."""
+    if isinstance(offload_modules, str):
+        offload_modules = [offload_modules]
+    if isinstance(offload_modules, Mapping):
+        items = list(offload_modules.items())
+    elif isinstance(offload_modules, Sequence):
+        items = [(pattern, pattern) for pattern in offload_modules]
+    else:
+        raise ChunkOffloadError(
+            f"offload_modules must be a list of submodule name patterns or a mapping name -> patterns/classes, "
+            f"got {type(offload_modules).__name__}"
+        )
+    if not items:
+        raise ChunkOffloadError("offload_modules is empty; name at least one submodule pattern, e.g. ['layers.*.attention']")
+    result: dict[str, list[str | type[nn.Module]]] = {}
+    for name, selector in items:
+        if not isinstance(name, str) or not name:
+            raise ChunkOffloadError(f"offload-module names must be non-empty strings, got {name!r}")
+        parts = list(selector) if isinstance(selector, (list, tuple)) else [selector]
+        bad = [p for p in parts if not (isinstance(p, str) and p) and not (isinstance(p, type) and issubclass(p, nn.Module))]
+        if not parts or bad:
+            raise ChunkOffloadError(
+                f"offload module {name!r}: each selector must be a non-empty name pattern or an nn.Module subclass, "
+                f"got {bad or parts!r}"
+            )
+        result[name] = parts
+    return result
+
+
+def _matches(qualified: str, module: nn.Module, parts: list[str | type[nn.Module]]) -> bool:
+    return any(
+        fnmatch.fnmatchcase(qualified, part) if isinstance(part, str) else isinstance(module, part) for part in parts
+    )
+
+
+def _resolve(stages: list[Any], selectors: dict[str, list]) -> list[dict[str, list[tuple[str, nn.Module]]]]:
+    """Per stage, offload-module name -> (qualified name, module) it matches in ``stage.submod``.
+
+    Every name must match on at least one stage of this rank, and no selected module may
+    contain another selected one (offload groups cannot nest).
+    """
+    per_stage = []
+    for stage in stages:
+        named = [(q, m) for q, m in stage.submod.named_modules() if q]
+        found = {name: [(q, m) for q, m in named if _matches(q, m, parts)] for name, parts in selectors.items()}
+        _check_disjoint(stage, found)
+        per_stage.append(found)
+    missing = [name for name in selectors if not any(found[name] for found in per_stage)]
+    if missing:
+        names = sorted({q for stage in stages for q, _ in stage.submod.named_modules() if q})
+        shown = names[:_MAX_LISTED_NAMES]
+        if len(names) > _MAX_LISTED_NAMES:
+            shown.append(f"... {len(names) - _MAX_LISTED_NAMES} more")
+        raise ChunkOffloadError(
+            f"offload modules {missing} match no submodule of this rank's stages {[s.stage_index for s in stages]}; "
+            f"patterns are fnmatch patterns over these qualified names: {shown}"
+        )
+    return per_stage
+
+
+def _check_disjoint(stage: Any, found: dict[str, list[tuple[str, nn.Module]]]) -> None:
+    owner: dict[int, tuple[str, str]] = {}
+    for name, modules in found.items():
+        for qualified, module in modules:
+            if id(module) in owner:
+                other_name, other_qualified = owner[id(module)]
+                raise ChunkOffloadError(
+                    f"submodule {qualified!r} of stage {stage.stage_index} is matched by offload modules "
+                    f"{other_name!r} and {name!r}; make the selectors disjoint"
+                )
+            owner[id(module)] = (name, qualified)
+    selected = {qualified: name for name, modules in found.items() for qualified, _ in modules}
+    for qualified, name in selected.items():
+        parts = qualified.split(".")
+        for outer in (".".join(parts[:i]) for i in range(1, len(parts))):
+            if outer in selected:
+                raise ChunkOffloadError(
+                    f"offload module {selected[outer]!r} selects {outer!r} and {name!r} selects {qualified!r} inside it "
+                    f"(stage {stage.stage_index}); offload groups cannot nest: choose one of them"
+                )
+
+
+def attach(
+    schedule: Any, offload_modules: Sequence[str] | Mapping[str, ModuleSelector], **options: Any
+) -> PipelineOffloadManager:
+    """Offload ``offload_modules`` of this rank's stages under ``schedule`` (a pipelining schedule).
+
+    ``offload_modules``: fnmatch patterns over qualified submodule names of each stage's
+    ``submod`` (each pattern is its own group name), or a mapping group name -> pattern(s) and/or
+    nn.Module classes, e.g. ``{"attn": "layers.*.attention", "norm": nn.LayerNorm}``.
+    ``options``: `OffloadManager` keyword arguments (``streams`` and `OffloadConfig` fields).
+    Then call ``schedule.step(...)`` as usual; `PipelineOffloadManager.detach` undoes it.
+    """
+    return PipelineOffloadManager(schedule, offload_modules, **options)

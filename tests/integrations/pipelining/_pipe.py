@@ -1,0 +1,282 @@
+"""Train a tiny transformer stack under torch.distributed.pipelining schedules on gloo CPU ranks.
+
+One `spawn_cases` call starts ``world_size`` processes and runs every `Case` in them: for each
+schedule, a baseline (no offload) and the same training with `chunk_offload.pipelining.attach`,
+each from the same seed, ``ITERATIONS`` optimizer steps. Every rank returns a `CaseResult` per
+case with the losses, every gradient of every iteration, the offload statistics and plans, so
+the tests compare them with ``torch.equal`` in the parent.
+
+Children arm ``faulthandler.dump_traceback_later``: a hang prints every thread's stack and exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import signal
+import socket
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import chunk_offload
+from chunk_offload.pipelining import attach
+
+from ...core._models import BATCH, HIDDEN, SEQ, Block
+
+__all__ = ["Case", "CaseResult", "ITERATIONS", "LAYERS", "MICROBATCHES", "OFFLOAD_MODULES", "spawn_cases", "stage_indices"]
+
+ITERATIONS = 3
+MICROBATCHES = 4
+LAYERS = 4  # whole model; split evenly over the stages
+OFFLOAD_MODULES = {
+    "norm": nn.LayerNorm,  # attn_norm and mlp_norm of every block, by class
+    "qkv_linear": "*.qkv_linear",
+    "core_attn": "*.core_attn",  # q, k, v are views of one qkv tensor
+    "mlp_fc1": ["*.mlp_fc1"],
+}
+V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One schedule to train, with and without offload."""
+
+    schedule: str
+    """Class name in torch.distributed.pipelining."""
+    max_delay_s: float = 0.0
+    """Random delays on the copy streams of the offload run (`CpuStreams`), to shake races."""
+    seed: int = 0
+    """Seeds the delays."""
+    eval_after: bool = False
+    """Call ``schedule.eval`` after training (torch 2.13's V schedules fail in eval on their own)."""
+
+
+@dataclass(kw_only=True)
+class CaseResult:
+    """What one rank saw in one case."""
+
+    schedule: str
+    rank: int
+    stage_indices: list[int]
+    losses: dict[str, list[list[torch.Tensor]]]
+    """``losses[run][iteration][microbatch]`` for run "baseline" / "offload" (empty off the last stage)."""
+    grads: dict[str, list[dict[str, torch.Tensor]]]
+    """``grads[run][iteration]``: parameter name -> gradient before the optimizer step."""
+    observed: list[list[str]]
+    """The offload run's observed order per iteration."""
+    listed: list[str] | None
+    listed_error: str | None
+    plan: list[str] | None
+    plan_source: str | None
+    plan_mismatch: str | None
+    warnings: list[str]
+    """chunk_offload warnings raised during the offload run."""
+    leaks: list[dict[str, object]]
+    """After each offload step: live chunks, resident/host bytes, pool bytes in use."""
+    groups: dict[str, dict[str, int]]
+    """Per offload-module name: groups, bytes offloaded, bytes reloaded (all iterations)."""
+    registered: dict[str, int]
+    """Per offload-module name: submodules registered on this rank."""
+    released_after: list[tuple[str, bool]] = field(default_factory=list)
+    """Offload run, first iteration: per backward action (``"1B0"``, ``"1W0"``), whether its chunk's
+    saved tensors were all released right after it."""
+    eval_unchanged: bool = False
+    """``schedule.eval`` after training left the offload counters and live chunks untouched."""
+    seconds: float = 0.0
+
+
+def stage_indices(schedule: str, rank: int, world_size: int) -> list[int]:
+    """The global stage indices rank ``rank`` holds under ``schedule`` (in stage order)."""
+    if schedule in ("Schedule1F1B", "ScheduleGPipe"):
+        return [rank]
+    if schedule in V_SCHEDULES:
+        return sorted([rank, 2 * world_size - 1 - rank])
+    return [rank, rank + world_size]
+
+
+def spawn_cases(cases: list[Case], *, world_size: int = 2, timeout_s: float = 150.0) -> list[list[CaseResult]]:
+    """Run ``cases`` in ``world_size`` gloo ranks; returns ``results[case][rank]``."""
+    with tempfile.TemporaryDirectory(prefix="chunk_offload_pipe_") as out_dir:
+        ctx = mp.start_processes(
+            _child_main,
+            args=(world_size, _free_port(), list(cases), out_dir, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s + 30.0
+        try:
+            while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"pipelining ranks did not finish within {timeout_s + 30:.0f} s; stacks are on stderr")
+        except mp.ProcessExitedException as e:
+            raise RuntimeError(
+                f"rank {e.error_index} exited with code {e.exit_code}; if it hung, every rank's stacks are on stderr"
+            ) from e
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_main(rank: int, world_size: int, port: int, cases: list[Case], out_dir: str, timeout_s: float) -> None:
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)  # ranks share the host's cores
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            results = [_run_case(case, rank, world_size) for case in cases]
+            torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGTERM)
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def _batches(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + iteration)
+    shape = (MICROBATCHES * BATCH, SEQ, HIDDEN)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def _build(schedule_name: str, rank: int, world_size: int):
+    """The schedule over this rank's stages of a freshly seeded model (same on every rank)."""
+    from torch.distributed import pipelining
+
+    indices = stage_indices(schedule_name, rank, world_size)
+    num_stages = world_size * (1 if schedule_name in ("Schedule1F1B", "ScheduleGPipe") else 2)
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(LAYERS)]
+    per_stage = LAYERS // num_stages
+    stages = [
+        pipelining.PipelineStage(nn.Sequential(*blocks[i * per_stage : (i + 1) * per_stage]), i, num_stages, torch.device("cpu"))
+        for i in indices
+    ]
+    cls = getattr(pipelining, schedule_name)
+    single = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
+    schedule = cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=_mse)
+    return schedule, stages, num_stages
+
+
+def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseResult) -> None:
+    schedule, stages, num_stages = _build(case.schedule, rank, world_size)
+    manager = None
+    run = "offload" if offload else "baseline"
+    if offload:
+        streams = chunk_offload.CpuStreams(max_delay_s=case.max_delay_s, seed=case.seed)
+        manager = attach(schedule, OFFLOAD_MODULES, min_offload_bytes=0, streams=streams)
+        result.registered = {name: sum(len(q) for q in per_stage) for name, per_stage in manager.registered.items()}
+        result.listed = None if manager.listed_plan is None else [str(a) for a in manager.listed_plan.actions]
+        result.listed_error = manager.listed_error
+        for vp, stage in enumerate(stages):
+            for method in ("backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, method, _record_release(getattr(stage, method), manager, vp, method, result))
+    params = {f"stage{s.stage_index}.{n}": p for s in stages for n, p in s.submod.named_parameters()}
+    optimizer = torch.optim.SGD(params.values(), lr=0.05)
+    first, last = stages[0].stage_index == 0, stages[-1].stage_index == num_stages - 1
+    result.losses[run], result.grads[run] = [], []
+    for iteration in range(ITERATIONS):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = _batches(iteration)
+        losses: list[torch.Tensor] = []
+        schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        result.losses[run].append([loss.detach().clone() for loss in losses])
+        result.grads[run].append({n: p.grad.detach().clone() for n, p in params.items()})
+        if manager is not None:
+            stats = manager.stats()
+            pool = manager.pool.stats()
+            result.leaks.append(
+                dict(
+                    live_chunks=list(manager.live_chunks()),
+                    resident_bytes=stats.resident_bytes,
+                    host_bytes=stats.host_bytes,
+                    pool_in_use=pool.in_use_bytes,
+                    fallback_in_use=pool.fallback_in_use_bytes,
+                )
+            )
+            result.observed.append([str(a) for a in manager.observed_order])
+        optimizer.step()
+    if manager is not None:
+        if case.eval_after:
+            before = manager.stats().groups
+            schedule.eval(*((x,) if first else ()), target=y if last else None)
+            result.eval_unchanged = manager.stats().groups == before and manager.live_chunks() == []
+        stats = manager.stats()
+        result.groups = {
+            name: dict(groups=g.groups, bytes_offloaded=g.bytes_offloaded, bytes_reloaded=g.bytes_reloaded)
+            for name, g in stats.groups.items()
+        }
+        plan = manager.plan
+        result.plan = None if plan is None else [str(a) for a in plan.actions]
+        result.plan_source = None if plan is None else plan.source
+        result.plan_mismatch = manager.plan_mismatch
+        manager.detach()
+        manager.close()
+
+
+def _record_release(method, manager, vp_stage: int, name: str, result: CaseResult):
+    """Wrap a stage's backward method to record whether its chunk was released right after it."""
+    kind = "W" if name == "backward_weight_one_chunk" else "B"
+
+    def wrapped(bwd_chunk_id: int, *args, **kwargs):
+        out = method(bwd_chunk_id, *args, **kwargs)
+        if not result.observed:  # first iteration only
+            live = {(key.microbatch, key.vp_stage) for key in manager.live_chunks()}
+            result.released_after.append((f"{vp_stage}{kind}{bwd_chunk_id}", (bwd_chunk_id, vp_stage) not in live))
+        return out
+
+    return wrapped
+
+
+def _run_case(case: Case, rank: int, world_size: int) -> CaseResult:
+    started = time.perf_counter()
+    result = CaseResult(
+        schedule=case.schedule,
+        rank=rank,
+        stage_indices=stage_indices(case.schedule, rank, world_size),
+        losses={},
+        grads={},
+        observed=[],
+        listed=None,
+        listed_error=None,
+        plan=None,
+        plan_source=None,
+        plan_mismatch=None,
+        warnings=[],
+        leaks=[],
+        groups={},
+        registered={},
+    )
+    _train(case, rank, world_size, False, result)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(case, rank, world_size, True, result)
+    result.warnings = [str(w.message) for w in caught if "chunk_offload" in str(w.message)]
+    result.seconds = time.perf_counter() - started
+    return result

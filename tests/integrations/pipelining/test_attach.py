@@ -1,0 +1,136 @@
+"""`chunk_offload.pipelining.attach` under torch.distributed.pipelining schedules, 2 gloo ranks.
+
+All schedules run in one spawn (module fixture): per schedule a baseline and an offloaded run of
+`_pipe.ITERATIONS` optimizer steps from the same seed. The tests then check, per rank: losses and
+every gradient bit-identical, bytes moved, nothing leaked, the plan against the observed order
+(and torch 2.13's wrong `Schedule1F1B` list for its last rank), and that a zero-bubble chunk's
+saved tensors outlive its input-gradient step until its weight-gradient step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed import pipelining
+
+from chunk_offload.schedule.megatron import megatron_plan
+from chunk_offload.schedule.plan import Action, ActionKind
+
+from ...core._models import BATCH, HIDDEN, SEQ
+from ._pipe import ITERATIONS, MICROBATCHES, Case, CaseResult, spawn_cases
+
+SCHEDULES = (
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+)
+ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+WORLD_SIZE = 2
+
+
+def _case(name: str) -> Case:
+    # Random copy-stream delays where backward is split (I/W): the reload/release order matters most there.
+    delay = 0.002 if name in ZERO_BUBBLE else 0.0
+    eval_after = name in ("Schedule1F1B", "ScheduleInterleaved1F1B")  # torch 2.13's V schedules fail in eval()
+    return Case(schedule=name, max_delay_s=delay, seed=SCHEDULES.index(name), eval_after=eval_after)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[CaseResult]]:
+    present = [name for name in SCHEDULES if hasattr(pipelining, name)]
+    runs = spawn_cases([_case(name) for name in present], world_size=WORLD_SIZE)
+    return dict(zip(present, runs))
+
+
+def _ranks(results: dict[str, list[CaseResult]], name: str) -> list[CaseResult]:
+    if not hasattr(pipelining, name):
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.pipelining.{name}")
+    return results[name]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_losses_and_gradients_bit_identical(results, name):
+    for r in _ranks(results, name):
+        base, off = r.losses["baseline"], r.losses["offload"]
+        holds_last_stage = max(r.stage_indices) == max(s for x in results[name] for s in x.stage_indices)
+        assert [len(x) for x in base] == [MICROBATCHES if holds_last_stage else 0] * ITERATIONS
+        for it, (lb, lo) in enumerate(zip(base, off, strict=True)):
+            for mb, (a, b) in enumerate(zip(lb, lo, strict=True)):
+                assert torch.equal(a, b), f"rank {r.rank} iteration {it} microbatch {mb}: loss {a.item()!r} vs {b.item()!r}"
+        assert len(r.grads["baseline"]) == len(r.grads["offload"]) == ITERATIONS
+        for it, (gb, go) in enumerate(zip(r.grads["baseline"], r.grads["offload"])):
+            assert gb.keys() == go.keys() and gb
+            for param in gb:
+                assert torch.equal(gb[param], go[param]), f"rank {r.rank} iteration {it}: gradient of {param} differs"
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_bytes_offloaded_equal_bytes_reloaded(results, name):
+    element = torch.empty((), dtype=torch.float32).element_size()
+    for r in _ranks(results, name):
+        offloaded = sum(g["bytes_offloaded"] for g in r.groups.values())
+        assert offloaded > 0
+        assert offloaded == sum(g["bytes_reloaded"] for g in r.groups.values())
+        for group_name, g in r.groups.items():
+            # One group per call: every registered module runs once per microbatch and iteration.
+            assert g["groups"] == ITERATIONS * MICROBATCHES * r.registered[group_name], group_name
+        # mlp_fc1 (nn.Linear) saves its input, a fresh [BATCH, SEQ, HIDDEN] tensor; its weight stays.
+        assert r.groups["mlp_fc1"]["bytes_offloaded"] == r.groups["mlp_fc1"]["groups"] * BATCH * SEQ * HIDDEN * element
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_nothing_leaks_after_each_step(results, name):
+    for r in _ranks(results, name):
+        assert r.leaks == [
+            dict(live_chunks=[], resident_bytes=0, host_bytes=0, pool_in_use=0, fallback_in_use=0)
+        ] * ITERATIONS, f"rank {r.rank}"
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_plan_is_the_observed_order(results, name):
+    for r in _ranks(results, name):
+        assert len(r.observed) == ITERATIONS and all(o == r.observed[0] for o in r.observed), f"rank {r.rank}"
+        assert r.plan == r.observed[0]
+        if name == "Schedule1F1B":
+            continue  # see test_schedule_1f1b_lists_a_wrong_order_for_its_last_rank
+        # The other schedules run exactly what they list: the listed plan is kept, nothing is warned.
+        assert r.listed == r.observed[0] and r.plan_source == f"torch {name}"
+        assert r.plan_mismatch is None and r.warnings == []
+
+
+def test_schedule_1f1b_lists_a_wrong_order_for_its_last_rank(results):
+    first, last = _ranks(results, "Schedule1F1B")
+    for r in (first, last):  # what ran is Megatron's 1F1B, on both ranks
+        megatron = megatron_plan(pp_size=WORLD_SIZE, pp_rank=r.rank, num_microbatches=MICROBATCHES)
+        assert r.plan == [str(a) for a in megatron.actions]
+    assert first.listed == first.plan and first.warnings == [] and first.plan_source == "torch Schedule1F1B"
+    # torch 2.13 lists forwards 1..m for the last rank; it runs 0..m-1.
+    assert last.listed is None and "expected microbatch 0" in last.listed_error
+    assert last.plan_source == "observed"
+    assert len(last.warnings) == 1
+    warning = last.warnings[0]
+    assert "Schedule1F1B on rank 1 did not run the order it lists; using the observed order" in warning
+    assert "step 0: listed 0F1, observed 0F0" in warning
+    assert f"listed:   [0F1] 0B0 0F2 0B1 0F3 0B2 0F{MICROBATCHES} 0B3" in warning
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_saved_tensors_live_until_the_weight_step(results, name):
+    """A chunk whose backward is split keeps its saved tensors after I (B here) and frees them after W."""
+    for r in _ranks(results, name):
+        ran = [Action.parse(a) for a in r.observed[0]]
+        split = {a.chunk for a in ran if a.kind is ActionKind.WEIGHT}
+        assert [a for a, _ in r.released_after] == [str(a) for a in ran if a.kind is not ActionKind.FORWARD]
+        for text, released in r.released_after:
+            action = Action.parse(text)
+            expected = action.kind is ActionKind.WEIGHT or action.chunk not in split
+            assert released == expected, f"rank {r.rank}: after {text} released={released}, expected {expected}"
+        assert bool(split) == (name in ZERO_BUBBLE), f"rank {r.rank}: weight steps {sorted(split)}"
+
+
+@pytest.mark.parametrize("name", ["Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_eval_runs_without_offload(results, name):
+    for r in _ranks(results, name):
+        assert r.eval_unchanged, f"rank {r.rank}: eval() changed the offload counters or left live chunks"
