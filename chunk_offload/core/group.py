@@ -100,7 +100,11 @@ class SavedRef:
     def __init__(self, group: "OffloadGroup", storage: _Storage, tensor: torch.Tensor) -> None:
         self.group = group
         self.storage = storage
-        self.tensor: torch.Tensor | None = tensor  # the original, held until the device copy is released
+        # The original's memory, held until the device copy is released. A detached alias (same
+        # storage and version counter, no grad_fn): holding a saved *output* itself would make a
+        # cycle (tensor -> its node -> this ref -> tensor) that a retained graph (retain_graph,
+        # zero-bubble input-gradient steps) never frees by reference counting.
+        self.tensor: torch.Tensor | None = tensor.detach()
         self.version = tensor._version
         self.probe = version_probe(tensor)  # autograd's version counter, checked on unpack
         self.dtype = tensor.dtype

@@ -36,7 +36,7 @@ class _KeptRef:
     __slots__ = ("tensor", "version", "group_name")
 
     def __init__(self, tensor: torch.Tensor, group_name: str) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()  # no grad_fn: see SavedRef.tensor
         self.version = tensor._version
         self.group_name = group_name
 

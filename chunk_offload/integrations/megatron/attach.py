@@ -27,7 +27,7 @@ import contextlib
 import logging
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
 import torch
 from torch import nn
@@ -148,6 +148,14 @@ class MegatronOffloadManager(OffloadManager):
         return post
 
     # ------------------------------------------------------------------ iterations
+    @contextlib.contextmanager
+    def iteration(self, *, offload: bool | None = None) -> Iterator["MegatronOffloadManager"]:
+        """One training iteration (`OffloadManager.iteration`); each chunk counts its forwards from microbatch 0 again."""
+        with super().iteration(offload=offload):
+            self._forwards = [0] * len(self.model_chunks)  # after the nesting checks
+            self.observed_order = []
+            yield self
+
     def wrap(self, forward_backward_func: Callable) -> Callable:
         """Return ``forward_backward_func`` with each training call run as one offload iteration."""
 
@@ -159,8 +167,6 @@ class MegatronOffloadManager(OffloadManager):
                 finally:
                     self._forward_only = previous
             self._prepare_plan(kwargs.get("num_microbatches"))
-            self._forwards = [0] * len(self.model_chunks)
-            self.observed_order = []
             offload = False if self._training_calls < self.baseline_iterations else None
             with self.iteration(offload=offload):
                 result = forward_backward_func(*args, **kwargs)

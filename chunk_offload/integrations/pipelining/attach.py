@@ -32,13 +32,15 @@ from __future__ import annotations
 import fnmatch
 import logging
 import warnings
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 from torch import nn
 
 from ...core.errors import ChunkOffloadError
 from ...core.manager import OffloadManager
+from ...core.schedule_policy import SchedulePolicy
 from ...schedule.plan import Action, ActionKind, Plan
+from ...schedule.policy import PlanPolicy
 from . import order
 
 __all__ = ["ModuleSelector", "PipelineOffloadManager", "attach"]
@@ -81,7 +83,19 @@ class PipelineOffloadManager(OffloadManager):
         registered: offload-module name -> qualified names of the submodules it matched, per stage.
     """
 
-    def __init__(self, schedule: Any, offload_modules: Sequence[str] | Mapping[str, ModuleSelector], **options: Any) -> None:
+    def __init__(
+        self,
+        schedule: Any,
+        offload_modules: Sequence[str] | Mapping[str, ModuleSelector],
+        *,
+        schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
+        prefetch_bytes: int | None = None,
+        **options: Any,
+    ) -> None:
+        if not (schedule_policy is None or schedule_policy == "plan" or isinstance(schedule_policy, SchedulePolicy)):
+            raise ChunkOffloadError(
+                f"schedule_policy must be 'plan', None (reload at group start) or a SchedulePolicy, got {schedule_policy!r}"
+            )
         if not order.is_schedule(schedule):
             raise ChunkOffloadError(
                 f"attach expects a torch.distributed.pipelining schedule (Schedule1F1B, ScheduleInterleaved1F1B, ...), "
@@ -100,7 +114,9 @@ class PipelineOffloadManager(OffloadManager):
             listed = order.listed_plan(schedule)
         except ChunkOffloadError as e:
             listed_error = str(e).removeprefix("chunk_offload: ").split("\n")[0]
-        super().__init__(**options)
+        self._plan_policy = isinstance(schedule_policy, str)
+        self._prefetch_bytes = prefetch_bytes
+        super().__init__(schedule_policy=None if self._plan_policy else schedule_policy, **options)
         self.schedule = schedule
         self.stages = stages
         self.listed_actions: list[Action] | None = listed_actions
@@ -122,6 +138,12 @@ class PipelineOffloadManager(OffloadManager):
             for method, kind in (("backward_one_chunk", ActionKind.BACKWARD), ("backward_weight_one_chunk", ActionKind.WEIGHT)):
                 self._patch(stage, method, self._wrap_record(getattr(stage, method), kind, vp_stage))
         self._patch(schedule, "step", self._wrap_step(schedule.step))
+        self._use_plan(listed)
+
+    def _use_plan(self, plan: Plan | None) -> None:
+        """With the default ``schedule_policy="plan"``: decisions from ``plan`` (none without one)."""
+        if self._plan_policy:
+            self.schedule_policy = PlanPolicy(plan, prefetch_bytes=self._prefetch_bytes) if plan is not None else SchedulePolicy()
 
     # ------------------------------------------------------------------ wrappers
     def _patch(self, obj: Any, name: str, wrapper: Callable) -> None:
@@ -180,6 +202,7 @@ class PipelineOffloadManager(OffloadManager):
             )
         except ChunkOffloadError as e:
             self.plan = None
+            self._use_plan(None)
             message = f"the order {name} ran on rank {rank} is not a plan chunk_offload can use, so no plan is set: {e}"
             warnings.warn(f"chunk_offload: {message}", stacklevel=3)
             return
@@ -188,9 +211,11 @@ class PipelineOffloadManager(OffloadManager):
             message = f"{name} on rank {rank} did not run the order it lists; using the observed order. {self.plan_mismatch}"
             warnings.warn(f"chunk_offload: {message}", stacklevel=3)
             self.plan = observed
+            self._use_plan(observed)
         elif self.listed_plan is None:
             logger.info("chunk_offload: %s lists no order; using the observed one: %s", name, observed)
             self.plan = observed
+            self._use_plan(observed)
         # else: the listed plan is what ran; it stays (with its source).
 
     def _difference(self, observed: Plan) -> str | None:

@@ -87,6 +87,8 @@ class CaseResult:
     """Per offload-module name: groups, bytes offloaded, bytes reloaded (all iterations)."""
     registered: dict[str, int]
     """Per offload-module name: submodules registered on this rank."""
+    registered_per_stage: dict[str, list[int]] = field(default_factory=dict)
+    """Per offload-module name: submodules registered on each of this rank's stages (vp order)."""
     released_after: list[tuple[str, bool]] = field(default_factory=list)
     """Offload run, first iteration: per backward action (``"1B0"``, ``"1W0"``), whether its chunk's
     saved tensors were all released right after it."""
@@ -192,6 +194,7 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
         streams = chunk_offload.CpuStreams(max_delay_s=case.max_delay_s, seed=case.seed)
         manager = attach(schedule, OFFLOAD_MODULES, min_offload_bytes=0, streams=streams)
         result.registered = {name: sum(len(q) for q in per_stage) for name, per_stage in manager.registered.items()}
+        result.registered_per_stage = {name: [len(q) for q in per_stage] for name, per_stage in manager.registered.items()}
         result.listed = None if manager.listed_plan is None else [str(a) for a in manager.listed_plan.actions]
         result.listed_error = manager.listed_error
         for vp, stage in enumerate(stages):

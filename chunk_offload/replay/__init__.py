@@ -1,0 +1,18 @@
+"""Stage replay: what one stage of a large pipeline job would see, measured on one device.
+
+A lent machine has one GPU, so the ranks of a pipeline cannot run there together. The replay
+builds stage ``s`` of ``p`` with its real megatron-core chunks (`megatron_stage`) and runs the
+stage's exact action list from megatron's schedule (`replay`), with synthetic received
+activations and gradients, with and without offload side by side in one process::
+
+    with megatron_stage(GPTShape(num_layers=32, hidden_size=4096, ...), pp_size=4, pp_rank=0, vp_size=2) as stage:
+        result = replay(stage, modules="core_attn,qkv_linear", num_microbatches=8)
+    print(result.format())                  # step time, peak memory, measured/theoretical drop, R
+
+Command line: ``python -m chunk_offload.replay --help``.
+"""
+
+from .run import ModeResult, ReplayResult, replay
+from .stage import MegatronStage, megatron_stage
+
+__all__ = ["MegatronStage", "ModeResult", "ReplayResult", "megatron_stage", "replay"]

@@ -1,0 +1,109 @@
+"""``python -m chunk_offload.replay``: replay one pipeline stage with and without offload; print the table.
+
+    python -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --layers 32 --hidden 4096 --seq 4096 \\
+        --modules core_attn,qkv_linear --dtype bf16 --json out/stage0.json
+
+Runs on the CUDA device when there is one (peaks: ``torch.cuda.max_memory_allocated``), else on
+the CPU (peaks: the manager's accounting of saved bytes; ``--link-gbps`` simulates a host link).
+Exit status 3 when the device runs out of memory, so scripts can retry a smaller shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from ..core.streams import CpuStreams
+from ..integrations.megatron.gpt import GPTShape
+from .run import replay
+from .stage import megatron_stage
+
+__all__ = ["main", "parse_args"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EXIT_OUT_OF_MEMORY = 3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of the stage replay."""
+    p = argparse.ArgumentParser(prog="python -m chunk_offload.replay", description=__doc__.split("\n")[0])
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--pp", type=int, required=True, help="pipeline stages of the job")
+    g.add_argument("--vpp", type=int, default=1, help="model chunks per stage (interleaved schedule when > 1)")
+    g.add_argument("--stage", type=int, required=True, help="the stage to replay, 0..pp-1")
+    g.add_argument("--microbatches", type=int, default=None, help="microbatches per iteration (default 2 x pp)")
+    g = p.add_argument_group("model (the whole GPT, before pipeline splitting)")
+    g.add_argument("--layers", type=int, default=None, help="transformer layers (default 2 per chunk: 2 x pp x vpp)")
+    g.add_argument("--hidden", type=int, default=64, help="hidden size")
+    g.add_argument("--ffn", type=int, default=None, help="MLP hidden size (default 4 x hidden)")
+    g.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 128, at least 1)")
+    g.add_argument("--seq", type=int, default=32, help="sequence length")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
+    g.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    g.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
+    g = p.add_argument_group("offload")
+    g.add_argument("--modules", required=True, help="comma-separated offload module names, e.g. core_attn,qkv_linear")
+    g.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors below this stay on device")
+    g.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link, GB/s (copy time = bytes / rate)")
+    g = p.add_argument_group("run")
+    g.add_argument("--iterations", type=int, default=3, help="measured iterations per mode")
+    g.add_argument("--warmup", type=int, default=1, help="warm-up iterations per mode")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the replay the command line asks for; print its table. Returns the exit status."""
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dtype = _DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
+    layers = args.layers if args.layers is not None else 2 * args.pp * args.vpp
+    shape = GPTShape(
+        num_layers=layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads if args.heads is not None else max(1, args.hidden // 128),
+        vocab_size=args.vocab,
+        seq_length=args.seq,
+        micro_batch_size=args.micro_batch_size,
+        dtype=dtype,
+    )
+    streams = None
+    if args.link_gbps is not None:
+        if cuda:
+            logger.warning("--link-gbps simulates a link on CPU copy streams; ignored on CUDA")
+        else:
+            streams = CpuStreams(link_bytes_per_s=args.link_gbps * 1e9)
+    try:
+        with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
+            result = replay(
+                stage,
+                modules=args.modules,
+                num_microbatches=args.microbatches,
+                iterations=args.iterations,
+                warmup=args.warmup,
+                streams=streams,
+                min_offload_bytes=args.min_offload_bytes,
+            )
+    except torch.OutOfMemoryError as e:
+        print(f"out of device memory: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
+    print(f"model: {layers} layers, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch_size}, {dtype}")
+    print(result.format())
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **result.summary()}
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Run a stage's plan, action by action, with and without offload, and compare the two.
+
+`replay` attaches one `MegatronOffloadManager` to the stage's chunks and runs the plan's
+iterations alternately as baselines (``manager.iteration(offload=False)``: the same groups
+and bytes are tracked, nothing is copied) and with offload, after one warm-up of each. Each
+action does what megatron-core's schedules do on that stage:
+
+- ``F``: the chunk's forward inside the manager's chunk scope (opened by its hooks). The first
+  chunk of the first stage reads tokens; any other chunk gets a synthetic received activation
+  (`MegatronStage.received_activation`) through ``set_input_tensor``. The last chunk of the last
+  stage computes the mean token loss divided by the number of microbatches. Other outputs are
+  "sent" and then freed as megatron frees them (``deallocate_output_tensor``), which keeps
+  only their autograd graph.
+- ``B``: the chunk's backward from a synthetic received gradient (the loss on the last chunk),
+  through megatron's ``custom_backward``; the gradient of the received activation is then
+  "sent" (dropped).
+
+Gradients accumulate into ``param.grad`` over the microbatches and are zeroed in place before
+each iteration, as megatron's persistent gradient buffers are. Every iteration sees the same
+inputs, so a baseline and an offload iteration must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import torch
+
+from ..core.errors import ChunkOffloadError, internal_assert
+from ..core.schedule_policy import SchedulePolicy
+from ..core.stats import IterationRecord
+from ..core.streams import StreamBackend
+from ..integrations.megatron import MegatronOffloadManager, attach
+from ..schedule import PlanPolicy, Simulation, simulate
+from ..schedule.plan import ActionKind, Plan
+from .stage import MegatronStage
+
+__all__ = ["ModeResult", "ReplayResult", "replay"]
+
+_MIB = float(1 << 20)
+
+
+@dataclass(kw_only=True)
+class ModeResult:
+    """The measured iterations of one mode: without offload (baseline) or with it."""
+
+    offload: bool
+    """Whether copies were made."""
+    records: list[IterationRecord] = field(repr=False)
+    """The manager's record of each measured iteration (peaks, bytes per group, times)."""
+    losses: list[torch.Tensor] = field(repr=False)
+    """Loss of each microbatch of the last measured iteration (last stage only; else empty)."""
+    grads: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    """With ``keep_tensors``: parameter gradients after the last iteration, ``"chunk{vp}.{name}"``."""
+    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    """With ``keep_tensors``: gradient of each received activation, by (microbatch, vp_stage)."""
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    """With ``keep_tensors``: each chunk's output before it was freed, by (microbatch, vp_stage)."""
+
+    @property
+    def last(self) -> IterationRecord:
+        return self.records[-1]
+
+    @property
+    def step_time_s(self) -> float:
+        """Median wall time of the measured iterations."""
+        return statistics.median(r.wall_time_s for r in self.records)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest peak of the measured iterations: device memory on CUDA, saved-bytes accounting on CPU."""
+        return max(r.peak_bytes for r in self.records)
+
+    @property
+    def wait_time_s(self) -> float:
+        """Median time per iteration that compute waited on copies."""
+        return statistics.median(sum(g.wait_time_s for g in r.groups.values()) for r in self.records)
+
+    @property
+    def bytes_offloaded(self) -> int:
+        """Bytes copied to host in the last iteration."""
+        return sum(g.bytes_offloaded for g in self.last.groups.values())
+
+    @property
+    def offload_time_s(self) -> float:
+        """Time the device-to-host copies of the last iteration took on their stream."""
+        return sum(g.offload_time_s for g in self.last.groups.values())
+
+
+@dataclass(kw_only=True)
+class ReplayResult:
+    """A stage's replay with and without offload, and what the schedule predicts."""
+
+    stage: str
+    """Which stage, e.g. ``"stage 0 of 4 (2 chunks)"``."""
+    plan: Plan = field(repr=False)
+    """The actions replayed."""
+    modules: list[str]
+    """The offloaded module names."""
+    device: str
+    """Where it ran."""
+    baseline: ModeResult
+    """Without offload."""
+    offload: ModeResult
+    """With offload."""
+    schedule_policy: SchedulePolicy
+    """The offload and prefetch decisions the offload iterations ran with."""
+    simulation: Simulation = field(repr=False)
+    """What `chunk_offload.schedule.simulate` predicts for the plan and policy, from the
+    baseline's bytes per group."""
+
+    @property
+    def theoretical_drop(self) -> int:
+        """Peak saved bytes minus peak resident bytes that the simulation predicts."""
+        return self.simulation.drop
+
+    @property
+    def measured_drop(self) -> int:
+        """Peak without offload minus peak with it (device memory on CUDA, accounting on CPU)."""
+        return self.baseline.peak_bytes - self.offload.peak_bytes
+
+    @property
+    def accounting_drop(self) -> int:
+        """The same drop in the manager's accounting of saved bytes (equals the device drop on CPU)."""
+        return max(r.peak_resident_bytes for r in self.baseline.records) - max(r.peak_resident_bytes for r in self.offload.records)
+
+    @property
+    def ratio(self) -> float:
+        """R = measured drop / theoretical drop (NaN when nothing can be dropped)."""
+        return self.measured_drop / self.theoretical_drop if self.theoretical_drop else math.nan
+
+    @property
+    def step_time_ratio(self) -> float:
+        """Step time with offload / without."""
+        return self.offload.step_time_s / self.baseline.step_time_s
+
+    @property
+    def host_bandwidth_bytes_per_s(self) -> float:
+        """Bytes offloaded / time their device-to-host copies took (NaN without copies)."""
+        seconds = self.offload.offload_time_s
+        return self.offload.bytes_offloaded / seconds if seconds > 0 else math.nan
+
+    def summary(self) -> dict[str, Any]:
+        """The figures of `format` as plain numbers (for JSON)."""
+        return {
+            "stage": self.stage,
+            "plan": self.plan.format(),
+            "modules": list(self.modules),
+            "device": self.device,
+            "schedule_policy": _policy_name(self.schedule_policy),
+            "kept_chunks": [list(c) for c in self.simulation.kept],
+            "step_time_s": {"baseline": self.baseline.step_time_s, "offload": self.offload.step_time_s},
+            "step_time_ratio": self.step_time_ratio,
+            "peak_bytes": {"baseline": self.baseline.peak_bytes, "offload": self.offload.peak_bytes},
+            "peak_resident_bytes": {
+                "baseline": self.baseline.last.peak_resident_bytes,
+                "offload": self.offload.last.peak_resident_bytes,
+            },
+            "measured_drop_bytes": self.measured_drop,
+            "accounting_drop_bytes": self.accounting_drop,
+            "theoretical_drop_bytes": self.theoretical_drop,
+            "R": self.ratio,
+            "bytes_offloaded": self.offload.bytes_offloaded,
+            "offload_time_s": self.offload.offload_time_s,
+            "wait_time_s": self.offload.wait_time_s,
+            "host_bandwidth_bytes_per_s": self.host_bandwidth_bytes_per_s,
+        }
+
+    def format(self) -> str:
+        """A small table: step time, peak memory, drops, R, host bandwidth."""
+        b, o = self.baseline, self.offload
+        peak_what = "device peak" if b.last.device_peak_bytes is not None else "saved-bytes peak"
+        rows = [
+            f"{self.stage}, {self.plan.source}, {len(self.plan.chunks)} chunk forwards, device {self.device}",
+            f"offloaded modules: {','.join(self.modules)}; policy: {_policy_name(self.schedule_policy)}"
+            + (f", {len(self.simulation.kept)} chunk(s) kept on device" if self.simulation.kept else ""),
+            f"{'':<28}{'no offload':>14}{'offload':>14}{'ratio':>10}",
+            f"{'step time (ms)':<28}{b.step_time_s * 1e3:>14.2f}{o.step_time_s * 1e3:>14.2f}{self.step_time_ratio:>10.3f}",
+            f"{peak_what + ' (MiB)':<28}{b.peak_bytes / _MIB:>14.2f}{o.peak_bytes / _MIB:>14.2f}"
+            f"{o.peak_bytes / b.peak_bytes if b.peak_bytes else math.nan:>10.3f}",
+            f"{'resident saved peak (MiB)':<28}{b.last.peak_resident_bytes / _MIB:>14.2f}{o.last.peak_resident_bytes / _MIB:>14.2f}",
+            f"drop: measured {self.measured_drop / _MIB:.2f} MiB, theoretical {self.theoretical_drop / _MIB:.2f} MiB, "
+            f"R = {self.ratio:.4f}",
+            f"offloaded {o.bytes_offloaded / _MIB:.2f} MiB per iteration in {o.offload_time_s * 1e3:.2f} ms of copies "
+            f"({self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s); compute waited {o.wait_time_s * 1e3:.2f} ms",
+        ]
+        return "\n".join(rows)
+
+
+def replay(
+    stage: MegatronStage,
+    *,
+    modules: str | Sequence[str],
+    num_microbatches: int | None = None,
+    plan: Plan | None = None,
+    iterations: int = 1,
+    warmup: int = 1,
+    streams: StreamBackend | None = None,
+    schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
+    prefetch_bytes: int | None = None,
+    keep_tensors: bool = False,
+    **options: Any,
+) -> ReplayResult:
+    """Replay ``stage``'s plan with and without offloading ``modules``; measure both.
+
+    ``plan``: default megatron's schedule of the stage for ``num_microbatches`` (default
+    ``2 * pp_size``). ``iterations`` measured iterations per mode, after ``warmup`` of each.
+    ``schedule_policy``: ``"plan"`` (what `attach` uses in training: `PlanPolicy` of the plan,
+    with ``prefetch_bytes``), None (every chunk offloaded, each group reloaded when backward
+    reaches the group after it) or a `SchedulePolicy`. ``streams`` and ``options``
+    (`OffloadConfig` fields) go to `attach`. ``keep_tensors``: also keep chunk outputs and
+    gradients in the result, for comparisons.
+    """
+    if plan is None:
+        plan = stage.plan(num_microbatches if num_microbatches is not None else 2 * stage.pp_size)
+    elif num_microbatches is not None:
+        raise ChunkOffloadError("replay takes num_microbatches or plan, not both (a plan fixes its microbatches)")
+    _check_plan(stage, plan)
+    for label, value, low in (("iterations", iterations, 1), ("warmup", warmup, 0)):
+        if not isinstance(value, int) or value < low:
+            raise ChunkOffloadError(f"replay needs {label} as an int >= {low}, got {value!r}")
+    if schedule_policy == "plan":
+        schedule_policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes)
+    elif prefetch_bytes is not None:
+        raise ChunkOffloadError(f"prefetch_bytes={prefetch_bytes} applies to schedule_policy='plan', not to {schedule_policy!r}")
+    elif schedule_policy is None:
+        schedule_policy = SchedulePolicy()
+    manager = attach(stage.chunks, modules, streams=streams, schedule_policy=schedule_policy, **options)
+    try:
+        runner = _Runner(stage, plan, manager, keep_tensors=keep_tensors)
+        for _ in range(warmup):
+            runner.run(offload=False)
+            runner.run(offload=True)
+        measured: dict[bool, list[ModeResult]] = {False: [], True: []}
+        for _ in range(iterations):
+            for offload in (False, True):  # alternate, so that drifts of the host hit both alike
+                measured[offload].append(runner.run(offload=offload))
+    finally:
+        manager.detach()
+        manager.close()
+    baseline, offloaded = _merge(measured[False]), _merge(measured[True])
+    group_bytes = baseline.last.group_bytes
+    simulation = simulate(plan, lambda microbatch, vp_stage: group_bytes[(microbatch, vp_stage)], policy=schedule_policy)
+    return ReplayResult(
+        stage=f"stage {stage.pp_rank} of {stage.pp_size}" + (f" ({stage.vp_size} chunks)" if stage.vp_size > 1 else ""),
+        plan=plan,
+        modules=list(manager.offload_modules),
+        device=str(stage.device),
+        baseline=baseline,
+        offload=offloaded,
+        schedule_policy=schedule_policy,
+        simulation=simulation,
+    )
+
+
+def _policy_name(policy: SchedulePolicy) -> str:
+    return "reload at group start" if type(policy) is SchedulePolicy else repr(policy)
+
+
+def _check_plan(stage: MegatronStage, plan: Plan) -> None:
+    if not isinstance(plan, Plan):
+        raise ChunkOffloadError(f"replay expects a chunk_offload.schedule.Plan, got {type(plan).__name__}")
+    if (plan.pp_size, plan.pp_rank, plan.vp_size) != (stage.pp_size, stage.pp_rank, stage.vp_size):
+        raise ChunkOffloadError(
+            f"plan {plan.source} is for stage {plan.pp_rank} of {plan.pp_size} with {plan.vp_size} chunk(s), but the stage "
+            f"is {stage.pp_rank} of {stage.pp_size} with {stage.vp_size}; build it with stage.plan(...)"
+        )
+    if plan.has_weight_steps:
+        raise ChunkOffloadError(
+            f"plan {plan.source} has weight-gradient (W) steps; megatron-core's GPT chunks run B as the whole backward"
+        )
+
+
+class _Runner:
+    """Runs one plan's iterations on one stage through one manager."""
+
+    def __init__(self, stage: MegatronStage, plan: Plan, manager: MegatronOffloadManager, *, keep_tensors: bool) -> None:
+        from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
+
+        self.stage = stage
+        self.plan = plan
+        self.manager = manager
+        self.keep = keep_tensors
+        self.num_microbatches = 1 + max(mb for mb, _ in plan.chunks)
+        self._custom_backward = custom_backward
+        self._deallocate = deallocate_output_tensor
+        needs_tokens = any(stage.is_first(vp) or stage.is_last(vp) for vp in range(stage.vp_size))
+        self._batches = stage.token_batches(self.num_microbatches, iteration=0) if needs_tokens else None
+
+    def run(self, *, offload: bool) -> ModeResult:
+        """One iteration of the plan, as a result of one record."""
+        for chunk in self.stage.chunks:
+            chunk.zero_grad(set_to_none=False)
+        result = ModeResult(offload=offload, records=[], losses=[])
+        pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        with self.manager.iteration(offload=offload):
+            for action in self.plan.actions:
+                if action.kind is ActionKind.FORWARD:
+                    pending[action.chunk] = self._forward(*action.chunk, result)
+                else:
+                    self._backward(*action.chunk, *pending.pop(action.chunk), result)
+        internal_assert(not pending, f"chunks without backward after the plan: {sorted(pending)}")
+        difference = self.plan.diff(self.manager.observed_order)
+        internal_assert(difference is None, f"the manager saw another order than the replayed plan: {difference}")
+        result.records.append(self.manager.last_iteration)
+        if self.keep:
+            result.grads = {
+                f"chunk{vp}.{name}": p.grad.detach().cpu().clone()
+                for vp, chunk in enumerate(self.stage.chunks)
+                for name, p in chunk.named_parameters()
+                if p.grad is not None
+            }
+        return result
+
+    def _forward(self, microbatch: int, vp_stage: int, result: ModeResult) -> tuple[torch.Tensor, torch.Tensor | None]:
+        stage = self.stage
+        chunk = stage.chunks[vp_stage]
+        first, last = stage.is_first(vp_stage), stage.is_last(vp_stage)
+        batch = self._batches[microbatch] if self._batches is not None else None
+        received = None
+        if not first:
+            received = stage.received_activation(iteration=0, microbatch=microbatch, vp_stage=vp_stage)
+        chunk.set_input_tensor(received)
+        output = chunk(
+            batch["tokens"] if first else None,
+            batch["position_ids"] if first else None,
+            None,  # megatron's default causal mask
+            labels=batch["labels"] if last else None,
+        )
+        if last:
+            output = output.float().mean() / self.num_microbatches  # megatron divides the loss by the microbatches
+            result.losses.append(output.detach().clone())
+        else:
+            if self.keep:
+                result.outputs[(microbatch, vp_stage)] = output.detach().cpu().clone()
+            # Sent to the next stage: only the graph is kept (megatron's deallocate_pipeline_outputs).
+            self._deallocate(output, chunk.config.deallocate_pipeline_outputs)
+        return output, received
+
+    def _backward(self, microbatch: int, vp_stage: int, output: torch.Tensor, received: torch.Tensor | None, result: ModeResult) -> None:
+        last = self.stage.is_last(vp_stage)
+        grad = None if last else self.stage.received_grad(iteration=0, microbatch=microbatch, vp_stage=vp_stage)
+        if self.stage.chunks[vp_stage].config.deallocate_pipeline_outputs:
+            self._custom_backward(output, grad)
+        else:
+            torch.autograd.backward(output, grad_tensors=grad)
+        if received is not None and self.keep:
+            result.input_grads[(microbatch, vp_stage)] = received.grad.detach().cpu().clone()
+
+
+def _merge(runs: list[ModeResult]) -> ModeResult:
+    """The last run's tensors with every run's record."""
+    merged = runs[-1]
+    merged.records = [record for run in runs for record in run.records]
+    return merged
