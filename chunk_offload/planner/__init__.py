@@ -1,0 +1,55 @@
+"""The analytic planner: activation bytes per offload module, per-stage drop, copy against compute.
+
+- `GPTDims`, `saved_tensors`, `group_bytes`, `layer_groups`, `layer_saved_bytes`,
+  `layer_forward_flops`: the byte and FLOP model of megatron-core GPT/MoE layers (`model.py`,
+  NOTE [Byte model] says what is exact and what is estimated);
+- `PipelineConfig`, `Hardware`, `StagePlanner`, `estimate_stages`, `StageEstimate`: per stage,
+  the offload groups of a chunk, chunks in flight, the predicted peaks and drop (replayed on
+  Megatron's schedule with `chunk_offload.schedule.simulate`) and copy against compute time;
+- `recommend`, `Recommendation`: per stage, the cheapest module set that fits a budget without
+  stalling;
+- ``chunk-offload plan`` (`chunk_offload.planner.cli.main`): all of it on the command line.
+
+Megatron is imported only to build plans (`chunk_offload.schedule.megatron_plan`).
+"""
+
+from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner, estimate_stages, stage_layers
+from .model import (
+    ALIASES,
+    DTYPE_BYTES,
+    MODULE_NAMES,
+    GPTDims,
+    SavedTensor,
+    canonical_modules,
+    expert_tokens,
+    group_bytes,
+    layer_forward_flops,
+    layer_groups,
+    layer_saved_bytes,
+    saved_tensors,
+)
+from .recommend import Recommendation, recommend
+
+__all__ = [
+    "ALIASES",
+    "DTYPE_BYTES",
+    "GB",
+    "GPTDims",
+    "Hardware",
+    "MODULE_NAMES",
+    "PipelineConfig",
+    "Recommendation",
+    "SavedTensor",
+    "StageEstimate",
+    "StagePlanner",
+    "canonical_modules",
+    "estimate_stages",
+    "expert_tokens",
+    "group_bytes",
+    "layer_forward_flops",
+    "layer_groups",
+    "layer_saved_bytes",
+    "recommend",
+    "saved_tensors",
+    "stage_layers",
+]

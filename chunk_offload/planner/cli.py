@@ -1,0 +1,260 @@
+"""``chunk-offload plan``: the planner on the command line.
+
+Example (Llama-3-8B-like shape, 4 stages x 2 virtual stages, 8 microbatches)::
+
+    chunk-offload plan --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \\
+        --num-attention-heads 32 --num-query-groups 8 --seq-length 4096 --micro-batch-size 1 \\
+        --pp 4 --vpp 2 --num-microbatches 8 --modules qkv_linear,core_attn --budget-gb 60
+
+prints a table per stage (bytes per module per layer and per chunk, chunks in flight at the
+peak, the predicted peak without and with offload and the drop, copy against compute time per
+layer) and, with ``--budget-gb``, the cheapest module set per stage that fits without stalls.
+``--json PATH`` writes the same as JSON. Byte counts are decimal (1 GB = 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Sequence
+
+from ..core.errors import ChunkOffloadError
+from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner
+from .model import ALIASES, DTYPE_BYTES, MODULE_NAMES, GPTDims, canonical_modules
+from .recommend import Recommendation, recommend
+
+__all__ = ["build_parser", "main"]
+
+_PROG = "chunk-offload"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``chunk-offload`` argument parser (subcommand ``plan``)."""
+    parser = argparse.ArgumentParser(prog=_PROG, description="chunk-offload tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser(
+        "plan",
+        help="predict per-stage activation bytes, drop and copy time; recommend module sets for a budget",
+        description=__doc__.split("\n\n")[0],
+    )
+    model = plan.add_argument_group("model (megatron-core names)")
+    model.add_argument("--num-layers", type=int, required=True)
+    model.add_argument("--hidden-size", type=int, required=True)
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    model.add_argument("--num-attention-heads", type=int, required=True)
+    model.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention; default: heads")
+    model.add_argument("--seq-length", type=int, required=True)
+    model.add_argument("--micro-batch-size", type=int, default=1)
+    model.add_argument("--num-experts", type=int, default=None, help="MoE experts per MoE layer")
+    model.add_argument("--moe-router-topk", type=int, default=2)
+    model.add_argument("--moe-layer-freq", default="1", help="every N-th layer is MoE, or one 0/1 per layer: 1,0,1,0")
+    model.add_argument("--expert-model-parallel-size", "--ep", dest="expert_parallel", type=int, default=1)
+    model.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    model.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda", help="cpu: LayerNorm statistics in the input dtype (CPU training)"
+    )
+    pipe = plan.add_argument_group("pipeline")
+    pipe.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    pipe.add_argument("--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=int, default=None)
+    pipe.add_argument("--num-microbatches", type=int, required=True)
+    pipe.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
+    off = plan.add_argument_group("offload")
+    off.add_argument(
+        "--modules",
+        default=None,
+        help=f"comma-separated offload modules from {list(MODULE_NAMES) + sorted(ALIASES)}; "
+        "default every one the model has but moe_act",
+    )
+    off.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors smaller than this stay (default 1 MiB)")
+    off.add_argument(
+        "--policy",
+        choices=["plan", "all"],
+        default="plan",
+        help="plan: keep chunks whose backward follows at once, prefetch by plan; all: offload every chunk",
+    )
+    hw = plan.add_argument_group("hardware")
+    hw.add_argument("--host-bandwidth-gbs", type=float, default=25.0, help="device-host GB/s per direction (default 25)")
+    hw.add_argument(
+        "--device-tflops", type=float, default=400.0, help="sustained TFLOP/s (default 400, ~40%% of an H100's dense BF16 peak)"
+    )
+    budget = plan.add_argument_group("budget")
+    budget.add_argument("--budget-gb", type=float, default=None, help="activation memory per stage; recommend module sets")
+    budget.add_argument(
+        "--other-activation-gb", type=float, default=0.0, help="added to each stage's peak: embeddings, loss, buffers (default 0)"
+    )
+    plan.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the result as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line (``argv`` None: ``sys.argv[1:]``); returns the exit status.
+
+    Invalid values print the reason to stderr and return 2; malformed flags exit through
+    argparse (status 2 as well).
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        result = _plan(args)
+    except ChunkOffloadError as e:
+        print(f"{_PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(result.text)
+    if args.json_path is not None:
+        with open(args.json_path, "w") as f:
+            json.dump(result.data, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+class _Result:
+    def __init__(self, text: str, data: dict) -> None:
+        self.text = text
+        self.data = data
+
+
+def _moe_layer_freq(text: str) -> int | tuple[int, ...]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ChunkOffloadError(f"--moe-layer-freq takes an int or comma-separated 0/1 per layer, got {text!r}") from None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _plan(args: argparse.Namespace) -> _Result:
+    for flag, value in (("--budget-gb", args.budget_gb), ("--other-activation-gb", args.other_activation_gb)):
+        if value is not None and value < 0:
+            raise ChunkOffloadError(f"{flag} must be >= 0, got {value}")
+    dims = GPTDims(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_layer_freq=_moe_layer_freq(args.moe_layer_freq),
+        expert_parallel=args.expert_parallel,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    pipeline = PipelineConfig(
+        pipeline_parallel=args.pp,
+        virtual_pipeline=args.vpp,
+        num_microbatches=args.num_microbatches,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+    )
+    hardware = Hardware(host_bandwidth_gbs=args.host_bandwidth_gbs, device_tflops=args.device_tflops)
+    planner = StagePlanner(
+        dims,
+        pipeline,
+        hardware=hardware,
+        min_offload_bytes=args.min_offload_bytes,
+        policy=args.policy,
+        other_activation_bytes=round(args.other_activation_gb * GB),
+    )
+    present = [m for m in MODULE_NAMES if any(m in dims.modules_of(i) for i in range(dims.num_layers))]
+    if args.modules is None:
+        modules = [m for m in present if m != "moe_act"]
+    else:
+        modules = canonical_modules(args.modules)
+        missing = [m for m in modules if m not in present]
+        if missing:
+            raise ChunkOffloadError(f"module(s) {missing} not in this model; it has {present}")
+    stages = planner.estimate(modules)
+    recommendations = None
+    if args.budget_gb is not None:
+        recommendations = recommend(planner, budget_bytes=round(args.budget_gb * GB), candidates=modules)
+    text = _format(dims, pipeline, hardware, planner, modules, stages, recommendations)
+    data = {
+        "model": asdict(dims),
+        "pipeline": asdict(pipeline),
+        "hardware": asdict(hardware),
+        "modules": modules,
+        "min_offload_bytes": planner.min_offload_bytes,
+        "policy": planner.policy,
+        "schedule": planner.plans[0].source,
+        "stages": [s.to_dict() for s in stages],
+        "recommendations": None if recommendations is None else [r.to_dict() for r in recommendations],
+    }
+    return _Result(text, data)
+
+
+def _mb(nbytes: int | float) -> str:
+    return f"{nbytes / 1e6:.2f}"
+
+
+def _gb(nbytes: int | float) -> str:
+    return f"{nbytes / 1e9:.3f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def _format(
+    dims: GPTDims,
+    pipeline: PipelineConfig,
+    hardware: Hardware,
+    planner: StagePlanner,
+    modules: list[str],
+    stages: list[StageEstimate],
+    recommendations: list[Recommendation] | None,
+) -> str:
+    moe = f", {dims.num_experts} experts top-{dims.moe_router_topk} EP={dims.expert_parallel}" if dims.num_experts else ""
+    lines = [
+        f"model: {dims.num_layers} layers, hidden {dims.hidden_size}, ffn {dims.ffn}, {dims.num_attention_heads} heads "
+        f"({dims.query_groups} query groups), seq {dims.seq_length}, micro batch {dims.micro_batch_size}, {dims.dtype}{moe}",
+        f"schedule: {planner.plans[0].source}, PP={pipeline.pipeline_parallel} VPP={pipeline.vp_size}, "
+        f"{pipeline.num_microbatches} microbatches; policy {planner.policy}; tensors < {planner.min_offload_bytes} B stay",
+        f"offload: {', '.join(modules)}; host link {hardware.host_bandwidth_gbs:g} GB/s, device {hardware.device_tflops:g} TFLOP/s",
+        "byte model: megatron-core's local layer spec (no Transformer Engine; core_attn holds the s x s softmax)",
+        "",
+        "saved bytes per layer and per chunk (MB, one microbatch):",
+    ]
+    rows = []
+    for s in stages:
+        for vp, chunk in enumerate(s.layers):
+            per = s.chunk_module_bytes[vp]
+            rows.append(
+                [str(s.pp_rank), str(vp), f"{chunk[0]}-{chunk[-1]}"]
+                + [f"{_mb(s.module_bytes_per_layer[m])}/{_mb(per[m])}" if m in per else "-" for m in modules]
+            )
+    lines += _table(["stage", "vp", "layers"] + [f"{m} layer/chunk" for m in modules], rows)
+    lines += ["", "per stage (GB; peaks of the offload modules' saved bytes; copy and compute per layer in ms):"]
+    rows = []
+    for s in stages:
+        rows.append(
+            [
+                str(s.pp_rank),
+                str(s.chunks_in_flight_peak),
+                str(len(s.kept_chunks)),
+                _gb(s.peak_saved_bytes),
+                _gb(s.peak_resident_bytes),
+                _gb(s.drop),
+                _gb(s.bytes_offloaded),
+                f"{s.copy_seconds_per_layer * 1e3:.3f}",
+                f"{s.compute_seconds_per_layer * 1e3:.3f}",
+                "yes" if s.hides else "NO",
+                _gb(s.peak_without_offload_bytes),
+                _gb(s.peak_with_offload_bytes),
+            ]
+        )
+    lines += _table(
+        ["stage", "in flight", "kept", "peak w/o", "peak with", "drop", "copied/iter", "copy", "compute", "hides", "act w/o", "act with"],
+        rows,
+    )
+    lines += [
+        "",
+        "act w/o / act with: every saved activation of the stage's layers at its peak, without and with offload",
+        "(estimate, see chunk_offload.planner.estimate), plus --other-activation-gb.",
+    ]
+    if recommendations is not None:
+        lines += ["", f"budget {recommendations[0].budget_bytes / 1e9:g} GB per stage:"]
+        lines += [f"  {r.describe()}" for r in recommendations]
+    return "\n".join(lines) + "\n"

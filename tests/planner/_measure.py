@@ -1,0 +1,269 @@
+"""Measure, in real megatron-core runs on CPU, the bytes each offload group saves.
+
+One call of `measure` spawns one process (world size 1, gloo, ``cpu_compat``) and, for every
+`ByteCase`, builds the model through `chunk_offload.integrations.megatron.gpt.build_gpt_chunks`
+(the builder the harness and the example use), attaches an offload manager to every module name
+the model has, and runs one training step of one microbatch through megatron's own schedule
+(``forward_backward_no_pipelining``). A forward pre-hook on each offloaded module records which
+module opened each group, and the manager's record of the iteration
+(``last_iteration.group_bytes``) gives each group's bytes, so the result is every group of the
+step in forward order: (layer, module name, bytes), plus the per-name totals of ``stats()``.
+
+A second run of the same case offloads each whole ``TransformerLayer`` as one group, which gives
+the bytes of everything a layer saves for backward (storages deduplicated within the layer).
+A third run counts each layer's forward FLOPs with ``torch.utils.flop_counter.FlopCounterMode``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["ByteCase", "CaseBytes", "measure"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class ByteCase:
+    """A model shape (fields of ``GPTShape``) and the offload threshold of one measurement."""
+
+    num_layers: int = 2
+    hidden_size: int = 32
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    num_experts: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_router_topk: int = 2
+    add_bias_linear: bool = True
+    dtype: torch.dtype = torch.float32
+    min_offload_bytes: int = 1
+
+
+@dataclass
+class CaseBytes:
+    """What one case saved, from the manager's statistics."""
+
+    calls: list[tuple[int, str, int]] = field(default_factory=list)
+    """Every group of the step in forward order: (global 0-based layer, module name, bytes), the
+    bytes from the engine's record of the iteration (``last_iteration.group_bytes``)."""
+    totals: dict[str, int] = field(default_factory=dict)
+    """``stats().groups[name].bytes_offloaded`` after the step."""
+    group_bytes: list[int] = field(default_factory=list)
+    """The engine's own record of the chunk's group bytes (``manager.last_iteration.group_bytes``)."""
+    layer_bytes: list[int] = field(default_factory=list)
+    """Bytes offloaded by each whole layer taken as one group (second run), per layer."""
+    layer_flops: list[int] = field(default_factory=list)
+    """Forward FLOPs of each layer as torch's ``FlopCounterMode`` counts them (third run)."""
+
+
+def measure(cases: list[ByteCase], *, timeout_s: float = 300.0) -> list[CaseBytes]:
+    """Run every case in one spawned process; results in the order of ``cases``."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.start_processes(_child, args=(port, cases, out_dir), nprocs=1, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=5.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"byte measurement did not finish within {timeout_s} s")
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        return torch.load(Path(out_dir) / "bytes.pt", weights_only=False)
+
+
+def _child(rank: int, port: int, cases: list[ByteCase], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+    try:
+        from chunk_offload.integrations.megatron import cpu_compat
+
+        with cpu_compat.megatron_on_cpu():
+            results = [_measure_case(case) for case in cases]
+        torch.save(results, Path(out_dir) / "bytes.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _shape(case: ByteCase):
+    from chunk_offload.integrations.megatron.gpt import GPTShape
+
+    return GPTShape(
+        num_layers=case.num_layers,
+        hidden_size=case.hidden_size,
+        ffn_hidden_size=case.ffn_hidden_size,
+        num_attention_heads=case.num_attention_heads,
+        num_query_groups=case.num_query_groups,
+        vocab_size=64,
+        seq_length=case.seq_length,
+        micro_batch_size=case.micro_batch_size,
+        num_experts=case.num_experts,
+        moe_layer_freq=case.moe_layer_freq,
+        moe_router_topk=case.moe_router_topk,
+        add_bias_linear=case.add_bias_linear,
+        dtype=case.dtype,
+    )
+
+
+def _build(case: ByteCase):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from chunk_offload.integrations.megatron.gpt import build_gpt_chunks
+
+    parallel_state.initialize_model_parallel()
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    chunks = build_gpt_chunks(_shape(case))
+    if case.dtype in (torch.bfloat16, torch.float16):
+        # What Megatron-LM's training does for bf16/fp16: Float16Module casts the parameters
+        # (norms included) and the float inputs of the first stage.
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    return chunks
+
+
+def _step(case: ByteCase, chunks, forward_backward) -> None:
+    from chunk_offload.integrations.megatron.gpt import gpt_forward_step, random_token_batches
+
+    batches = random_token_batches(_shape(case), num_microbatches=1, seed=1234, iteration=0)
+    forward_backward(
+        forward_step_func=gpt_forward_step,
+        data_iterator=iter(batches),
+        model=chunks[0],
+        num_microbatches=1,
+        seq_length=case.seq_length,
+        micro_batch_size=case.micro_batch_size,
+        forward_only=False,
+    )
+
+
+def _measure_case(case: ByteCase) -> CaseBytes:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from chunk_offload.core.manager import OffloadManager
+    from chunk_offload.integrations.megatron import OFFLOAD_MODULE_NAMES, attach
+    from chunk_offload.integrations.megatron.modules import resolve, transformer_layers
+
+    result = CaseBytes()
+    # Run 1: every module name the model has, one group per call.
+    chunks = _build(case)
+    try:
+        names = [n for n in OFFLOAD_MODULE_NAMES if resolve(chunks[0], n)]
+        # schedule_policy=None: offload every chunk (the plan policy keeps a chunk whose backward
+        # follows at once, as here with one microbatch).
+        manager = attach(chunks, names, min_offload_bytes=case.min_offload_bytes, schedule_policy=None)
+        layer_now = [-1]
+        called: list[tuple[int, str]] = []
+
+        def enter_layer(module, args, kwargs):
+            layer_now[0] = module.layer_number - 1  # megatron numbers layers from 1
+
+        def record(name):
+            def hook(module, args):
+                if torch.is_grad_enabled():
+                    called.append((layer_now[0], name))
+
+            return hook
+
+        for layer in transformer_layers(chunks[0]):
+            layer.register_forward_pre_hook(enter_layer, with_kwargs=True)
+        for name in names:
+            for module in resolve(chunks[0], name):
+                module.register_forward_pre_hook(record(name))
+        _step(case, chunks, manager.wrap(get_forward_backward_func()))
+        result.totals = {n: g.bytes_offloaded for n, g in manager.stats().groups.items()}
+        # The engine's own bytes per group, in the order the groups were opened (= `called`).
+        result.group_bytes = list(manager.last_iteration.group_bytes[(0, 0)])
+        result.calls = [(layer, name, nbytes) for (layer, name), nbytes in zip(called, result.group_bytes, strict=True)]
+        manager.close()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+    # Run 2: each whole layer as one group.
+    chunks = _build(case)
+    try:
+        manager = OffloadManager(min_offload_bytes=case.min_offload_bytes)
+        manager.protect_module(chunks[0])
+        layers = transformer_layers(chunks[0])
+        for i, layer in enumerate(layers):
+            manager.offload_module(layer, f"layer{i}")
+        forward_backward = get_forward_backward_func()
+        chunk_scope = _ChunkScope(manager)
+        chunks[0].register_forward_pre_hook(chunk_scope.enter)
+        chunks[0].register_forward_hook(chunk_scope.exit, always_call=True)
+
+        def wrapped(**kwargs):
+            with manager.iteration():
+                return forward_backward(**kwargs)
+
+        _step(case, chunks, wrapped)
+        stats = manager.stats()
+        result.layer_bytes = [stats.groups[f"layer{i}"].bytes_offloaded for i in range(len(layers))]
+        manager.close()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+    # Run 3: matmul FLOPs of each layer's forward.
+    chunks = _build(case)
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counters = []
+
+        def count_start(module, args, kwargs):
+            counter = FlopCounterMode(display=False)
+            counter.__enter__()
+            counters.append(counter)
+
+        def count_end(module, args, output):
+            counters[-1].__exit__(None, None, None)
+
+        for layer in transformer_layers(chunks[0]):
+            layer.register_forward_pre_hook(count_start, with_kwargs=True)
+            layer.register_forward_hook(count_end)
+        _step(case, chunks, get_forward_backward_func())
+        result.layer_flops = [c.get_total_flops() for c in counters]
+    finally:
+        parallel_state.destroy_model_parallel()
+    return result
+
+
+class _ChunkScope:
+    """Opens the manager's chunk for the duration of the model chunk's forward."""
+
+    def __init__(self, manager) -> None:
+        self.manager = manager
+        self.scopes = []
+        self.forwards = 0
+
+    def enter(self, module, args):
+        if torch.is_grad_enabled():
+            scope = self.manager.chunk(microbatch=self.forwards)
+            self.forwards += 1
+            scope.__enter__()
+            self.scopes.append(scope)
+
+    def exit(self, module, args, output):
+        if self.scopes:
+            self.scopes.pop().__exit__(None, None, None)

@@ -1,0 +1,29 @@
+"""Picklable harness hooks that record each training iteration's accounting (see ``_gpt.Hooks``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tests.integrations.megatron._offload_hooks import OffloadHooks
+
+__all__ = ["RecordHooks"]
+
+
+@dataclass
+class RecordHooks(OffloadHooks):
+    """`OffloadHooks` whose ``after_step`` returns the manager's record of the iteration just run."""
+
+    def after_step(self, chunks: list[torch.nn.Module], iteration: int) -> dict[str, Any]:
+        record = self.manager.last_iteration
+        plan = self.manager.plan
+        return {
+            "peak_saved_bytes": record.peak_saved_bytes,
+            "peak_resident_bytes": record.peak_resident_bytes,
+            "host_bytes_at_saved_peak": record.host_bytes_at_saved_peak,
+            "bytes_offloaded": sum(g.bytes_offloaded for g in record.groups.values()),
+            "group_bytes": {tuple(k): list(v) for k, v in record.group_bytes.items()},
+            "plan": None if plan is None else [str(a) for a in plan.actions],
+        }

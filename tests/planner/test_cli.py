@@ -1,0 +1,149 @@
+"""``chunk-offload plan``: output equals the API's estimates, errors name the fix, the script runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chunk_offload.planner import GB, GPTDims, Hardware, PipelineConfig, StagePlanner, recommend
+from chunk_offload.planner.cli import main
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron_plan reads megatron-core's schedule tables"
+)
+
+_ARGS = [
+    "plan",
+    "--num-layers", "8",
+    "--hidden-size", "64",
+    "--num-attention-heads", "4",
+    "--num-query-groups", "2",
+    "--seq-length", "32",
+    "--micro-batch-size", "2",
+    "--pp", "2",
+    "--vpp", "2",
+    "--num-microbatches", "4",
+    "--min-offload-bytes", "1",
+    "--host-bandwidth-gbs", "10",
+    "--device-tflops", "0.001",
+]  # fmt: skip
+_DIMS = GPTDims(num_layers=8, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=32, micro_batch_size=2)
+_PIPELINE = PipelineConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4)
+_HARDWARE = Hardware(host_bandwidth_gbs=10, device_tflops=0.001)
+
+
+def _run(capsys, *extra: str) -> tuple[int, str, str]:
+    status = main([*_ARGS, *extra])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_json_equals_the_api(capsys, tmp_path: Path):
+    path = tmp_path / "plan.json"
+    status, out, err = _run(capsys, "--modules", "qkv_linear,core_attn", "--json", str(path))
+    assert (status, err) == (0, "")
+    data = json.loads(path.read_text())
+    stages = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(["qkv_linear", "core_attn"])
+    assert data["stages"] == [json.loads(json.dumps(s.to_dict())) for s in stages]
+    assert data["modules"] == ["qkv_linear", "core_attn"]
+    assert data["schedule"] == "megatron interleaved 1F1B (group 2)"
+    assert data["recommendations"] is None
+    # The text table shows the same numbers, one row per stage.
+    rows = out.split("per stage (GB")[1].splitlines()[3:5]
+    for stage, row in zip(stages, rows, strict=True):
+        cells = row.split()
+        assert cells[:6] == [
+            str(stage.pp_rank),
+            str(stage.chunks_in_flight_peak),
+            str(len(stage.kept_chunks)),
+            f"{stage.peak_saved_bytes / 1e9:.3f}",
+            f"{stage.peak_resident_bytes / 1e9:.3f}",
+            f"{stage.drop / 1e9:.3f}",
+        ]
+        assert cells[9] == ("yes" if stage.hides else "NO")
+    per_layer = f"{stages[0].module_bytes_per_layer['core_attn'] / 1e6:.2f}/{stages[0].chunk_module_bytes[0]['core_attn'] / 1e6:.2f}"
+    assert per_layer in out
+
+
+def test_default_modules_are_every_module_the_model_has(capsys, tmp_path: Path):
+    path = tmp_path / "plan.json"
+    status, _, _ = _run(capsys, "--json", str(path))
+    assert status == 0
+    assert json.loads(path.read_text())["modules"] == ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1"]
+
+
+def test_budget_recommendation(capsys, tmp_path: Path):
+    planner = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1)
+    budget_gb = planner.estimate([])[0].peak_with_offload_bytes / GB * 0.9
+    path = tmp_path / "plan.json"
+    status, out, _ = _run(capsys, "--budget-gb", str(budget_gb), "--json", str(path))
+    assert status == 0
+    expected = recommend(planner, budget_bytes=round(budget_gb * GB), candidates=["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1"])
+    assert json.loads(path.read_text())["recommendations"] == [json.loads(json.dumps(r.to_dict())) for r in expected]
+    assert expected[0].fits
+    for r in expected:
+        assert f"  {r.describe()}" in out
+
+
+def test_budget_nothing_fits(capsys):
+    status, out, _ = _run(capsys, "--budget-gb", "0")
+    assert status == 0
+    assert "stage 0: no module set fits 0.000 GB without stalls; best without stalls: " in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--modules", "core_attn,qkv"], r"unknown offload module 'qkv'; valid names: \['attn_norm', 'qkv_linear', 'core_attn', 'attn_proj', 'mlp_norm', 'mlp_fc1', 'expert_fc1', 'moe_act', 'router_fc1'\]"),
+        (["--modules", "expert_fc1"], r"module\(s\) \['expert_fc1'\] not in this model; it has \['attn_norm', 'qkv_linear', 'core_attn', 'attn_proj', 'mlp_norm', 'mlp_fc1'\]"),
+        (["--num-microbatches", "3"], r"num_microbatches \(3\) to be a multiple of the microbatch group size \(2\)"),
+        (["--vpp", "3"], r"num_layers 8 must split evenly over 2 stages x 3 model chunks \(a multiple of 6\)"),
+        (["--pp", "1"], "virtual_pipeline=2 needs pipeline_parallel >= 2, got 1"),
+        (["--num-experts", "3", "--ep", "2"], "num_experts 3 must be divisible by expert_parallel 2"),
+        (["--num-experts", "4", "--moe-layer-freq", "1,x"], r"--moe-layer-freq takes an int or comma-separated 0/1 per layer, got '1,x'"),
+        (["--budget-gb", "-1"], "--budget-gb must be >= 0, got -1.0"),
+        (["--host-bandwidth-gbs", "0"], "host_bandwidth_gbs must be a number > 0, got 0.0"),
+    ],
+)
+def test_invalid_input_names_the_fix(capsys, extra, message):
+    status, out, err = _run(capsys, *extra)
+    assert status == 2 and out == ""
+    assert err.startswith("chunk-offload plan: error: chunk_offload: ")
+    assert re.search(message, err), err
+
+
+def test_malformed_flags_exit_through_argparse(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--num-layers", "8"])
+    assert info.value.code == 2
+    assert "the following arguments are required: --hidden-size" in capsys.readouterr().err
+
+
+def test_moe_model(capsys, tmp_path: Path):
+    path = tmp_path / "plan.json"
+    status, out, _ = _run(capsys, "--num-experts", "4", "--moe-layer-freq", "1,0,1,0,1,0,1,0", "--ep", "2", "--modules", "router_fc1,mlp_fc1", "--json", str(path))
+    assert status == 0
+    stages = json.loads(path.read_text())["stages"]
+    tokens = 32 * 2
+    assert stages[0]["module_bytes_per_layer"] == {"expert_fc1": tokens * 2 * 64 * 2, "mlp_fc1": tokens * 64 * 2}
+    assert "4 experts top-2 EP=2" in out
+
+
+def test_installed_console_script(tmp_path: Path):
+    script = shutil.which("chunk-offload") or str(Path(sys.executable).with_name("chunk-offload"))
+    if not Path(script).exists():
+        pytest.skip("the console script is not installed: pip install -e . registers it")
+    path = tmp_path / "plan.json"
+    done = subprocess.run([script, *_ARGS, "--json", str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "per stage (GB" in done.stdout
+    assert len(json.loads(path.read_text())["stages"]) == 2
+    bad = subprocess.run([script, *_ARGS, "--modules", "qkv"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown offload module 'qkv'" in bad.stderr

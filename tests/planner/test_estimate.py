@@ -1,0 +1,194 @@
+"""Per-stage estimates: layer placement, chunks in flight, and the predicted drop against real runs.
+
+The drop test trains a tiny dense megatron-core GPT on CPU ranks under Megatron's own
+schedules (PP=2, PP=2 VPP=2, PP=4; harness ``_gpt.spawn_runs``) with every dense module
+offloaded, once with the plan policy and once offloading every chunk, and compares, per stage
+and per iteration, the manager's record of the iteration with the planner's prediction: bytes
+of every group of every chunk, the peak of saved bytes without offload, the peak with offload,
+the host bytes at the saved peak and the bytes copied. All equal, so R = measured drop /
+predicted drop = 1.0 exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from chunk_offload.core.errors import ChunkOffloadError
+from chunk_offload.planner import GPTDims, Hardware, PipelineConfig, StagePlanner, estimate_stages, layer_forward_flops, stage_layers
+from chunk_offload.schedule import megatron_plan
+from tests.integrations.megatron._gpt import Hooks, Run, TinyGPTConfig, spawn_runs
+
+from ._stage_hooks import RecordHooks
+
+_NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
+_DENSE = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1")
+_POLICIES = {"plan": "plan", "all": None}  # planner policy -> attach's schedule_policy
+
+
+def _dims(cfg: TinyGPTConfig) -> GPTDims:
+    """The harness model's dimensions (fp32 on CPU, FFN 4 x hidden, multi-head attention)."""
+    return GPTDims(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        dtype="fp32",
+        device="cpu",
+    )
+
+
+def _pipeline(cfg: TinyGPTConfig) -> PipelineConfig:
+    return PipelineConfig(
+        pipeline_parallel=cfg.pipeline_parallel, virtual_pipeline=cfg.virtual_pipeline, num_microbatches=cfg.num_microbatches
+    )
+
+
+@dataclass(frozen=True)
+class _Case:
+    config: TinyGPTConfig
+    world_size: int
+
+
+_CASES = {
+    "pp2": _Case(TinyGPTConfig(pipeline_parallel=2, num_microbatches=4, iterations=2), 2),
+    "pp2_vpp2": _Case(TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4, iterations=2), 2),
+    "pp4": _Case(TinyGPTConfig(pipeline_parallel=4, num_microbatches=6, iterations=2), 4),
+}
+
+
+def _runs(cfg: TinyGPTConfig) -> list[Run]:
+    runs = []
+    for schedule_policy in _POLICIES.values():
+        hooks = RecordHooks(_DENSE, options={"min_offload_bytes": 1, "schedule_policy": schedule_policy})
+        runs.append(Run(config=cfg, hooks=Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, after_step=hooks.after_step)))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, list]:
+    """case -> results[policy run][rank]; the two world-size-2 cases share one spawn."""
+    if _NO_MEGATRON:
+        pytest.skip('megatron-core is not installed (pip install "chunk-offload[megatron]")')
+    if torch.cuda.is_available():
+        pytest.skip("cpu_compat is inert on a CUDA host")
+    out = {}
+    for world_size in sorted({c.world_size for c in _CASES.values()}):
+        names = [n for n, c in _CASES.items() if c.world_size == world_size]
+        runs = [run for n in names for run in _runs(_CASES[n].config)]
+        results = spawn_runs(runs, world_size=world_size, timeout_s=240.0)
+        for i, name in enumerate(names):
+            out[name] = results[i * len(_POLICIES) : (i + 1) * len(_POLICIES)]
+    return out
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_predicted_drop_equals_measured(measured, name: str):
+    cfg = _CASES[name].config
+    for (policy, _), ranks in zip(_POLICIES.items(), measured[name], strict=True):
+        stages = StagePlanner(_dims(cfg), _pipeline(cfg), min_offload_bytes=1, policy=policy).estimate(_DENSE)
+        for result in ranks:
+            stage = stages[result.pipeline_rank]
+            what = f"{name} policy={policy} stage {result.pipeline_rank}"
+            assert len(result.steps) == cfg.iterations
+            for step in result.steps:
+                assert step["plan"] == [str(a) for a in stage.simulation.plan.actions], what
+                chunks = stage.simulation.plan.chunks
+                assert step["group_bytes"] == {c: stage.group_bytes[c[1]] for c in chunks}, what
+                got = (step["peak_saved_bytes"], step["peak_resident_bytes"], step["host_bytes_at_saved_peak"], step["bytes_offloaded"])
+                want = (stage.peak_saved_bytes, stage.peak_resident_bytes, stage.simulation.host_bytes_at_saved_peak, stage.bytes_offloaded)
+                assert got == want, what
+                measured_drop = step["peak_saved_bytes"] - step["peak_resident_bytes"]
+                if policy == "plan" and result.pipeline_rank == cfg.pipeline_parallel - 1 and cfg.virtual_pipeline is None:
+                    assert measured_drop == stage.drop == 0, what  # every chunk kept: see the test below
+                else:
+                    assert stage.drop > 0, what
+                    assert measured_drop / stage.drop == 1.0, what  # R
+
+
+def test_plan_policy_keeps_the_last_stage_chunks():
+    """Under 1F1B the last stage runs each backward right after its forward: nothing to offload there."""
+    cfg = _CASES["pp2"].config
+    stages = estimate_stages(_dims(cfg), _pipeline(cfg), _DENSE, min_offload_bytes=1)
+    assert stages[-1].kept_chunks == [(mb, 0) for mb in range(cfg.num_microbatches)]
+    assert stages[-1].bytes_offloaded == 0 and stages[-1].drop == 0
+    assert stages[0].kept_chunks == [] and stages[0].drop > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Without spawning (megatron's schedule tables are still read for the plans).
+# --------------------------------------------------------------------------------------------
+
+_TINY = GPTDims(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2, dtype="fp32")
+
+
+def test_stage_layers_follow_megatrons_offsets():
+    """Chunk v of stage r holds layers from v * L / vp + r * L / (p * vp) on."""
+    assert stage_layers(_TINY, PipelineConfig(pipeline_parallel=2, num_microbatches=2), 1) == [[4, 5, 6, 7]]
+    interleaved = PipelineConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4)
+    assert [stage_layers(_TINY, interleaved, r) for r in range(2)] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+
+
+@pytest.mark.skipif(_NO_MEGATRON, reason="megatron_plan reads megatron-core's schedule tables")
+def test_chunks_in_flight():
+    # 1F1B: stage r of p holds min(p - r, m) microbatches at its peak.
+    for p, m in ((4, 8), (4, 2), (2, 4)):
+        stages = estimate_stages(_TINY, PipelineConfig(pipeline_parallel=p, num_microbatches=m), ["core_attn"])
+        assert [s.chunks_in_flight_peak for s in stages] == [min(p - r, m) for r in range(p)]
+    # Interleaved: the plan's own count, more than 1F1B's on the first stage.
+    pipeline = PipelineConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4)
+    stages = estimate_stages(_TINY, pipeline, ["core_attn"])
+    assert [s.chunks_in_flight_peak for s in stages] == [max(megatron_plan(pp_size=2, pp_rank=r, num_microbatches=4, vp_size=2).in_flight()) for r in range(2)]
+    assert stages[0].chunks_in_flight_peak > 2
+
+
+@pytest.mark.skipif(_NO_MEGATRON, reason="megatron_plan reads megatron-core's schedule tables")
+def test_bytes_per_module_layer_and_chunk():
+    pipeline = PipelineConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4)
+    stage = estimate_stages(_TINY, pipeline, ["qkv_linear", "core_attn"], min_offload_bytes=1)[0]
+    qkv = _TINY.tokens * _TINY.hidden_size * 4
+    assert stage.module_bytes_per_layer["qkv_linear"] == qkv
+    assert stage.chunk_module_bytes == {v: {"qkv_linear": 2 * qkv, "core_attn": 2 * stage.module_bytes_per_layer["core_attn"]} for v in (0, 1)}
+    assert stage.group_bytes[0] == [qkv, stage.module_bytes_per_layer["core_attn"]] * 2
+
+
+@pytest.mark.skipif(_NO_MEGATRON, reason="megatron_plan reads megatron-core's schedule tables")
+def test_copy_against_compute():
+    pipeline = PipelineConfig(pipeline_parallel=2, num_microbatches=4)
+    fast = Hardware(host_bandwidth_gbs=1000.0, device_tflops=1e-3)
+    slow = Hardware(host_bandwidth_gbs=1e-3, device_tflops=1000.0)
+    for hardware, hides in ((fast, True), (slow, False)):
+        stage = estimate_stages(_TINY, pipeline, ["core_attn"], hardware=hardware, min_offload_bytes=1)[0]
+        per_layer = stage.module_bytes_per_layer["core_attn"]
+        assert stage.copy_seconds_per_layer == per_layer / (hardware.host_bandwidth_gbs * 1e9)
+        assert stage.compute_seconds_per_layer == layer_forward_flops(_TINY, 0) / (hardware.device_tflops * 1e12)
+        assert stage.hides is hides
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"pipeline_parallel": 1, "virtual_pipeline": 2, "num_microbatches": 4}, "virtual_pipeline=2 needs pipeline_parallel >= 2, got 1"),
+        ({"pipeline_parallel": 4, "virtual_pipeline": 2, "num_microbatches": 2}, r"pipeline_parallel \(4\) <= microbatch group size \(4\) <= num_microbatches \(2\)"),
+        ({"pipeline_parallel": 4, "virtual_pipeline": 2, "num_microbatches": 6}, r"num_microbatches \(6\) to be a multiple of the microbatch group size \(4\)"),
+        ({"pipeline_parallel": 0, "num_microbatches": 4}, "pipeline_parallel must be an int >= 1, got 0"),
+        ({"pipeline_parallel": 2, "num_microbatches": 0}, "num_microbatches must be an int >= 1, got 0"),
+    ],
+)
+def test_invalid_pipeline(fields, message):
+    with pytest.raises(ChunkOffloadError, match=message):
+        PipelineConfig(**fields)
+
+
+def test_layers_must_split_evenly():
+    with pytest.raises(ChunkOffloadError, match=r"num_layers 8 must split evenly over 2 stages x 3 model chunks \(a multiple of 6\)"):
+        stage_layers(_TINY, PipelineConfig(pipeline_parallel=2, virtual_pipeline=3, num_microbatches=4), 0)
+
+
+def test_invalid_hardware():
+    with pytest.raises(ChunkOffloadError, match="host_bandwidth_gbs must be a number > 0, got 0"):
+        Hardware(host_bandwidth_gbs=0)

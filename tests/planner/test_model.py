@@ -1,0 +1,217 @@
+"""The byte and FLOP model against real megatron-core runs on CPU, and its rules in isolation.
+
+`_measure.measure` trains one step of each case below in one spawned process (see its
+docstring) and returns, per offload group of the step, the module that opened it and the
+bytes the engine accounted for it. The planner must predict every group's bytes exactly, in
+the same order; the whole-layer bytes of dense layers and each layer's matmul FLOPs too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from chunk_offload.core.errors import ChunkOffloadError
+from chunk_offload.planner import (
+    MODULE_NAMES,
+    GPTDims,
+    SavedTensor,
+    canonical_modules,
+    expert_tokens,
+    group_bytes,
+    layer_forward_flops,
+    layer_groups,
+    layer_saved_bytes,
+    saved_tensors,
+)
+
+from ._measure import ByteCase, CaseBytes, measure
+
+_NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
+
+_CASES = {
+    "dense": ByteCase(),
+    "gqa": ByteCase(num_query_groups=2),
+    "mqa": ByteCase(num_query_groups=1),
+    "moe": ByteCase(num_experts=4, moe_router_topk=2, add_bias_linear=False),
+    # top-k = E: every token goes to every expert, so each expert's share is exact too.
+    "mixed_moe_all_experts": ByteCase(num_experts=2, moe_router_topk=2, moe_layer_freq=(0, 1), add_bias_linear=False),
+    "other_shape": ByteCase(hidden_size=48, ffn_hidden_size=72, num_attention_heads=6, seq_length=24, micro_batch_size=3),
+    "bf16": ByteCase(dtype=torch.bfloat16),
+    # 300 bytes: the causal mask (16 x 16 bools) and LayerNorm's mean and rstd (32 fp32 each) stay.
+    "threshold": ByteCase(num_query_groups=2, min_offload_bytes=300),
+}
+
+
+def _dims(case: ByteCase) -> GPTDims:
+    return GPTDims(
+        num_layers=case.num_layers,
+        hidden_size=case.hidden_size,
+        ffn_hidden_size=case.ffn_hidden_size,
+        num_attention_heads=case.num_attention_heads,
+        num_query_groups=case.num_query_groups,
+        seq_length=case.seq_length,
+        micro_batch_size=case.micro_batch_size,
+        num_experts=case.num_experts,
+        moe_router_topk=case.moe_router_topk,
+        moe_layer_freq=case.moe_layer_freq,
+        dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[case.dtype],
+        device="cpu",
+    )
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, CaseBytes]:
+    if _NO_MEGATRON:
+        pytest.skip('megatron-core is not installed (pip install "chunk-offload[megatron]")')
+    if torch.cuda.is_available():
+        pytest.skip("cpu_compat is inert on a CUDA host")
+    return dict(zip(_CASES, measure(list(_CASES.values())), strict=True))
+
+
+def test_cases_cover_the_issue():
+    """Dense, GQA, MoE and another seq/hidden shape at least, and both dtypes the model has."""
+    dims = {name: _dims(case) for name, case in _CASES.items()}
+    assert any(d.num_experts is None and d.query_groups == d.num_attention_heads for d in dims.values())
+    assert any(1 < d.query_groups < d.num_attention_heads for d in dims.values())
+    assert any(d.num_experts for d in dims.values())
+    assert len({(d.seq_length, d.hidden_size) for d in dims.values()}) > 1
+    assert {d.dtype for d in dims.values()} == {"fp32", "bf16"}
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_every_group_in_order(measured: dict[str, CaseBytes], name: str):
+    """Each group of the step: same module, same layer, same bytes, same order (experts: summed)."""
+    case, got = _CASES[name], measured[name]
+    dims = _dims(case)
+    modules = [m for m in MODULE_NAMES if m != "moe_act"]  # no module in the local spec
+    predicted = [
+        (layer, group, nbytes)
+        for layer in range(dims.num_layers)
+        for group, nbytes in layer_groups(dims, layer, modules, min_offload_bytes=case.min_offload_bytes)
+    ]
+    assert [(layer, g) for layer, g, _ in got.calls] == [(layer, g) for layer, g, _ in predicted], name
+    routed = dims.num_experts is not None and dims.moe_router_topk < dims.num_experts
+    exact = [c for c in got.calls if not (routed and c[1] == "expert_fc1")]
+    assert exact == [p for p in predicted if not (routed and p[1] == "expert_fc1")], name
+    # Expert fc1 groups: routing decides each expert's share; at EP = 1 their sum per layer is exact.
+    for layer in range(dims.num_layers):
+        measured_experts = [b for l, g, b in got.calls if l == layer and g == "expert_fc1"]
+        predicted_experts = [b for l, g, b in predicted if l == layer and g == "expert_fc1"]
+        assert sum(measured_experts) == sum(predicted_experts), (name, layer)
+        assert len(measured_experts) == len(predicted_experts) == (dims.local_experts if dims.is_moe(layer) else 0)
+    # The per-name totals of the manager's statistics, one microbatch.
+    totals: dict[str, int] = {}
+    for _, g, b in predicted:
+        totals[g] = totals.get(g, 0) + b
+    assert got.totals == totals, name
+
+
+@pytest.mark.parametrize("name", [n for n, c in _CASES.items() if c.min_offload_bytes <= 1])
+def test_whole_layer_bytes(measured: dict[str, CaseBytes], name: str):
+    """Dense layers exactly; MoE layers miss only the routing metadata, a few T x (E + topk) tensors."""
+    dims = _dims(_CASES[name])
+    for layer, got in enumerate(measured[name].layer_bytes):
+        model = layer_saved_bytes(dims, layer)
+        if not dims.is_moe(layer):
+            assert got == model, (name, layer)
+        else:
+            # Routing metadata: indices (int64), probabilities, maps; at most 8 tensors of
+            # T x (E + topk) elements of 8 bytes each, by reading megatron's router and dispatcher.
+            bound = 8 * dims.tokens * (dims.num_experts + dims.moe_router_topk) * 8
+            assert 0 < got - model < bound, (name, layer, got, model)
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_layer_flops(measured: dict[str, CaseBytes], name: str):
+    """Matmul FLOPs of every layer's forward, as torch's FlopCounterMode counts them."""
+    dims = _dims(_CASES[name])
+    assert measured[name].layer_flops == [layer_forward_flops(dims, i) for i in range(dims.num_layers)], name
+
+
+# --------------------------------------------------------------------------------------------
+# Rules, without megatron.
+# --------------------------------------------------------------------------------------------
+
+
+def _tiny(**overrides) -> GPTDims:
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2, dtype="fp32")
+    return GPTDims(**{**fields, **overrides})
+
+
+def test_group_bytes_threshold_dedup_and_alignment():
+    a = SavedTensor("x", 0, 100, 100)
+    b = SavedTensor("x", 200, 100, 100)  # another view of the same storage: one span 0..300
+    assert group_bytes([a, b], min_offload_bytes=0) == 300
+    assert group_bytes([a, b], min_offload_bytes=101) == 0  # both views below the threshold stay
+    # A view starting at byte 40: the copied span starts at 32 (rounded down to 16).
+    assert group_bytes([SavedTensor("y", 40, 64, 64)], min_offload_bytes=1) == 64 + 8
+    # Views of different storages are counted separately.
+    assert group_bytes([a, SavedTensor("z", 0, 100, 100)], min_offload_bytes=1) == 200
+    # The threshold compares the view's own bytes, not its storage's: a small view stays.
+    assert group_bytes([a, SavedTensor("x", 500, 8, 8)], min_offload_bytes=50) == 100
+
+
+def test_norm_statistics_follow_the_device():
+    """LayerNorm keeps mean and rstd in fp32 on CUDA (accumulate type), in the input dtype on CPU."""
+    t = 32
+    cuda, cpu = _tiny(dtype="bf16"), _tiny(dtype="bf16", device="cpu")
+    stats = lambda d: [s.nbytes for s in saved_tensors(d, "attn_norm") if s.storage != "input"]  # noqa: E731
+    assert stats(cuda) == [t * 4, t * 4]
+    assert stats(cpu) == [t * 2, t * 2]
+
+
+def test_expert_tokens_split_evenly_and_sum_to_tokens_times_topk():
+    dims = _tiny(num_experts=6, moe_router_topk=2, expert_parallel=2)
+    assert expert_tokens(dims) == [22, 21, 21]
+    assert sum(expert_tokens(dims)) == dims.tokens * dims.moe_router_topk
+    assert expert_tokens(_tiny()) == []
+    # Each local expert's fc1 input is a view of the permuted tokens, after the previous experts'.
+    views = [saved_tensors(dims, "expert_fc1", expert=e)[0] for e in range(3)]
+    assert [v.offset for v in views] == [0, 22 * 32 * 4, 43 * 32 * 4]
+
+
+def test_layer_groups_order_and_aliases():
+    moe = _tiny(num_experts=2, moe_layer_freq=(1, 0))
+    names = [n for n, _ in layer_groups(moe, 0, ["moe_act", "router_fc1", "attn_norm"], min_offload_bytes=1)]
+    assert names == ["attn_norm", "expert_fc1", "moe_act", "expert_fc1", "moe_act"]
+    assert [n for n, _ in layer_groups(moe, 1, ["expert_fc1", "mlp_fc1"], min_offload_bytes=1)] == ["mlp_fc1"]
+    assert layer_groups(moe, 1, [], min_offload_bytes=1) == []
+
+
+def test_unknown_module_names_the_valid_ones():
+    with pytest.raises(ChunkOffloadError, match=r"unknown offload module 'qkv'; valid names: \['attn_norm'.*'router_fc1'\]"):
+        canonical_modules("core_attn,qkv")
+    with pytest.raises(ChunkOffloadError, match="no offload module given"):
+        canonical_modules(" , ")
+    assert canonical_modules(["router_fc1", "expert_fc1", "core_attn"]) == ["expert_fc1", "core_attn"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_size": 30}, "hidden_size 30 must be divisible by num_attention_heads 4"),
+        ({"num_query_groups": 3}, "num_attention_heads 4 must be divisible by num_query_groups 3"),
+        ({"dtype": "fp8"}, r"unknown dtype 'fp8'; valid: \['bf16', 'fp16', 'fp32'\]"),
+        ({"num_experts": 6, "expert_parallel": 4}, "num_experts 6 must be divisible by expert_parallel 4"),
+        ({"expert_parallel": 2}, "expert_parallel 2 needs num_experts"),
+        ({"num_experts": 2, "moe_router_topk": 3}, "moe_router_topk 3 exceeds num_experts 2"),
+        ({"num_experts": 2, "moe_layer_freq": (1, 0, 1)}, r"moe_layer_freq \(1, 0, 1\) must hold one 0 or 1 per layer \(2\)"),
+        ({"seq_length": 0}, "seq_length must be an int >= 1, got 0"),
+        ({"device": "tpu"}, "unknown device 'tpu'"),
+    ],
+)
+def test_invalid_dimensions(overrides, message):
+    with pytest.raises(ChunkOffloadError, match=message):
+        _tiny(**overrides)
+
+
+def test_module_names_are_the_integrations():
+    """The planner cannot import the integration (layering): its copy of the names must match."""
+    from chunk_offload import planner
+    from chunk_offload.integrations.megatron import modules
+
+    assert planner.MODULE_NAMES == modules.OFFLOAD_MODULE_NAMES
+    assert planner.ALIASES == modules.ALIASES
