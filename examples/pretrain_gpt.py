@@ -7,10 +7,14 @@ compatibility layer, with CUDA they use NCCL and one GPU each:
         --pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 \\
         --offload-modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1
 
-Prints every iteration's loss with full precision and a per-stage offload summary (bytes per
-module, copy and wait times, high-water marks of the saved bytes of the offloaded modules with
-and without offload). ``--save-state DIR`` writes every rank's parameters after the last step,
-so two runs (with and without ``--offload-modules``) can be compared bit for bit.
+Prints every iteration's loss with full precision. With ``--offload-modules`` the first
+iteration is a baseline that copies nothing, and rank 0 prints the per-stage memory report
+(`chunk_offload.report`): per rank, the peak without offload (the baseline iteration) and with
+it (the last iteration), the measured and the theoretical drop, R, the bytes offloaded per
+module and the copy and wait times. ``--offload-report PATH`` also writes it to ``PATH.json``,
+``PATH.png`` (memory over one iteration per stage) and ``PATH.md``. ``--save-state DIR`` writes
+every rank's parameters after the last step, so two runs (with and without ``--offload-modules``)
+can be compared bit for bit: the baseline iteration changes nothing in the numerics.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from chunk_offload.integrations.megatron.gpt import (
     gpt_forward_step,
     random_token_batches,
 )
+from chunk_offload.report import format_table, gather_reports, write_report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,34 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hang-timeout-s", type=float, default=0.0, help="print every thread's stack and exit after this long (0: off)"
     )
     args = p.parse_args(argv)
+    if args.chunk_offload_modules and not args.chunk_offload_baseline and args.iterations < 2:
+        p.error(f"--offload-modules needs --iterations >= 2 (got {args.iterations}): the first iteration is the report's baseline without offload")
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // args.pipeline_model_parallel_size
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
     if args.virtual_pipeline_model_parallel_size == 1:
         args.virtual_pipeline_model_parallel_size = None
     return args
-
-
-def summary_rows(manager, pp_rank: int, rank: int) -> list[dict]:
-    if manager is None:
-        return [{"rank": rank, "pp_rank": pp_rank, "modules": "-"}]
-    stats = manager.stats()
-    drop = stats.peak_saved_bytes - stats.peak_resident_bytes
-    theory = stats.host_bytes_at_saved_peak
-    return [
-        {
-            "rank": rank,
-            "pp_rank": pp_rank,
-            "modules": ",".join(f"{n}:{g.bytes_offloaded}" for n, g in stats.groups.items()),
-            "peak_without": stats.peak_saved_bytes,
-            "peak_with": stats.peak_resident_bytes,
-            "drop": drop,
-            "theoretical": theory,
-            "R": drop / theory if theory else float("nan"),
-            "copy_ms": sum(g.copy_time_s for g in stats.groups.values()) * 1e3,
-            "wait_ms": sum(g.wait_time_s for g in stats.groups.values()) * 1e3,
-        }
-    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,9 +129,9 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
         expert_parallel=args.expert_model_parallel_size,
         device=device,
     )
-    manager = None
     forward_backward = get_forward_backward_func()
-    manager = attach_from_args(chunks, args)
+    # The first iteration runs without copies: the report's peak without offload.
+    manager = attach_from_args(chunks, args, baseline_iterations=1, trace=True)
     if manager is not None:
         forward_backward = manager.wrap(forward_backward)
     optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=args.lr)
@@ -171,9 +156,11 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (rank, losses, summary_rows(manager, pp_rank, rank)))
+    dist.all_gather_object(gathered, (rank, losses))
+    # A collective: every rank builds its own report and rank 0 gets them all.
+    reports = gather_reports(manager.report()) if manager is not None and manager.config.offload else None
     if rank == 0:
-        report(args, gathered)
+        print_summary(args, gathered, reports)
     if args.save_state is not None:
         args.save_state.mkdir(parents=True, exist_ok=True)
         params = {f"chunk{i}.{n}": p.detach().cpu() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
@@ -183,27 +170,22 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
-def report(args: argparse.Namespace, gathered: list) -> None:
+def print_summary(args: argparse.Namespace, gathered: list, reports: list | None) -> None:
     modules = ",".join(args.chunk_offload_modules or []) or "none"
     print(
         f"PP={args.pipeline_model_parallel_size} VPP={args.virtual_pipeline_model_parallel_size or 1} "
         f"EP={args.expert_model_parallel_size} experts={args.num_experts or 0} offload={modules}"
     )
-    for rank, losses, _ in gathered:
+    for rank, losses in gathered:
         for iteration, loss in enumerate(losses):
             print(f"iteration {iteration + 1} loss {loss!r} (rank {rank})")
-    print("per-stage offload summary (saved bytes of the offloaded modules, manager accounting):")
-    header = f"{'rank':>4} {'pp':>3} {'peak without':>13} {'peak with':>10} {'drop':>10} {'theoretical':>12} {'R':>7} {'copy ms':>8} {'wait ms':>8}  bytes per module"
-    print(header)
-    for _, _, rows in gathered:
-        for r in rows:
-            if r["modules"] == "-":
-                print(f"{r['rank']:>4} {r['pp_rank']:>3}  (no offload)")
-                continue
-            print(
-                f"{r['rank']:>4} {r['pp_rank']:>3} {r['peak_without']:>13} {r['peak_with']:>10} {r['drop']:>10} "
-                f"{r['theoretical']:>12} {r['R']:>7.4f} {r['copy_ms']:>8.2f} {r['wait_ms']:>8.2f}  {r['modules']}"
-            )
+    if reports is None:
+        return
+    print("per-stage memory report:")
+    print(format_table(reports))
+    if args.chunk_offload_report is not None:
+        files = write_report(reports, args.chunk_offload_report)
+        print(f"report written to {files.table}, {files.json} and {files.png}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The Megatron example, launched as users launch it (torchrun, gloo on CPU), with and without offload.
 
 Both runs must print the same losses with full precision and save bit-identical parameters on
-every rank; the offload run must print its per-stage summary with bytes for every module.
+every rank (the offload run's first iteration is its report's baseline); the offload run must
+print the per-stage memory report with a row per rank and bytes for every module, and with
+``--offload-report`` write the same table, its JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ pytestmark = pytest.mark.skipif(
     reason='megatron-core is not installed (pip install "chunk-offload[megatron]")',
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 MODULES = "attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1"
 
 
@@ -31,10 +34,63 @@ def _launch(tmp_path: Path, name: str, world: int, extra: list[str]) -> tuple[st
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
         str(EXAMPLE), "--iterations", "3", "--save-state", str(state), "--hang-timeout-s", "240", *extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # This checkout's chunk_offload, whatever else is installed.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done.stdout, state
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_offload_needs_a_second_iteration_after_the_baseline(capsys):
+    example = _load_example()
+    with pytest.raises(SystemExit):
+        example.parse_args(["--offload-modules", "core_attn", "--iterations", "1"])
+    assert "--offload-modules needs --iterations >= 2 (got 1)" in capsys.readouterr().err
+    assert example.parse_args(["--offload-modules", "core_attn", "--offload-baseline", "--iterations", "1"]).iterations == 1
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def _offloads_some_chunk(pipeline: int, virtual: int | None, pp_rank: int) -> bool:
+    """Whether the default plan policy offloads any chunk of ``pp_rank`` (the example's 4 microbatches)."""
+    from chunk_offload.schedule import PlanPolicy, megatron_plan
+
+    plan = megatron_plan(pp_size=pipeline, pp_rank=pp_rank, num_microbatches=4, vp_size=virtual)
+    return len(PlanPolicy(plan).kept_chunks()) < len(plan.chunks)
+
+
+def _check_report(stdout: str, prefix: Path, world: int, pipeline: int, offloads: list[bool]) -> None:
+    from chunk_offload.report import read_json, report_files
+
+    rows = _table_rows(stdout)
+    assert [row[0] for row in rows] == [str(r) for r in range(world)], stdout
+    assert [row[1] for row in rows] == [f"{r % pipeline}/{pipeline}" for r in range(world)], stdout
+    assert "memory measure: cpu_saved_bytes_accounting" in stdout
+    files = report_files(prefix)
+    table = files.table.read_text()
+    assert table.strip() in stdout  # the file holds the printed table
+    reports = read_json(files.json)
+    assert [r.rank for r in reports] == list(range(world))
+    for report, offload in zip(reports, offloads):
+        # The CPU measure is the accounting the plan's simulation mirrors: exact, also for MoE.
+        assert report.measured_drop == report.theoretical_drop
+        if offload:
+            assert report.theoretical_drop > 0 and report.ratio == 1.0
+        else:  # every chunk kept on device: nothing to compare (MoE routing may even raise the peak)
+            assert report.ratio is None and set(report.bytes_per_module.values()) == {0}
+    png = files.png.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
 def _losses(stdout: str) -> list[str]:
@@ -42,23 +98,29 @@ def _losses(stdout: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "world, parallel",
+    "world, pipeline, virtual, parallel",
     [
-        (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
-        (2, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2"]),
+        (2, 2, 2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
+        # No pipeline: every backward follows its forward at once, so the plan keeps every chunk.
+        (2, 1, None, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2"]),
     ],
     ids=["pp2_vpp2", "ep2_moe"],
 )
-def test_example_with_and_without_offload_is_bit_identical(tmp_path, world, parallel):
+def test_example_with_and_without_offload_is_bit_identical(tmp_path, world, pipeline, virtual, parallel):
     modules = MODULES if "--num-experts" not in parallel else "core_attn,qkv_linear,expert_fc1"
+    offloads = [_offloads_some_chunk(pipeline, virtual, rank % pipeline) for rank in range(world)]
     base_out, base_state = _launch(tmp_path, "base", world, parallel)
-    off_out, off_state = _launch(tmp_path, "offload", world, [*parallel, "--offload-modules", modules])
+    report = tmp_path / "report" / "run"
+    off_out, off_state = _launch(tmp_path, "offload", world, [*parallel, "--offload-modules", modules, "--offload-report", str(report)])
+    _check_report(off_out, report, world, pipeline, offloads)
+    assert "per-stage memory report" not in base_out
 
     base_losses, off_losses = _losses(base_out), _losses(off_out)
     assert len(base_losses) >= 3 and off_losses == base_losses
     for name in modules.split(","):
         bytes_moved = [int(b) for b in re.findall(rf"{name}:(\d+)", off_out)]
-        assert len(bytes_moved) == world and all(b > 0 for b in bytes_moved), off_out
+        assert len(bytes_moved) == world, off_out
+        assert [b > 0 for b in bytes_moved] == offloads, off_out
     for rank in range(world):
         base = torch.load(base_state / f"rank{rank}.pt")
         off = torch.load(off_state / f"rank{rank}.pt")

@@ -17,8 +17,18 @@ Flags (group "chunk-offload"); every value lands in ``args.chunk_offload_*``:
 * ``--chunk-offload-host-pool-bytes N``: cap on pinned host memory (unset: no cap).
 * ``--chunk-offload-on-exhausted fallback|error``: what happens at the cap.
 * ``--chunk-offload-baseline``: track the same groups and bytes but copy nothing.
-* ``--chunk-offload-report PATH``: where the per-stage memory report will be written (stored in
-  ``args.chunk_offload_report`` only; the report itself is not implemented yet).
+* ``--chunk-offload-report PATH``: produce the per-stage memory report. `attach_from_args` then
+  runs the first training iteration as a baseline without copies (``baseline_iterations=1``)
+  and traces memory (``trace=True``), so ``manager.report()`` can compare the baseline with the
+  later iterations; the training loop gathers the ranks' reports and writes them to
+  ``PATH.json``, ``PATH.png`` and ``PATH.md`` (a ``.json``, ``.png`` or ``.md`` suffix of PATH is
+  dropped first)::
+
+      from chunk_offload.report import gather_reports, write_report
+
+      reports = gather_reports(manager.report())   # a collective: every rank calls it
+      if reports is not None:                       # rank 0
+          write_report(reports, args.chunk_offload_report)
 
 Byte counts accept a plain integer or one with a binary suffix (``512KiB``, ``1MiB``, ``64GiB``).
 
@@ -68,7 +78,10 @@ _DESTS = {
     "on-exhausted": "chunk_offload_on_exhausted",
     "baseline": "chunk_offload_baseline",
     "report": "chunk_offload_report",
+    "schedule": "chunk_offload_schedule",
+    "prefetch-bytes": "chunk_offload_prefetch_bytes",
 }
+_SCHEDULE_CHOICES = ("plan", "group-start")
 
 # Megatron-LM's own activation offloading: namespace attribute -> its flag.
 _MEGATRON_OFFLOAD_SWITCHES = {
@@ -182,11 +195,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Track the same groups and bytes but copy nothing: the baseline run of a memory comparison.",
     )
     group.add_argument(
+        *names("schedule"),
+        dest=_DESTS["schedule"],
+        choices=_SCHEDULE_CHOICES,
+        default="plan",
+        help=(
+            "'plan' (default): decisions from Megatron's schedule table: chunks whose backward follows at once stay "
+            "on device, and the next backward chunk is reloaded during the action before it. 'group-start': offload "
+            "every chunk and reload each group when backward reaches the group after it."
+        ),
+    )
+    group.add_argument(
+        *names("prefetch-bytes"),
+        dest=_DESTS["prefetch-bytes"],
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="With --chunk-offload-schedule plan: bytes of a chunk reloaded ahead of its backward (default: its last group; 0: none).",
+    )
+    group.add_argument(
         *names("report"),
         dest=_DESTS["report"],
         default=None,
         metavar="PATH",
-        help="Where the per-stage memory report will be written (the report is not implemented yet; stored only).",
+        help=(
+            "Produce the per-stage memory report (peak without and with offload, theoretical drop, R): the first "
+            "training iteration runs as a baseline without copies, and the per-stage memory report will be written "
+            "to PATH.json, PATH.png and PATH.md by the training loop (chunk_offload.report.write_report)."
+        ),
     )
     return parser
 
@@ -213,6 +249,10 @@ def _check_megatron_offloading(args: argparse.Namespace, modules: Sequence[str] 
 def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Namespace, **options: Any) -> MegatronOffloadManager | None:
     """`attach` with the options parsed by `add_arguments`; None when no module was given.
 
+    With ``--chunk-offload-report`` the manager runs its first training iteration as a baseline
+    without copies (``baseline_iterations=1``) and traces memory (``trace=True``) for
+    ``manager.report()``.
+
     Args:
         model: the rank's model chunks (one per virtual stage) or a single chunk.
         args: the namespace parsed with `add_arguments` (Megatron-LM's ``get_args()``).
@@ -236,6 +276,11 @@ def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Name
         "host_pool_bytes": getattr(args, _DESTS["host-pool-bytes"]),
         "on_exhausted": getattr(args, _DESTS["on-exhausted"]),
         "offload": not getattr(args, _DESTS["baseline"]),
+        "schedule_policy": "plan" if getattr(args, _DESTS["schedule"]) == "plan" else None,
+        "prefetch_bytes": getattr(args, _DESTS["prefetch-bytes"]),
     }
+    if getattr(args, _DESTS["report"]):
+        config["baseline_iterations"] = 1  # the report's peak without offload
+        config["trace"] = True  # the report's plot of memory over one iteration
     config.update(options)
     return attach(model, modules, **config)

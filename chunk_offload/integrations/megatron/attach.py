@@ -178,6 +178,11 @@ class MegatronOffloadManager(OffloadManager):
         wrapped.__wrapped__ = forward_backward_func
         return wrapped
 
+    @property
+    def training_calls(self) -> int:
+        """Training calls (not ``forward_only``) run through `wrap` so far."""
+        return self._training_calls
+
     # ------------------------------------------------------------------ plan
     def _prepare_plan(self, num_microbatches: int | None) -> None:
         """Build this rank's plan from Megatron's tables (once per microbatch count)."""

@@ -30,6 +30,8 @@ LONG_FLAGS = (
     "--chunk-offload-on-exhausted",
     "--chunk-offload-baseline",
     "--chunk-offload-report",
+    "--chunk-offload-schedule",
+    "--chunk-offload-prefetch-bytes",
 )
 SHORT_FLAGS = tuple(flag.replace("--chunk-offload-", "--offload-") for flag in LONG_FLAGS)
 

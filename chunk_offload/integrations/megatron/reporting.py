@@ -1,0 +1,56 @@
+"""`build_stage_report`: a Megatron rank's `StageReport` from what its manager recorded.
+
+The manager keeps the `IterationRecord` of its first ``baseline_iterations`` training calls, which
+ran without copies, and of its latest call (``manager.records``). The report compares the first
+baseline record with the latest one and takes the theoretical drop from the rank's Megatron
+plan (``manager.plan``) simulated with the recorded bytes per group, under the manager's own
+schedule policy (NOTEs [Report measure] and [Theoretical drop] in `chunk_offload/report/stage.py`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from ...core.errors import ChunkOffloadError
+from ...report.stage import StageReport, stage_report
+
+if TYPE_CHECKING:
+    from .attach import MegatronOffloadManager
+
+__all__ = ["build_stage_report"]
+
+
+def build_stage_report(manager: "MegatronOffloadManager") -> StageReport:
+    """This rank's report from a `MegatronOffloadManager` that ran a baseline and an offload iteration.
+
+    Local only: collect the ranks' reports with `chunk_offload.report.gather_reports`.
+    Raises `ChunkOffloadError` when the manager has no baseline or no offload iteration yet.
+    """
+    # records: the baseline iterations' records (the first training calls), then the latest call's.
+    records = list(manager.records)
+    baseline = next((i for i, r in enumerate(records) if not r.offload), None)
+    if baseline is None:
+        raise ChunkOffloadError(
+            f"the report compares an iteration without offload with one with it, but all {len(records)} recorded "
+            "iterations ran with offload; attach with baseline_iterations=1 (--chunk-offload-report sets it)"
+        )
+    if not records[-1].offload:
+        raise ChunkOffloadError(
+            f"the report needs an iteration with offload, but all {len(records)} recorded iterations were baselines; "
+            "train more iterations than baseline_iterations, without offload=False (--chunk-offload-baseline)"
+        )
+    plan = manager.plan
+    if plan is None:
+        raise ChunkOffloadError("the manager has no plan yet: run a training iteration through manager.wrap(...) first")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return stage_report(
+        baseline=records[baseline],
+        offloaded=records[-1],
+        plan=plan,
+        rank=rank,
+        policy=manager.schedule_policy,
+        baseline_iteration=baseline,
+        offload_iteration=manager.training_calls - 1,  # the latest training call
+    )

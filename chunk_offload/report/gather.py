@@ -1,0 +1,27 @@
+"""`gather_reports`: every rank's `StageReport` onto rank 0, as one explicit collective call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from .stage import StageReport
+
+__all__ = ["gather_reports"]
+
+
+def gather_reports(report: StageReport, *, group: Any = None) -> list[StageReport] | None:
+    """Collect the reports of all ranks of ``group`` (default: the world) on its first rank.
+
+    A collective: every rank of ``group`` must call it. Returns the reports sorted by rank on
+    the group's first rank and None on the others. Without an initialised process group (a
+    single process) it returns ``[report]``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return [report]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, report, group=group)
+    if dist.get_rank(group) != 0:
+        return None
+    return sorted(gathered, key=lambda r: r.rank)

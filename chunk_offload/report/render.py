@@ -1,0 +1,100 @@
+"""Text and JSON forms of the gathered `StageReport` list: one table with a row per rank, and a file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..core.errors import ChunkOffloadError
+from .stage import MEASURES, StageReport
+
+__all__ = ["FORMAT", "format_table", "from_json", "read_json", "to_json", "write_json"]
+
+FORMAT = "chunk_offload.stage_reports/1"
+"""The ``format`` field of the JSON document; bumped when fields change meaning."""
+
+_COLUMNS = (
+    # header, alignment (markdown), cell
+    ("rank", "r", lambda r: str(r.rank)),
+    ("pp", "r", lambda r: f"{r.pp_rank}/{r.pp_size}"),
+    ("vp", "r", lambda r: str(r.vp_size)),
+    ("peak without (B)", "r", lambda r: str(r.peak_without)),
+    ("peak with (B)", "r", lambda r: str(r.peak_with)),
+    ("measured drop (B)", "r", lambda r: str(r.measured_drop)),
+    ("theoretical drop (B)", "r", lambda r: str(r.theoretical_drop)),
+    ("R", "r", lambda r: "-" if r.ratio is None else f"{r.ratio:.2%}"),
+    ("copy ms", "r", lambda r: f"{r.copy_ms:.2f}"),
+    ("wait ms", "r", lambda r: f"{r.wait_ms:.2f}"),
+    ("bytes offloaded per module", "l", lambda r: ",".join(f"{n}:{b}" for n, b in r.bytes_per_module.items()) or "-"),
+)
+
+
+def format_table(reports: Sequence[StageReport]) -> str:
+    """The reports as one table, a row per rank (a Markdown table that also reads as plain text).
+
+    Above the table: the measure the peaks use and what it means, and which iterations were
+    compared. R is the measured drop over the theoretical drop (NOTE [Report measure]).
+    """
+    reports = _checked(reports)
+    lines = [f"memory measure: {m} ({MEASURES[m]})" for m in dict.fromkeys(r.measure for r in reports)]
+    pairs = dict.fromkeys((r.baseline_iteration, r.offload_iteration) for r in reports)
+    for base, offload in pairs:
+        if base is not None and offload is not None:
+            lines.append(f"peak without: iteration {base + 1} (baseline, nothing copied); peak with: iteration {offload + 1} (offload)")
+    cells = [[header for header, _, _ in _COLUMNS]] + [[cell(r) for _, _, cell in _COLUMNS] for r in reports]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+
+    def row(values: list[str]) -> str:
+        padded = (v.rjust(w) if align == "r" else v.ljust(w) for v, w, (_, align, _) in zip(values, widths, _COLUMNS))
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if align == "r" else (":" + "-" * (w + 1)) for w, (_, align, _) in zip(widths, _COLUMNS)) + "|"
+    lines += ["", row(cells[0]), rule, *(row(c) for c in cells[1:])]  # a blank line: Markdown needs it before a table
+    return "\n".join(lines)
+
+
+def to_json(reports: Sequence[StageReport]) -> str:
+    """The reports as a JSON document: ``{"format", "measures", "reports": [...]}`` (strict JSON, no NaN)."""
+    reports = _checked(reports)
+    document = {
+        "format": FORMAT,
+        "measures": {m: MEASURES[m] for m in dict.fromkeys(r.measure for r in reports)},
+        "reports": [r.to_dict() for r in reports],
+    }
+    return json.dumps(document, indent=1, allow_nan=False)
+
+
+def from_json(text: str) -> list[StageReport]:
+    """The reports of a document written by `to_json`."""
+    try:
+        document: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ChunkOffloadError(f"stage report JSON does not parse: {e}") from e
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        found = document.get("format") if isinstance(document, dict) else type(document).__name__
+        raise ChunkOffloadError(f"not a stage report document: format {found!r}, expected {FORMAT!r}")
+    return [StageReport.from_dict(item) for item in document["reports"]]
+
+
+def write_json(reports: Sequence[StageReport], path: str | Path) -> Path:
+    """Write `to_json` to ``path`` (parent directories are created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_json(reports) + "\n")
+    return path
+
+
+def read_json(path: str | Path) -> list[StageReport]:
+    """The reports in a file written by `write_json`."""
+    return from_json(Path(path).read_text())
+
+
+def _checked(reports: Sequence[StageReport]) -> list[StageReport]:
+    reports = list(reports)
+    if not reports:
+        raise ChunkOffloadError("no stage reports to render; pass the list gather_reports returned on rank 0")
+    bad = [type(r).__name__ for r in reports if not isinstance(r, StageReport)]
+    if bad:
+        raise ChunkOffloadError(f"expected StageReport objects, got {bad}; build them with build_stage_report / stage_report")
+    return reports
