@@ -206,12 +206,3 @@ def test_unknown_module_names_the_valid_ones():
 def test_invalid_dimensions(overrides, message):
     with pytest.raises(ChunkOffloadError, match=message):
         _tiny(**overrides)
-
-
-def test_module_names_are_the_integrations():
-    """The planner cannot import the integration (layering): its copy of the names must match."""
-    from chunk_offload import planner
-    from chunk_offload.integrations.megatron import modules
-
-    assert planner.MODULE_NAMES == modules.OFFLOAD_MODULE_NAMES
-    assert planner.ALIASES == modules.ALIASES

@@ -13,40 +13,17 @@ from typing import Callable, Iterator
 from torch import nn
 
 from ...core.errors import ChunkOffloadError
+from ...planner.model import ALIASES, MODULE_NAMES, canonical_modules
 
 __all__ = ["OFFLOAD_MODULE_NAMES", "ALIASES", "canonical_names", "resolve"]
 
-OFFLOAD_MODULE_NAMES = (
-    "attn_norm",
-    "qkv_linear",
-    "core_attn",
-    "attn_proj",
-    "mlp_norm",
-    "mlp_fc1",
-    "expert_fc1",
-    "moe_act",
-)
-"""Every module name `attach` accepts (plus the aliases in `ALIASES`)."""
-
-ALIASES = {"router_fc1": "expert_fc1"}
-"""Other spellings users know from Megatron's own offload flags."""
+OFFLOAD_MODULE_NAMES = MODULE_NAMES
+"""Every module name `attach` accepts (plus the aliases in `ALIASES`); the planner models the same names."""
 
 
 def canonical_names(names: str | list[str] | tuple[str, ...]) -> list[str]:
     """Validate ``names`` (a list or a comma-separated string), resolve aliases, keep order, drop repeats."""
-    if isinstance(names, str):
-        names = [n.strip() for n in names.split(",") if n.strip()]
-    result: list[str] = []
-    for name in names:
-        canonical = ALIASES.get(name, name)
-        if canonical not in OFFLOAD_MODULE_NAMES:
-            valid = list(OFFLOAD_MODULE_NAMES) + sorted(ALIASES)
-            raise ChunkOffloadError(f"unknown offload module {name!r}; valid names: {valid}")
-        if canonical not in result:
-            result.append(canonical)
-    if not result:
-        raise ChunkOffloadError(f"no offload module given; choose from {list(OFFLOAD_MODULE_NAMES)}")
-    return result
+    return canonical_modules(names)
 
 
 def _present(module: nn.Module | None) -> bool:
