@@ -101,6 +101,12 @@ def test_memory_does_not_grow(spawned: _Spawned):
         memory = [rec["memory"] for rec in off.steps]
         step1, step2, last = memory[0], memory[1], memory[-1]
         what = f"rank {off.rank}"
+        if off.is_last_stage:
+            # Under 1F1B each backward of the last stage follows its forward: the plan policy keeps
+            # every chunk on device, so nothing is copied and no host memory is allocated, ever.
+            assert all(m["bytes_offloaded"] == 0 and m["pool_allocated_bytes"] == 0 for m in memory), what
+            assert all(m["resident_bytes"] == 0 and m["live_chunks"] == 0 for m in memory), what
+            continue
         assert step2["bytes_offloaded"] > 0 and last["bytes_offloaded"] == _STEPS * step1["bytes_offloaded"], what
         assert step1["pool_allocated_bytes"] > 0 and step1["pool_allocations"] > 0, what
         for key in _MEMORY_KEYS:

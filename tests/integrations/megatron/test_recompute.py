@@ -53,7 +53,9 @@ def _expected_groups(name: str) -> dict[str, int]:
 
 
 def _hooks() -> Hooks:
-    hooks = OffloadHooks(_MODULES)
+    # Offload every chunk (no plan policy, which keeps the last stage's chunks): the counts
+    # below are of every call outside the checkpointed regions, on every rank.
+    hooks = OffloadHooks(_MODULES, options={"min_offload_bytes": 1, "schedule_policy": None})
     return Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, report=hooks.report)
 
 
