@@ -74,6 +74,7 @@ class OffloadPolicy:
         self.min_offload_bytes = min_offload_bytes
         self.device_type = device_type
         self._modules: list[nn.Module] = []
+        self._module_ids: set[int] = set()
         # data pointer -> the storage itself: holding it keeps the address from being reused by
         # another allocation while it is in the set (a buffer that a module replaces in forward
         # would otherwise free its address, and a new activation there would look protected).
@@ -81,22 +82,34 @@ class OffloadPolicy:
 
     def protect(self, module: nn.Module) -> None:
         """Never offload the parameters and buffers of ``module`` (recursively), or their views."""
-        if not any(m is module for m in self._modules):
+        if id(module) not in self._module_ids:
+            self._module_ids.add(id(module))
             self._modules.append(module)
-        self._add_storages(module)
+        self._add_storages(module, set())
 
     def refresh(self) -> None:
-        """Collect the protected storages anew."""
-        self._protected = {}
-        for module in self._modules:
-            self._add_storages(module)
+        """Collect the protected storages anew.
 
-    def _add_storages(self, module: nn.Module) -> None:
-        for tensor in (*module.parameters(), *module.buffers()):
-            for plain in _plain_tensors(tensor):
-                if plain.layout == torch.strided and plain.numel() > 0 and plain.device.type != "meta":
-                    storage = plain.untyped_storage()
-                    self._protected[storage.data_ptr()] = storage
+        Each module is visited once however many protected modules contain it (the model
+        chunk and every offloaded submodule of it are all protected): one pass over the tree.
+        """
+        self._protected = {}
+        visited: set[int] = set()
+        for module in self._modules:
+            self._add_storages(module, visited)
+
+    def _add_storages(self, module: nn.Module, visited: set[int]) -> None:
+        for sub in module.modules():
+            if id(sub) in visited:
+                continue
+            visited.add(id(sub))
+            for tensor in (*sub._parameters.values(), *sub._buffers.values()):
+                if tensor is None:
+                    continue
+                for plain in _plain_tensors(tensor):
+                    if plain.layout == torch.strided and plain.numel() > 0 and plain.device.type != "meta":
+                        storage = plain.untyped_storage()
+                        self._protected[storage.data_ptr()] = storage
 
     def should_offload(self, tensor: torch.Tensor, activations: frozenset[int] = frozenset()) -> bool:
         """True for a large strided activation on the offload device that is not protected.

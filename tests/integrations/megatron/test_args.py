@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from chunk_offload import ChunkOffloadError, OffloadConfig
+from chunk_offload import ChunkOffloadError, OffloadConfig, SchedulePolicy
 from chunk_offload.integrations.megatron import ALIASES, OFFLOAD_MODULE_NAMES, add_arguments, attach_from_args
 from chunk_offload.integrations.megatron.args import GROUP_TITLE
 
@@ -138,6 +138,19 @@ def test_on_exhausted_baseline_report() -> None:
     assert args.chunk_offload_on_exhausted == "error"
     assert args.chunk_offload_baseline is True
     assert args.chunk_offload_report == "out/report.json"
+
+
+def test_schedule_flags() -> None:
+    args = parser().parse_args([])
+    assert args.chunk_offload_schedule == "plan" and args.chunk_offload_prefetch_bytes is None
+    args = parser().parse_args(["--offload-schedule", "group-start", "--offload-prefetch-bytes", "2MiB"])
+    assert args.chunk_offload_schedule == "group-start" and args.chunk_offload_prefetch_bytes == 2 << 20
+
+
+def test_schedule_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--chunk-offload-schedule", "zero-bubble"])
+    assert "invalid choice: 'zero-bubble' (choose from 'plan', 'group-start')" in capsys.readouterr().err
 
 
 def test_on_exhausted_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,6 +301,7 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
         "--chunk-offload-host-pool-bytes", "64MiB",
         "--chunk-offload-on-exhausted", "error",
         "--chunk-offload-report", "report.json",
+        "--chunk-offload-schedule", "group-start",
     ]  # fmt: skip
     args = add_arguments(megatron_like_parser()).parse_args(argv)
     with _megatron_world_of_one():
@@ -304,6 +318,8 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
             assert manager.config.host_pool_bytes == 64 << 20 == manager.pool.capacity_bytes
             assert manager.config.on_exhausted == "error" == manager.pool.on_exhausted
             assert manager.config.offload is True
+            assert type(manager.schedule_policy) is SchedulePolicy  # group-start: the engine default, no PlanPolicy
+            assert manager.baseline_iterations == 1 and manager.config.trace is True  # for the report
         finally:
             if manager is not None:
                 manager.detach()
