@@ -190,7 +190,10 @@ class OffloadManager:
     def _start_record(self) -> tuple[dict[str, GroupStats], float]:
         cuda = self.streams.device.type == "cuda"
         if cuda:
-            torch.cuda.synchronize(self.streams.device)
+            # The allocator's statistics are kept on the host at allocation time: no device sync
+            # is needed for them; the wall time (measure_time) needs one at both ends.
+            if self.config.measure_time:
+                torch.cuda.synchronize(self.streams.device)
             torch.cuda.reset_peak_memory_stats(self.streams.device)
         device_bytes = (lambda: torch.cuda.memory_allocated(self.streams.device)) if cuda else None
         self._resident.start_window(trace=self.config.trace, device_bytes=device_bytes)
@@ -201,7 +204,7 @@ class OffloadManager:
     def _finish_record(self, before: dict[str, GroupStats], started: float) -> IterationRecord:
         cuda = self.streams.device.type == "cuda"
         self.streams.synchronize()
-        if cuda:
+        if cuda and self.config.measure_time:
             torch.cuda.synchronize(self.streams.device)
         wall = time.perf_counter() - started
         self._stats.fold()

@@ -99,7 +99,7 @@ class IterationRecord:
     """("F" | "B", microbatch, vp_stage) as the engine saw the chunks start forward and backward
     (backward: when it first reached one of the chunk's groups)."""
     wall_time_s: float
-    """Host wall time of the iteration (the device synchronised at both ends on CUDA)."""
+    """Host wall time of the iteration (on CUDA with ``measure_time`` the device is synchronised at both ends)."""
 
     @property
     def peak_bytes(self) -> int:
