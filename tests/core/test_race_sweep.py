@@ -2,7 +2,8 @@
 
 `test_races.py` rotates 20 seeds over the delay patterns; this file runs 50 seeds on EACH side
 (d2h: offloads lag behind compute, h2d: reloads lag, compute: the host thread lags behind the
-copies) with exact parity against one shared no-offload baseline, plus 50 seeds each of:
+copies) with exact parity against one shared no-offload baseline, 25 more per side with the
+plan-driven prefetch of `PlanPolicy`, plus 50 seeds each of:
 
 - backward reaching a group before its own offload copy finished (the shape of Megatron-LM issue
   7398, where an inline reload raced its group's device-to-host copy), under d2h delays: per
@@ -40,6 +41,7 @@ import torch
 
 from chunk_offload import CpuStreams, OffloadManager
 from chunk_offload.core.group import GroupState
+from chunk_offload.schedule import Plan, PlanPolicy
 from tests.core._models import (
     MODULE_KINDS,
     ONE_F_ONE_B,
@@ -54,6 +56,7 @@ from tests.core._models import (
 ITERATIONS = 2
 LAYERS = 2
 SEEDS = range(50)
+PLAN_SEEDS = range(25)
 SIDES = ("d2h", "h2d", "compute")
 # The smallest delays that still reorder the streams: an offload or reload copy here takes a few
 # microseconds and the compute between two group commits some tens to hundreds, so sleeps of up
@@ -101,11 +104,24 @@ def _assert_clean(manager: OffloadManager) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("side", SIDES)
 def test_parity_sweep(side: str, seed: int) -> None:
+    _sweep(side, seed, schedule_policy=None)
+
+
+@pytest.mark.parametrize("seed", PLAN_SEEDS)
+@pytest.mark.parametrize("side", SIDES)
+def test_parity_sweep_plan_policy(side: str, seed: int) -> None:
+    """The same with `PlanPolicy`: every chunk's last group is reloaded during the action before
+    its backward (a forward in steady 1F1B, the previous backward in the cool-down)."""
+    plan = Plan.from_order([(a[0], int(a[1:]), 0) for a in ONE_F_ONE_B])
+    _sweep(side, seed, schedule_policy=PlanPolicy(plan))
+
+
+def _sweep(side: str, seed: int, *, schedule_policy: PlanPolicy | None) -> None:
     managers: list[OffloadManager] = []
 
     def factory() -> OffloadManager:
         streams = CpuStreams(max_delay_s=MAX_DELAY_S, delay_on=(side,), seed=seed)
-        managers.append(OffloadManager(min_offload_bytes=1, streams=streams))
+        managers.append(OffloadManager(min_offload_bytes=1, streams=streams, schedule_policy=schedule_policy))
         return managers[-1]
 
     def check(manager: OffloadManager, it: int) -> None:
