@@ -12,7 +12,8 @@ measured peaks to the byte:
   before it is reloaded (one ahead), on the first group the policy's prefetches for this
   action are issued, then autograd frees the group's bytes;
 - zero-bubble plans (``W`` actions): a chunk's ``B`` reloads its groups and its ``W`` frees
-  them (the weight-gradient step holds every saved tensor until it ran; an approximation).
+  them (torch's input-gradient step runs with ``retain_graph=True``, so saved tensors live until
+  the weight step; an approximation where the input-gradient step frees some of them).
 
 A chunk the policy keeps on device saves its groups and frees them in backward, never moving.
 """

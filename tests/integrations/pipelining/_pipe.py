@@ -87,6 +87,8 @@ class CaseResult:
     """Per offload-module name: groups, bytes offloaded, bytes reloaded (all iterations)."""
     registered: dict[str, int]
     """Per offload-module name: submodules registered on this rank."""
+    records: list[dict[str, object]] = field(default_factory=list)
+    """After each offload step: its `IterationRecord`'s peaks, group bytes and bytes copied."""
     registered_per_stage: dict[str, list[int]] = field(default_factory=dict)
     """Per offload-module name: submodules registered on each of this rank's stages (vp order)."""
     released_after: list[tuple[str, bool]] = field(default_factory=list)
@@ -224,6 +226,15 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
                 )
             )
             result.observed.append([str(a) for a in manager.observed_order])
+            record = manager.last_iteration
+            result.records.append(
+                dict(
+                    peak_saved_bytes=record.peak_saved_bytes,
+                    peak_resident_bytes=record.peak_resident_bytes,
+                    group_bytes=record.group_bytes,
+                    bytes_offloaded=sum(g.bytes_offloaded for g in record.groups.values()),
+                )
+            )
         optimizer.step()
     if manager is not None:
         if case.eval_after:
