@@ -9,6 +9,7 @@ and returns every loss and every parameter gradient, so tests compare them with
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -78,6 +79,18 @@ class Block(nn.Module):
 def no_saved_tensor_hooks() -> bool:
     """Whether no saved-tensor hooks are installed (a leak check after an iteration or an error)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def assert_clean(manager: chunk_offload.OffloadManager) -> None:
+    """Nothing left: no saved-tensor hook, no pool buffer in use, no bytes accounted, no live chunk."""
+    assert no_saved_tensor_hooks(), "saved-tensor hooks left installed"
+    stats = manager.stats()
+    assert stats.pool.in_use_bytes == 0
+    assert stats.pool.fallback_in_use_bytes == 0
+    assert stats.resident_bytes == 0
+    assert stats.host_bytes == 0
+    assert manager.live_chunks() == []
+    assert manager.current_handler is None
 
 
 def make_stack(layers: int = 2, seed: int = 0) -> nn.Sequential:
@@ -184,3 +197,89 @@ def assert_identical(a: RunResult, b: RunResult) -> None:
             assert torch.equal(x, y), f"iteration {it}: gradient of parameter {j} differs"
     for j, (x, y) in enumerate(zip(a.params, b.params)):
         assert torch.equal(x, y), f"parameter {j} differs after training"
+
+
+@dataclass
+class ReuseOutcome:
+    """What `reuse_during_reload` returns: the numbers with and without offload, and the pool's view."""
+
+    reference: tuple  # loss A, loss B, gradients after B's backward, after A's: no offload
+    result: tuple  # the same with offload
+    stats: chunk_offload.OffloadStats
+    pending_at_reuse: list[bool]  # per reuse of a fenced host buffer: was A's reload still pending?
+
+
+def reuse_during_reload(streams, *, skip: Sequence[str] = (), hold_reload: bool = False) -> ReuseOutcome:
+    """Chunk A offloads one group; its reload is prefetched (``bulk_reload_group``) and nothing waits
+    on it; chunk B, of identical shapes, offloads into the same host buffer; then B's backward and A's.
+
+    ``skip``: engine waits left out (`chunk_offload.core.group.WAIT_NAMES`). ``hold_reload``: A's
+    reload is queued behind an event on the h2d stream that opens only when B's offload acquires
+    the buffer, so the reload is pending at the reuse on every run.
+    """
+    from chunk_offload.core.group import GroupState
+
+    reference = make_stack(1, seed=0)
+    model = make_stack(1, seed=0)
+    xa, xb = microbatches(2)
+    ref_a = reference(xa).pow(2).mean()
+    ref_b = reference(xb).pow(2).mean()
+    ref_b.backward()
+    ref_grads_b = [p.grad.clone() for p in reference.parameters()]
+    ref_a.backward()
+    ref_grads_a = [p.grad.clone() for p in reference.parameters()]
+
+    manager = chunk_offload.OffloadManager(min_offload_bytes=1, streams=streams, _test_skip_waits=tuple(skip))
+    pending_at_reuse: list[bool] = []
+    held = threading.Event()
+    original_acquire = manager.pool.acquire
+
+    def acquire(nbytes: int):
+        buf = original_acquire(nbytes)
+        if buf.fence is not None:
+            pending_at_reuse.append(not buf.fence.query())
+            held.set()  # B's offload now waits on the fence: let A's reload run
+        return buf
+
+    manager.pool.acquire = acquire  # instance attribute: only this manager's pool
+    try:
+        manager.offload_module(model[0].mlp_fc1, "mlp_fc1")
+        with manager.iteration():
+            with manager.chunk(microbatch=0) as handler_a:
+                loss_a = model(xa).pow(2).mean()
+            group_a = handler_a.groups[0]
+            assert group_a.state is GroupState.ON_HOST
+            if hold_reload:
+                manager.streams.h2d.launch(lambda: held.wait(timeout=30.0))
+            handler_a.bulk_reload_group(0)  # prefetch; compute does not wait on it yet
+            assert group_a.state is GroupState.RELOADING
+            with manager.chunk(microbatch=1) as handler_b:  # reuses A's host buffer
+                loss_b = model(xb).pow(2).mean()
+            loss_b.backward()
+            grads_b = [p.grad.clone() for p in model.parameters()]
+            loss_a.backward()
+            grads_a = [p.grad.clone() for p in model.parameters()]
+            assert handler_b.groups[0].state is GroupState.RELEASED
+            assert group_a.state is GroupState.RELEASED
+        stats = manager.stats()
+    finally:
+        held.set()
+        manager.close()
+    return ReuseOutcome((ref_a, ref_b, ref_grads_b, ref_grads_a), (loss_a, loss_b, grads_b, grads_a), stats, pending_at_reuse)
+
+
+def assert_reuse_exact(outcome: ReuseOutcome) -> None:
+    """Bit-identical numbers, and one host buffer really served both chunks."""
+    ref_a, ref_b, ref_grads_b, ref_grads_a = outcome.reference
+    loss_a, loss_b, grads_b, grads_a = outcome.result
+    assert torch.equal(loss_a, ref_a) and torch.equal(loss_b, ref_b)
+    for i, (x, y) in enumerate(zip(grads_b, ref_grads_b)):
+        assert torch.equal(x, y), f"gradient {i} after chunk B's backward differs"
+    for i, (x, y) in enumerate(zip(grads_a, ref_grads_a)):
+        assert torch.equal(x, y), f"gradient {i} after chunk A's backward differs"
+    stats = outcome.stats
+    g = stats.groups["mlp_fc1"]
+    assert g.groups == 2 and g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded
+    # One host buffer served both chunks: B's offload really reused the buffer A's reload read.
+    assert stats.pool.allocations == 1 and len(outcome.pending_at_reuse) == 1
+    assert stats.pool.in_use_bytes == 0 and stats.resident_bytes == 0 and stats.host_bytes == 0

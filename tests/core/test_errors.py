@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadManager
-from tests.core._models import HIDDEN, make_stack, microbatches, no_saved_tensor_hooks, register
+from tests.core._models import HIDDEN, assert_clean, make_stack, microbatches, register
 
 CHUNK0 = re.escape("(microbatch=0, vp_stage=0)")
 
@@ -27,31 +27,6 @@ def manager():
     mgr = OffloadManager(min_offload_bytes=1)
     yield mgr
     mgr.close()
-
-
-@pytest.fixture
-def make_manager():
-    managers: list[OffloadManager] = []
-
-    def make(**options) -> OffloadManager:
-        mgr = OffloadManager(**options)
-        managers.append(mgr)
-        return mgr
-
-    yield make
-    for mgr in managers:
-        mgr.close()
-
-
-def assert_clean(mgr: OffloadManager) -> None:
-    assert no_saved_tensor_hooks(), "saved-tensor hooks left installed"
-    stats = mgr.stats()
-    assert stats.pool.in_use_bytes == 0
-    assert stats.pool.fallback_in_use_bytes == 0
-    assert stats.resident_bytes == 0
-    assert stats.host_bytes == 0
-    assert mgr.live_chunks() == []
-    assert mgr.current_handler is None
 
 
 # ----------------------------------------------------------------------------- misuse

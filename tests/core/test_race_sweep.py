@@ -47,9 +47,11 @@ from tests.core._models import (
     ONE_F_ONE_B,
     RunResult,
     assert_identical,
+    assert_reuse_exact,
     make_stack,
     microbatches,
     register,
+    reuse_during_reload,
     run_schedule,
 )
 
@@ -298,90 +300,14 @@ def test_backward_meets_offload_held_by_gate(monkeypatch: pytest.MonkeyPatch) ->
 # ----------------------------------------------------------------------------- host buffer reused during its reload
 
 
-def _reuse_during_reload(streams: CpuStreams, *, hold_reload: bool = False):
-    """Chunk A offloads one group; its reload is prefetched (``bulk_reload_group``) and nothing waits
-    on it; chunk B, of identical shapes, offloads into the same host buffer; then B's backward and A's.
-
-    ``hold_reload``: A's reload is queued behind an event on the h2d stream that opens only when B's
-    offload acquires the buffer, so the reload is pending at the reuse on every run.
-
-    Returns (reference numbers, offload numbers, stats, [whether A's reload was pending at the reuse]).
-    """
-    reference = make_stack(1, seed=0)
-    model = make_stack(1, seed=0)
-    xa, xb = microbatches(2)
-    ref_a = reference(xa).pow(2).mean()
-    ref_b = reference(xb).pow(2).mean()
-    ref_b.backward()
-    ref_grads_b = [p.grad.clone() for p in reference.parameters()]
-    ref_a.backward()
-    ref_grads_a = [p.grad.clone() for p in reference.parameters()]
-
-    manager = OffloadManager(min_offload_bytes=1, streams=streams)
-    pending_at_reuse: list[bool] = []
-    held = threading.Event()
-    original_acquire = manager.pool.acquire
-
-    def acquire(nbytes: int):
-        buf = original_acquire(nbytes)
-        if buf.fence is not None:
-            pending_at_reuse.append(not buf.fence.query())
-            held.set()  # B's offload now waits on the fence: let A's reload run
-        return buf
-
-    manager.pool.acquire = acquire  # instance attribute: only this manager's pool
-    try:
-        manager.offload_module(model[0].mlp_fc1, "mlp_fc1")
-        with manager.iteration():
-            with manager.chunk(microbatch=0) as handler_a:
-                loss_a = model(xa).pow(2).mean()
-            group_a = handler_a.groups[0]
-            assert group_a.state is GroupState.ON_HOST
-            if hold_reload:
-                manager.streams.h2d.launch(lambda: held.wait(timeout=30.0))
-            handler_a.bulk_reload_group(0)  # prefetch; compute does not wait on it yet
-            assert group_a.state is GroupState.RELOADING
-            with manager.chunk(microbatch=1) as handler_b:  # reuses A's host buffer
-                loss_b = model(xb).pow(2).mean()
-            loss_b.backward()
-            grads_b = [p.grad.clone() for p in model.parameters()]
-            loss_a.backward()
-            grads_a = [p.grad.clone() for p in model.parameters()]
-            assert handler_b.groups[0].state is GroupState.RELEASED
-            assert group_a.state is GroupState.RELEASED
-        stats = manager.stats()
-    finally:
-        held.set()
-        manager.close()
-    return (ref_a, ref_b, ref_grads_b, ref_grads_a), (loss_a, loss_b, grads_b, grads_a), stats, pending_at_reuse
-
-
-def _assert_reuse_exact(reference, result, stats, pending_at_reuse) -> None:
-    ref_a, ref_b, ref_grads_b, ref_grads_a = reference
-    loss_a, loss_b, grads_b, grads_a = result
-    assert torch.equal(loss_a, ref_a) and torch.equal(loss_b, ref_b)
-    for i, (x, y) in enumerate(zip(grads_b, ref_grads_b)):
-        assert torch.equal(x, y), f"gradient {i} after chunk B's backward differs"
-    for i, (x, y) in enumerate(zip(grads_a, ref_grads_a)):
-        assert torch.equal(x, y), f"gradient {i} after chunk A's backward differs"
-    g = stats.groups["mlp_fc1"]
-    assert g.groups == 2 and g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded
-    # One host buffer served both chunks: B's offload really reused the buffer A's reload read.
-    assert stats.pool.allocations == 1 and len(pending_at_reuse) == 1
-    assert stats.pool.in_use_bytes == 0 and stats.resident_bytes == 0 and stats.host_bytes == 0
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_reuse_during_delayed_reload(seed: int) -> None:
-    *outcome, pending = _reuse_during_reload(CpuStreams(max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed))
-    _assert_reuse_exact(*outcome, pending)
+    assert_reuse_exact(reuse_during_reload(CpuStreams(max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed)))
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_reuse_during_held_reload(seed: int) -> None:
     """Deterministic window: A's reload cannot start before B's offload took its buffer."""
-    *outcome, pending = _reuse_during_reload(
-        CpuStreams(max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed), hold_reload=True
-    )
-    _assert_reuse_exact(*outcome, pending)
-    assert pending == [True]
+    outcome = reuse_during_reload(CpuStreams(max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed), hold_reload=True)
+    assert_reuse_exact(outcome)
+    assert outcome.pending_at_reuse == [True]

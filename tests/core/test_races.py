@@ -33,9 +33,11 @@ from tests.core._models import (
     ONE_F_ONE_B,
     RunResult,
     assert_identical,
+    assert_reuse_exact,
     make_stack,
     microbatches,
     register,
+    reuse_during_reload,
     run_schedule,
 )
 
@@ -195,73 +197,15 @@ def test_missing_reload_wait_gives_wrong_numbers() -> None:
 # ----------------------------------------------------------------------------- reuse during reload
 
 
-def _reuse_during_reload(streams: CpuStreams, *, skip: Sequence[str] = ()):
-    """Chunk A offloads one group; its reload is prefetched and nothing waits on it; chunk B, of
-    identical shapes, offloads into the same host buffer; then B's and A's backward.
-
-    Returns the gradients after B's backward and after A's, for the model with offload and for
-    the same model without, and the manager's final stats.
-    """
-    reference = make_stack(1, seed=0)
-    model = make_stack(1, seed=0)
-    xa, xb = microbatches(2)
-
-    ref_a = reference(xa).pow(2).mean()
-    ref_b = reference(xb).pow(2).mean()
-    ref_b.backward()
-    ref_grads_b = [p.grad.clone() for p in reference.parameters()]
-    ref_a.backward()
-    ref_grads_a = [p.grad.clone() for p in reference.parameters()]
-
-    manager = OffloadManager(min_offload_bytes=1, streams=streams, _test_skip_waits=tuple(skip))
-    try:
-        manager.offload_module(model[0].mlp_fc1, "mlp_fc1")
-        with manager.iteration():
-            with manager.chunk(microbatch=0) as handler_a:
-                loss_a = model(xa).pow(2).mean()
-            group_a = handler_a.groups[0]
-            assert group_a.state is GroupState.ON_HOST
-            handler_a.bulk_reload_group(0)  # prefetch; compute does not wait on it yet
-            assert group_a.state is GroupState.RELOADING
-            with manager.chunk(microbatch=1) as handler_b:  # reuses A's host buffer
-                loss_b = model(xb).pow(2).mean()
-            loss_b.backward()
-            grads_b = [p.grad.clone() for p in model.parameters()]
-            loss_a.backward()
-            grads_a = [p.grad.clone() for p in model.parameters()]
-            assert handler_b.groups[0].state is GroupState.RELEASED
-            assert group_a.state is GroupState.RELEASED
-        stats = manager.stats()
-    finally:
-        manager.close()
-    return (ref_a, ref_b, ref_grads_b, ref_grads_a), (loss_a, loss_b, grads_b, grads_a), stats
-
-
-def _assert_reuse_scenario_exact(reference, result, stats) -> None:
-    ref_a, ref_b, ref_grads_b, ref_grads_a = reference
-    loss_a, loss_b, grads_b, grads_a = result
-    assert torch.equal(loss_a, ref_a) and torch.equal(loss_b, ref_b)
-    for i, (x, y) in enumerate(zip(grads_b, ref_grads_b)):
-        assert torch.equal(x, y), f"gradient {i} after chunk B's backward differs"
-    for i, (x, y) in enumerate(zip(grads_a, ref_grads_a)):
-        assert torch.equal(x, y), f"gradient {i} after chunk A's backward differs"
-    g = stats.groups["mlp_fc1"]
-    assert g.groups == 2 and g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded
-    # One host buffer served both chunks: B's offload really reused the buffer A's reload read.
-    assert stats.pool.allocations == 1
-    assert stats.pool.in_use_bytes == 0 and stats.resident_bytes == 0 and stats.host_bytes == 0
-
-
 def test_missing_reuse_wait_is_caught() -> None:
     with pytest.raises(HappensBeforeError) as info:
-        _reuse_during_reload(CpuStreams(), skip=("reuse_after_reload",))
+        reuse_during_reload(CpuStreams(), skip=("reuse_after_reload",))
     assert info.value.rule == "R3", str(info.value)
     assert "reused host buffer" in str(info.value)
 
 
 def test_reuse_during_reload_with_wait_is_exact() -> None:
-    reference, result, stats = _reuse_during_reload(CpuStreams())
-    _assert_reuse_scenario_exact(reference, result, stats)
+    assert_reuse_exact(reuse_during_reload(CpuStreams()))
 
 
 # Chunk B's forward takes about 1 to 10 ms here; reload delays of up to 100 ms make the reload
@@ -272,10 +216,7 @@ REUSE_MAX_DELAY_S = 0.1
 @pytest.mark.parametrize("seed", range(6))
 def test_reuse_during_delayed_reload_is_exact(seed: int) -> None:
     """The reload that reads the buffer is delayed; the next offload must wait for it."""
-    reference, result, stats = _reuse_during_reload(
-        CpuStreams(max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed)
-    )
-    _assert_reuse_scenario_exact(reference, result, stats)
+    assert_reuse_exact(reuse_during_reload(CpuStreams(max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed)))
 
 
 def test_missing_reuse_wait_gives_wrong_numbers() -> None:
@@ -284,8 +225,8 @@ def test_missing_reuse_wait_gives_wrong_numbers() -> None:
     outcomes = []
     for seed in range(6):
         streams = CpuStreams(check_order=False, max_delay_s=REUSE_MAX_DELAY_S, delay_on=("h2d",), seed=seed)
-        reference, result, _ = _reuse_during_reload(streams, skip=("reuse_after_reload",))
-        ref_grads_a, grads_a = reference[3], result[3]
+        outcome = reuse_during_reload(streams, skip=("reuse_after_reload",))
+        ref_grads_a, grads_a = outcome.reference[3], outcome.result[3]
         outcomes.append(all(torch.equal(x, y) for x, y in zip(grads_a, ref_grads_a)))
         if not outcomes[-1]:
             break
