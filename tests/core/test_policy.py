@@ -25,20 +25,6 @@ F32 = 4
 SPAN_ALIGN = 16  # the group code aligns a copied span's start down to 16 bytes
 
 
-@pytest.fixture
-def make_manager():
-    managers: list[OffloadManager] = []
-
-    def make(**options) -> OffloadManager:
-        manager = OffloadManager(**options)
-        managers.append(manager)
-        return manager
-
-    yield make
-    for manager in managers:
-        manager.close()
-
-
 class Fn(nn.Module):
     """A module whose forward is ``fn``; offloaded as one group."""
 
@@ -596,7 +582,7 @@ def test_inplace_modification_of_an_offloaded_saved_tensor_raises(make_manager, 
 
 
 def test_inplace_modification_of_a_kept_saved_tensor_raises(make_manager):
-    manager = make_manager()  # default 1 MiB: the saved (N, H) tensor is kept by the policy
+    manager = make_manager(min_offload_bytes=1 << 20)  # the default: the saved (N, H) tensor is kept by the policy
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _inplace_after_save(manager, modify_inside_chunk=False)
     assert manager.stats().groups["sin"].tensors_kept == 1
