@@ -19,22 +19,13 @@ deadline, so a hang fails with every rank's stacks on stderr.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import faulthandler
-import os
-import signal
-import socket
-import tempfile
-import time
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from chunk_offload import OffloadManager
+from tests._spawn import run_ranks
 from tests.core._models import MODULE_KINDS, make_stack, microbatches, register
 
 WORLD_SIZE = 2
@@ -123,29 +114,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full.detach().clone()
 
 
-def _child(rank: int, port: int, out_dir: str) -> None:
-    faulthandler.dump_traceback_later(TIMEOUT_S, exit=True)
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        try:
-            results = {}
-            for wrapper in WRAPPERS:
-                for offload in (False, True):
-                    # A case that raises is reported by its tests; the next cases still run. (Both
-                    # ranks raise alike here; a rank left alone in a collective hits the deadline.)
-                    try:
-                        results[(wrapper, offload)] = _train(wrapper, offload, rank)
-                    except Exception:
-                        results[(wrapper, offload)] = {"error": traceback.format_exc()}
-            torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        finally:
-            dist.destroy_process_group()
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        faulthandler.unregister(signal.SIGTERM)
+def _rank_cases(rank: int, world_size: int) -> dict:
+    results = {}
+    for wrapper in WRAPPERS:
+        for offload in (False, True):
+            # A case that raises is reported by its tests; the next cases still run. (Both
+            # ranks raise alike here; a rank left alone in a collective hits the deadline.)
+            try:
+                results[(wrapper, offload)] = _train(wrapper, offload, rank)
+            except Exception:
+                results[(wrapper, offload)] = {"error": traceback.format_exc()}
+    return results
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,29 +132,9 @@ def _child(rank: int, port: int, out_dir: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="chunk_offload_dist_") as out_dir:
-        ctx = mp.start_processes(
-            _child, args=(_free_port(), out_dir), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + TIMEOUT_S + 30.0
-        try:
-            while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"ranks did not finish within {TIMEOUT_S + 30:.0f} s; stacks are on stderr")
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return run_ranks(_rank_cases, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S, what="DDP/FSDP2 ranks")
 
 
 def _activation_bytes_per_call() -> dict[str, int]:

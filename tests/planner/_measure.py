@@ -16,18 +16,12 @@ A third run counts each layer's forward FLOPs with ``torch.utils.flop_counter.Fl
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import tempfile
-import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests._spawn import run_ranks
 
 __all__ = ["ByteCase", "CaseBytes", "measure"]
 
@@ -70,37 +64,16 @@ class CaseBytes:
 
 def measure(cases: list[ByteCase], *, timeout_s: float = 300.0) -> list[CaseBytes]:
     """Run every case in one spawned process; results in the order of ``cases``."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.start_processes(_child, args=(port, cases, out_dir), nprocs=1, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=5.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"byte measurement did not finish within {timeout_s} s")
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-        return torch.load(Path(out_dir) / "bytes.pt", weights_only=False)
+    (results,) = run_ranks(_measure_cases, (cases,), world_size=1, timeout_s=timeout_s, what="byte measurement")
+    return results
 
 
-def _child(rank: int, port: int, cases: list[ByteCase], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    torch.set_num_threads(1)
+def _measure_cases(rank: int, world_size: int, cases: list[ByteCase]) -> list[CaseBytes]:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
-    try:
-        from chunk_offload.integrations.megatron import cpu_compat
+    from chunk_offload.integrations.megatron import cpu_compat
 
-        with cpu_compat.megatron_on_cpu():
-            results = [_measure_case(case) for case in cases]
-        torch.save(results, Path(out_dir) / "bytes.pt")
-    finally:
-        dist.destroy_process_group()
+    with cpu_compat.megatron_on_cpu():
+        return [_measure_case(case) for case in cases]
 
 
 def _shape(case: ByteCase):

@@ -25,24 +25,17 @@ stderr and kills the child; the parent joins with a deadline as well and fails w
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
 import hashlib
-import os
-import signal
-import socket
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
+
+from tests._spawn import run_ranks
 
 __all__ = [
     "Hooks",
@@ -250,39 +243,8 @@ def spawn_runs(
     A child that hangs past ``timeout_s`` dumps every thread's stack to stderr and exits; the
     parent gives up ``timeout_s + 30`` seconds after the start, kills the children and raises.
     """
-    with tempfile.TemporaryDirectory(prefix="chunk_offload_gpt_") as out_dir:
-        port = _free_port()
-        ctx = mp.start_processes(
-            _child_main,
-            args=(world_size, port, list(runs), out_dir, timeout_s),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout_s + 30.0
-        try:
-            while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"tiny GPT ranks did not finish within {timeout_s + 30:.0f} s; "
-                        "child stacks (faulthandler) are on stderr"
-                    )
-        except mp.ProcessExitedException as e:
-            # A rank that hangs past timeout_s dumps its stacks and exits with code 1; the others
-            # dump theirs when torch terminates them (SIGTERM).
-            raise RuntimeError(
-                f"rank {e.error_index} exited with code {e.exit_code} without a Python exception; "
-                f"if it hung for {timeout_s:.0f} s, every rank's stacks are on stderr (faulthandler)"
-            ) from e
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-        return [
-            [torch.load(Path(out_dir) / f"run{i}_rank{r}.pt", weights_only=False) for r in range(world_size)]
-            for i in range(len(runs))
-        ]
+    per_rank = run_ranks(_rank_runs, (list(runs),), world_size=world_size, timeout_s=timeout_s, what="tiny GPT ranks")
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,43 +252,13 @@ def spawn_runs(
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_runs(rank: int, world_size: int, runs: list[Run]) -> list[RankResult]:
+    # megatron warns at import and build time that Apex / Transformer Engine are missing.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    from chunk_offload.integrations.megatron import cpu_compat
 
-
-def _child_main(rank: int, world_size: int, port: int, runs: list[Run], out_dir: str, timeout_s: float) -> None:
-    faulthandler.dump_traceback_later(timeout_s, exit=True)
-    # When another rank times out first, torch terminates this one: dump its stacks as well.
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    try:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-        )
-        torch.set_num_threads(1)  # ranks share the host's cores
-        # megatron warns at import and build time that Apex / Transformer Engine are missing.
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
-        try:
-            from chunk_offload.integrations.megatron import cpu_compat
-
-            with cpu_compat.megatron_on_cpu() as compat:
-                for i, run in enumerate(runs):
-                    result = _train_once(run, compat, rank)
-                    torch.save(result, Path(out_dir) / f"run{i}_rank{rank}.pt")
-        finally:
-            dist.destroy_process_group()
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        faulthandler.unregister(signal.SIGTERM)
+    with cpu_compat.megatron_on_cpu() as compat:
+        return [_train_once(run, compat, rank) for run in runs]
 
 
 class _DeviceAudit(TorchFunctionMode):

@@ -11,26 +11,18 @@ Children arm ``faulthandler.dump_traceback_later``: a hang prints every thread's
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import os
-import signal
-import socket
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import chunk_offload
 from chunk_offload.pipelining import attach
 
+from ..._spawn import run_ranks
 from ...core._models import BATCH, HIDDEN, SEQ, Block
 
 __all__ = ["Case", "CaseResult", "ITERATIONS", "LAYERS", "MICROBATCHES", "OFFLOAD_MODULES", "spawn_cases", "stage_indices"]
@@ -110,53 +102,12 @@ def stage_indices(schedule: str, rank: int, world_size: int) -> list[int]:
 
 def spawn_cases(cases: list[Case], *, world_size: int = 2, timeout_s: float = 150.0) -> list[list[CaseResult]]:
     """Run ``cases`` in ``world_size`` gloo ranks; returns ``results[case][rank]``."""
-    with tempfile.TemporaryDirectory(prefix="chunk_offload_pipe_") as out_dir:
-        ctx = mp.start_processes(
-            _child_main,
-            args=(world_size, _free_port(), list(cases), out_dir, timeout_s),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout_s + 30.0
-        try:
-            while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"pipelining ranks did not finish within {timeout_s + 30:.0f} s; stacks are on stderr")
-        except mp.ProcessExitedException as e:
-            raise RuntimeError(
-                f"rank {e.error_index} exited with code {e.exit_code}; if it hung, every rank's stacks are on stderr"
-            ) from e
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-        per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    per_rank = run_ranks(_rank_cases, (list(cases),), world_size=world_size, timeout_s=timeout_s, what="pipelining ranks")
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child_main(rank: int, world_size: int, port: int, cases: list[Case], out_dir: str, timeout_s: float) -> None:
-    faulthandler.dump_traceback_later(timeout_s, exit=True)
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)  # ranks share the host's cores
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            results = [_run_case(case, rank, world_size) for case in cases]
-            torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        finally:
-            dist.destroy_process_group()
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        faulthandler.unregister(signal.SIGTERM)
+def _rank_cases(rank: int, world_size: int, cases: list[Case]) -> list[CaseResult]:
+    return [_run_case(case, rank, world_size) for case in cases]
 
 
 def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
