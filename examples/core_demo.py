@@ -3,7 +3,9 @@
 Runs the same training twice in one process, without and with an `OffloadManager`, on
 whatever device is present (CPU worker-thread copy streams without a GPU), and prints every
 loss with full precision, whether losses and gradients are bit-identical, per-module offload
-statistics and the drop of the device-resident saved-bytes high-water mark.
+statistics, and the drop of the device-resident saved-bytes high-water mark against the drop
+the plan predicts (`chunk_offload.schedule.simulate`; R = 1 when the engine does what the plan
+says). The offload run uses the plan-driven policy (`PlanPolicy`).
 
     python examples/core_demo.py [--layers 4] [--microbatches 8] [--stages 4] [--iterations 3]
 """
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chunk_offload
+from chunk_offload.schedule import Plan, PlanPolicy, simulate
 
 MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1")
 
@@ -108,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device}; order of stage {args.stage} of {args.stages} with {args.microbatches} microbatches:")
     print("  " + " ".join(f"{k}{m}" for k, m in one_f_one_b(args.stage, args.stages, args.microbatches)))
 
+    plan = Plan.from_order([(k, m, 0) for k, m in one_f_one_b(args.stage, args.stages, args.microbatches)], source="1F1B")
     baseline_accounting = chunk_offload.OffloadManager(min_offload_bytes=args.min_offload_bytes, offload=False)
     base_losses, base_grads, base_params = train(args, device, baseline_accounting)
-    offload = chunk_offload.OffloadManager(min_offload_bytes=args.min_offload_bytes)
+    offload = chunk_offload.OffloadManager(min_offload_bytes=args.min_offload_bytes, schedule_policy=PlanPolicy(plan))
     losses, grads, params = train(args, device, offload)
 
     print("\nloss per microbatch (no offload | offload):")
@@ -123,15 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"\nlosses, gradients and parameters bit-identical: {identical}")
 
-    stats, base = offload.stats(), baseline_accounting.stats()
+    stats = offload.stats()
     print(f"\n{'module':<12} {'tensors':>8} {'MiB offloaded':>14} {'copy ms':>9} {'wait ms':>9}")
     for name, g in stats.groups.items():
         print(f"{name:<12} {g.tensors_offloaded:>8} {g.bytes_offloaded / 2**20:>14.3f} {g.copy_time_s * 1e3:>9.2f} {g.wait_time_s * 1e3:>9.2f}")
-    drop = base.peak_resident_bytes - stats.peak_resident_bytes
-    theoretical = stats.host_bytes_at_saved_peak
-    print("\ndevice-resident saved bytes of the offloaded modules, high-water mark (manager accounting):")
-    print(f"  without offload {base.peak_resident_bytes}  with offload {stats.peak_resident_bytes}  measured drop {drop}")
-    print(f"  on host at the saved-bytes peak (theoretical drop) {theoretical}")
+    base, last = baseline_accounting.last_iteration, offload.last_iteration  # the last iteration of each run
+    drop = base.peak_resident_bytes - last.peak_resident_bytes
+    theoretical = simulate(plan, base.group_bytes, policy=offload.schedule_policy).drop
+    print("\ndevice-resident saved bytes of the offloaded modules, high-water mark (manager accounting, last iteration):")
+    print(f"  without offload {base.peak_resident_bytes}  with offload {last.peak_resident_bytes}  measured drop {drop}")
+    print(f"  predicted by the plan (theoretical drop) {theoretical}")
     if theoretical:
         print(f"  R = measured / theoretical drop = {drop / theoretical:.4f}")
     print(f"host pool: {stats.pool}")
