@@ -8,12 +8,16 @@ megatron-core chunks, synthetic received gradients) three ways in one process:
 - no offload (the replay's baseline iterations);
 - offload, each group reloaded when backward reaches the group after it (the default policy);
 - offload, reloads started from the plan (``schedule_policy=PlanPolicy(plan)``): a chunk's
-  groups are brought back while the actions before its backward still run.
+  groups are brought back while the actions before its backward still run;
+- with ``--reload-ahead-mib``, a fourth way: the plan-driven policy that also keeps up to that
+  many MiB of a chunk's earlier groups reloading ahead of its running group (a large group
+  behind small ones then starts its copy early).
 
 It prints, per way, the time compute waited on copies and the step time (medians over
 ``--iterations``), and the ratios of plan-driven to group-start. Measured figures only.
 
     python bench/prefetch.py [--link-gbps 0.5] [--hidden 256] [--seq 256] [--iterations 2] [--prefetch-mib 8]
+        [--modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1 --reload-ahead-mib 16]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--link-gbps", type=float, default=0.5, help="simulated host link, GB/s")
     parser.add_argument("--iterations", type=int, default=2, help="measured iterations per mode (medians)")
     parser.add_argument("--prefetch-mib", type=float, default=None, help="PlanPolicy prefetch budget per chunk (default: its last group)")
+    parser.add_argument("--reload-ahead-mib", type=float, default=None, help="also run PlanPolicy(reload_ahead_bytes=...)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (compute)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -59,7 +64,11 @@ def main() -> None:
         plan = stage.plan(args.microbatches)
         runs = {}
         prefetch = None if args.prefetch_mib is None else int(args.prefetch_mib * 2**20)
-        for name, policy in (("reload at group start", None), ("plan-driven prefetch", PlanPolicy(plan, prefetch_bytes=prefetch))):
+        policies = [("reload at group start", None), ("plan-driven prefetch", PlanPolicy(plan, prefetch_bytes=prefetch))]
+        if args.reload_ahead_mib is not None:
+            ahead = int(args.reload_ahead_mib * 2**20)
+            policies.append(("plan + reload ahead", PlanPolicy(plan, prefetch_bytes=prefetch, reload_ahead_bytes=ahead)))
+        for name, policy in policies:
             runs[name] = replay(
                 stage,
                 modules=args.modules,

@@ -54,11 +54,13 @@ class ChunkKey(NamedTuple):
 class ChunkOffloadHandler:
     """Offload groups of one chunk, in forward order. See NOTE [Release and prefetch order]."""
 
-    def __init__(self, ctx: EngineContext, key: ChunkKey, *, offload: bool = True) -> None:
+    def __init__(self, ctx: EngineContext, key: ChunkKey, *, offload: bool = True, reload_ahead_bytes: int | None = None) -> None:
         self.ctx = ctx
         self.key = key
         self.offload = offload
         """Whether committed groups are copied to host (False: kept on device, still accounted)."""
+        self.reload_ahead_bytes = reload_ahead_bytes
+        """In backward, reload earlier groups while the bytes reloaded ahead fit (None: one group ahead)."""
         self.groups: list[OffloadGroup] = []
         self.current: OffloadGroup | None = None
         self._unreleased = 0
@@ -138,15 +140,37 @@ class ChunkOffloadHandler:
         """Backward reached ``group``: make it resident and prefetch the group before it."""
         group.ensure_resident()
         self._backward_cursor = min(self._backward_cursor, group.index)
-        if group.index > 0:
-            previous = self.groups[group.index - 1]
-            if previous.state is GroupState.ON_HOST:
-                previous.reload()
+        self._reload_ahead(group.index)
         if not self._backward_started:
             # After this chunk's own reloads, so that they come first on the copy stream.
             self._backward_started = True
             if self.ctx.on_backward_start is not None:
                 self.ctx.on_backward_start(self)
+
+    def _reload_ahead(self, index: int) -> None:
+        """Backward reached group ``index``: start the reloads of the groups before it.
+
+        The group just before is always reloaded (its copy overlaps this group's backward).
+        With ``reload_ahead_bytes``, earlier groups follow while the bytes of the groups before
+        ``index`` that are reloading or resident still fit: a large group behind a small one
+        (a layer's core attention behind its projection) then starts its copy early enough.
+        """
+        if index == 0:
+            return
+        if self.reload_ahead_bytes is None:
+            previous = self.groups[index - 1]
+            if previous.state is GroupState.ON_HOST:
+                previous.reload()
+            return
+        earlier = self.groups[:index]
+        ahead = sum(g.saved_bytes for g in earlier if g.state in (GroupState.RELOADING, GroupState.RESIDENT))
+        for position, candidate in enumerate(reversed(earlier)):
+            if candidate.state is not GroupState.ON_HOST:
+                continue
+            if position > 0 and ahead + candidate.saved_bytes > self.reload_ahead_bytes:
+                break
+            candidate.reload()
+            ahead += candidate.saved_bytes
 
     def prefetch(self, budget_bytes: int | None = None) -> int:
         """Start reloading the chunk's last groups ahead of its backward; returns the bytes issued.

@@ -254,7 +254,7 @@ class OffloadManager:
         self._order.append(("F", microbatch, vp_stage))
         self._prefetch(self.schedule_policy.prefetch_on("F", key))
         offload = self._iteration_offload and self.schedule_policy.offload_chunk(key)
-        handler = ChunkOffloadHandler(self._ctx, key, offload=offload)
+        handler = ChunkOffloadHandler(self._ctx, key, offload=offload, reload_ahead_bytes=self.schedule_policy.reload_ahead_bytes(key))
         self._by_key[key] = handler  # a chunk key entered twice (no schedule does that) maps to its latest forward
         self._iteration_handlers.append(handler)
         self._current = handler

@@ -4,7 +4,8 @@ Two decisions need to know the order in which chunks run, which the engine itsel
 whether a chunk's groups are worth offloading at all (its backward may follow at once), and
 which chunk to start reloading ahead of its backward. The base class answers without a
 schedule: offload every chunk, and reload each group when backward reaches the group after it
-(NOTE [Release and prefetch order] in handler.py). `chunk_offload.schedule.PlanPolicy`
+(NOTE [Release and prefetch order] in handler.py). A third, schedule-free knob bounds how far
+reloads run ahead within a chunk's backward. `chunk_offload.schedule.PlanPolicy`
 answers from the rank's plan; users may subclass either.
 """
 
@@ -26,6 +27,11 @@ class SchedulePolicy:
     def offload_chunk(self, key: ChunkKey) -> bool:
         """Whether the groups of chunk ``key`` are copied to host (False: they stay on device)."""
         return True
+
+    def reload_ahead_bytes(self, key: ChunkKey) -> int | None:
+        """In chunk ``key``'s backward, how many bytes of earlier groups may be reloading ahead of
+        the running group (the group just before it always is); None: just that one group."""
+        return None
 
     def prefetch_on(self, kind: str, key: ChunkKey) -> Sequence[tuple[ChunkKey, int | None]]:
         """Reloads to start when action ``kind`` (``"F"`` or ``"B"``) of chunk ``key`` begins.

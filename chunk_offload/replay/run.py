@@ -201,6 +201,7 @@ def replay(
     streams: StreamBackend | None = None,
     schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
     prefetch_bytes: int | None = None,
+    reload_ahead_bytes: int | None = None,
     keep_tensors: bool = False,
     **options: Any,
 ) -> ReplayResult:
@@ -209,7 +210,7 @@ def replay(
     ``plan``: default megatron's schedule of the stage for ``num_microbatches`` (default
     ``2 * pp_size``). ``iterations`` measured iterations per mode, after ``warmup`` of each.
     ``schedule_policy``: ``"plan"`` (what `attach` uses in training: `PlanPolicy` of the plan,
-    with ``prefetch_bytes``), None (every chunk offloaded, each group reloaded when backward
+    with ``prefetch_bytes`` and ``reload_ahead_bytes``), None (every chunk offloaded, each group reloaded when backward
     reaches the group after it) or a `SchedulePolicy`. ``streams`` and ``options``
     (`OffloadConfig` fields) go to `attach`. ``keep_tensors``: also keep chunk outputs and
     gradients in the result, for comparisons.
@@ -223,9 +224,12 @@ def replay(
         if not isinstance(value, int) or value < low:
             raise ChunkOffloadError(f"replay needs {label} as an int >= {low}, got {value!r}")
     if schedule_policy == "plan":
-        schedule_policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes)
-    elif prefetch_bytes is not None:
-        raise ChunkOffloadError(f"prefetch_bytes={prefetch_bytes} applies to schedule_policy='plan', not to {schedule_policy!r}")
+        schedule_policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+    elif prefetch_bytes is not None or reload_ahead_bytes is not None:
+        raise ChunkOffloadError(
+            f"prefetch_bytes={prefetch_bytes} and reload_ahead_bytes={reload_ahead_bytes} apply to schedule_policy='plan', "
+            f"not to {schedule_policy!r}"
+        )
     elif schedule_policy is None:
         schedule_policy = SchedulePolicy()
     manager = attach(stage.chunks, modules, streams=streams, schedule_policy=schedule_policy, **options)

@@ -34,27 +34,47 @@ class PlanPolicy(SchedulePolicy):
             forward and its backward.
         prefetch_bytes: reload budget per chunk, issued during the action before its
             backward; None: the chunk's last group; 0: no plan-driven prefetch.
+        reload_ahead_bytes: within a chunk's backward, bytes of earlier groups that may be
+            reloading ahead of the running group (the one just before it always is); None:
+            one group ahead.
     """
 
-    def __init__(self, plan: Plan, *, min_lifespan: int = 1, prefetch_bytes: int | None = None) -> None:
+    def __init__(
+        self, plan: Plan, *, min_lifespan: int = 1, prefetch_bytes: int | None = None, reload_ahead_bytes: int | None = None
+    ) -> None:
         if not isinstance(plan, Plan):
             raise ChunkOffloadError(f"PlanPolicy needs a chunk_offload.schedule.Plan, got {type(plan).__name__}")
         if not isinstance(min_lifespan, int) or min_lifespan < 0:
             raise ChunkOffloadError(f"min_lifespan must be an int >= 0, got {min_lifespan!r}")
-        if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
-            raise ChunkOffloadError(f"prefetch_bytes must be None or an int >= 0, got {prefetch_bytes!r}")
+        self.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
         self.plan = plan
         self.min_lifespan = min_lifespan
         self.prefetch_bytes = prefetch_bytes
+        self._reload_ahead_bytes = reload_ahead_bytes
         self._step = {a: i for i, a in enumerate(plan.actions)}
         self._offload = {chunk: plan.lifespan(*chunk) >= min_lifespan for chunk in plan.chunks}
 
+    @staticmethod
+    def check_budgets(**budgets: int | None) -> dict[str, int | None]:
+        """Raise unless every byte budget is None or an int >= 0; return them (for integrations
+        that build the policy later, at the first training call, but should fail at once)."""
+        for label, value in budgets.items():
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ChunkOffloadError(f"{label} must be None or an int >= 0, got {value!r}")
+        return budgets
+
     def __repr__(self) -> str:
-        return f"PlanPolicy({self.plan.source}, min_lifespan={self.min_lifespan}, prefetch_bytes={self.prefetch_bytes})"
+        return (
+            f"PlanPolicy({self.plan.source}, min_lifespan={self.min_lifespan}, prefetch_bytes={self.prefetch_bytes}, "
+            f"reload_ahead_bytes={self._reload_ahead_bytes})"
+        )
 
     def offload_chunk(self, key: ChunkKey) -> bool:
         # A chunk the plan does not know (the plan is wrong) is offloaded as without a plan.
         return self._offload.get(tuple(key), True)
+
+    def reload_ahead_bytes(self, key: ChunkKey) -> int | None:
+        return self._reload_ahead_bytes
 
     def kept_chunks(self) -> list[tuple[int, int]]:
         """Chunks this policy keeps on device, in forward order."""

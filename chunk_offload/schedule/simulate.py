@@ -9,8 +9,9 @@ measured peaks to the byte:
   order: its bytes are saved, then the groups committed before it are moved to host (the
   group itself is held until the next commit); at the end of the chunk the last group moves;
 - backward of a chunk, per group from the last: the group is reloaded if on host, the group
-  before it is reloaded (one ahead), on the first group the policy's prefetches for this
-  action are issued, then autograd frees the group's bytes;
+  before it is reloaded (one ahead; more while the policy's ``reload_ahead_bytes`` allow), on
+  the first group the policy's prefetches for this action are issued, then autograd frees the
+  group's bytes;
 - zero-bubble plans (``W`` actions): a chunk's ``B`` reloads its groups and its ``W`` frees
   them (torch's input-gradient step runs with ``retain_graph=True``, so saved tensors live until
   the weight step; an approximation where the input-gradient step frees some of them).
@@ -170,14 +171,31 @@ class _Run:
 
     def _backward(self, chunk: tuple[int, int], *, free: bool) -> None:
         states = self.state[chunk]
+        budget = self.policy.reload_ahead_bytes(ChunkKey(*chunk))
         for g in reversed(range(len(states))):
             self._reload(chunk, g)
-            if g > 0:
-                self._reload(chunk, g - 1)
+            self._reload_ahead(chunk, g, budget)
             if g == len(states) - 1:
                 self._prefetch(self.policy.prefetch_on("B", ChunkKey(*chunk)))
             if free:
                 self._free(chunk, g)
+
+    def _reload_ahead(self, chunk: tuple[int, int], g: int, budget: int | None) -> None:
+        """As `ChunkOffloadHandler._reload_ahead` (reloading and resident are one state here)."""
+        if g == 0:
+            return
+        if budget is None:
+            self._reload(chunk, g - 1)
+            return
+        sizes, states = self.bytes[chunk], self.state[chunk]
+        ahead = sum(sizes[i] for i in range(g) if states[i] == _RESIDENT)
+        for position, i in enumerate(reversed(range(g))):
+            if states[i] != _HOST:
+                continue
+            if position > 0 and ahead + sizes[i] > budget:
+                break
+            self._reload(chunk, i)
+            ahead += sizes[i]
 
     def _free(self, chunk: tuple[int, int], g: int) -> None:
         if self.state[chunk][g] == _RESIDENT:

@@ -3,7 +3,7 @@
 `test_races.py` rotates 20 seeds over the delay patterns; this file runs 50 seeds on EACH side
 (d2h: offloads lag behind compute, h2d: reloads lag, compute: the host thread lags behind the
 copies) with exact parity against one shared no-offload baseline, 25 more per side with the
-plan-driven prefetch of `PlanPolicy`, plus 50 seeds each of:
+plan-driven prefetch and in-chunk reload-ahead of `PlanPolicy`, plus 50 seeds each of:
 
 - backward reaching a group before its own offload copy finished (the shape of Megatron-LM issue
   7398, where an inline reload raced its group's device-to-host copy), under d2h delays: per
@@ -113,9 +113,10 @@ def test_parity_sweep(side: str, seed: int) -> None:
 @pytest.mark.parametrize("side", SIDES)
 def test_parity_sweep_plan_policy(side: str, seed: int) -> None:
     """The same with `PlanPolicy`: every chunk's last group is reloaded during the action before
-    its backward (a forward in steady 1F1B, the previous backward in the cool-down)."""
+    its backward (a forward in steady 1F1B, the previous backward in the cool-down), and in
+    backward up to 8000 bytes of earlier groups reload ahead of the running one (2-3 groups here)."""
     plan = Plan.from_order([(a[0], int(a[1:]), 0) for a in ONE_F_ONE_B])
-    _sweep(side, seed, schedule_policy=PlanPolicy(plan))
+    _sweep(side, seed, schedule_policy=PlanPolicy(plan, reload_ahead_bytes=8_000))
 
 
 def _sweep(side: str, seed: int, *, schedule_policy: PlanPolicy | None) -> None:

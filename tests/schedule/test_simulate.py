@@ -28,6 +28,7 @@ POLICIES = {
     "plan": lambda plan: PlanPolicy(plan),
     "plan_budget": lambda plan: PlanPolicy(plan, prefetch_bytes=20_000),
     "plan_offload_all": lambda plan: PlanPolicy(plan, min_lifespan=0, prefetch_bytes=0),
+    "plan_reload_ahead": lambda plan: PlanPolicy(plan, reload_ahead_bytes=12_000),
 }
 ITERATIONS = 2
 

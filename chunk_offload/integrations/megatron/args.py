@@ -80,6 +80,7 @@ _DESTS = {
     "report": "chunk_offload_report",
     "schedule": "chunk_offload_schedule",
     "prefetch-bytes": "chunk_offload_prefetch_bytes",
+    "reload-ahead-bytes": "chunk_offload_reload_ahead_bytes",
 }
 _SCHEDULE_CHOICES = ("plan", "group-start")
 
@@ -214,6 +215,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="With --chunk-offload-schedule plan: bytes of a chunk reloaded ahead of its backward (default: its last group; 0: none).",
     )
     group.add_argument(
+        *names("reload-ahead-bytes"),
+        dest=_DESTS["reload-ahead-bytes"],
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help=(
+            "With --chunk-offload-schedule plan: in a chunk's backward, bytes of earlier groups that may be reloading "
+            "ahead of the running one (default: one group ahead). Hides a large group's copy behind small groups."
+        ),
+    )
+    group.add_argument(
         *names("report"),
         dest=_DESTS["report"],
         default=None,
@@ -278,6 +290,7 @@ def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Name
         "offload": not getattr(args, _DESTS["baseline"]),
         "schedule_policy": "plan" if getattr(args, _DESTS["schedule"]) == "plan" else None,
         "prefetch_bytes": getattr(args, _DESTS["prefetch-bytes"]),
+        "reload_ahead_bytes": getattr(args, _DESTS["reload-ahead-bytes"]),
     }
     if getattr(args, _DESTS["report"]):
         config["baseline_iterations"] = 1  # the report's peak without offload

@@ -65,6 +65,7 @@ class MegatronOffloadManager(OffloadManager):
         *,
         schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
         prefetch_bytes: int | None = None,
+        reload_ahead_bytes: int | None = None,
         baseline_iterations: int = 0,
         **options: Any,
     ) -> None:
@@ -78,9 +79,7 @@ class MegatronOffloadManager(OffloadManager):
         use_plan = isinstance(schedule_policy, str)
         super().__init__(schedule_policy=None if use_plan else schedule_policy, **options)
         self._plan_policy = use_plan
-        self._prefetch_bytes = prefetch_bytes
-        if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
-            raise ChunkOffloadError(f"prefetch_bytes must be None or an int >= 0, got {prefetch_bytes!r}")
+        self._plan_options = PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
         self.baseline_iterations = baseline_iterations
         self.plan: Plan | None = None
         """This rank's plan for the last training call (Megatron's tables, or the observed order if they differed)."""
@@ -209,7 +208,7 @@ class MegatronOffloadManager(OffloadManager):
 
     def _use_plan(self, plan: Plan) -> None:
         if self._plan_policy:
-            self.schedule_policy = PlanPolicy(plan, prefetch_bytes=self._prefetch_bytes)
+            self.schedule_policy = PlanPolicy(plan, **self._plan_options)
 
     def _check_plan(self) -> None:
         """After an iteration: the order that ran must be the plan; if not, the observed order wins."""

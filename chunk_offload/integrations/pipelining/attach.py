@@ -90,6 +90,7 @@ class PipelineOffloadManager(OffloadManager):
         *,
         schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
         prefetch_bytes: int | None = None,
+        reload_ahead_bytes: int | None = None,
         **options: Any,
     ) -> None:
         if not (schedule_policy is None or schedule_policy == "plan" or isinstance(schedule_policy, SchedulePolicy)):
@@ -115,7 +116,7 @@ class PipelineOffloadManager(OffloadManager):
         except ChunkOffloadError as e:
             listed_error = str(e).removeprefix("chunk_offload: ").split("\n")[0]
         self._plan_policy = isinstance(schedule_policy, str)
-        self._prefetch_bytes = prefetch_bytes
+        self._plan_options = PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
         super().__init__(schedule_policy=None if self._plan_policy else schedule_policy, **options)
         self.schedule = schedule
         self.stages = stages
@@ -143,7 +144,7 @@ class PipelineOffloadManager(OffloadManager):
     def _use_plan(self, plan: Plan | None) -> None:
         """With the default ``schedule_policy="plan"``: decisions from ``plan`` (none without one)."""
         if self._plan_policy:
-            self.schedule_policy = PlanPolicy(plan, prefetch_bytes=self._prefetch_bytes) if plan is not None else SchedulePolicy()
+            self.schedule_policy = PlanPolicy(plan, **self._plan_options) if plan is not None else SchedulePolicy()
 
     # ------------------------------------------------------------------ wrappers
     def _patch(self, obj: Any, name: str, wrapper: Callable) -> None:

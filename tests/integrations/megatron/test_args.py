@@ -32,6 +32,7 @@ LONG_FLAGS = (
     "--chunk-offload-report",
     "--chunk-offload-schedule",
     "--chunk-offload-prefetch-bytes",
+    "--chunk-offload-reload-ahead-bytes",
 )
 SHORT_FLAGS = tuple(flag.replace("--chunk-offload-", "--offload-") for flag in LONG_FLAGS)
 
@@ -143,8 +144,9 @@ def test_on_exhausted_baseline_report() -> None:
 def test_schedule_flags() -> None:
     args = parser().parse_args([])
     assert args.chunk_offload_schedule == "plan" and args.chunk_offload_prefetch_bytes is None
-    args = parser().parse_args(["--offload-schedule", "group-start", "--offload-prefetch-bytes", "2MiB"])
+    args = parser().parse_args(["--offload-schedule", "group-start", "--offload-prefetch-bytes", "2MiB", "--offload-reload-ahead-bytes", "1GiB"])
     assert args.chunk_offload_schedule == "group-start" and args.chunk_offload_prefetch_bytes == 2 << 20
+    assert args.chunk_offload_reload_ahead_bytes == 1 << 30
 
 
 def test_schedule_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> None:
