@@ -2,8 +2,13 @@
 
 Public API: the names in ``__all__``. Everything else (modules starting with ``_``, the
 group state machine's internals, `chunk_offload.core.group.SavedRef`) is internal and may
-change without notice. Integrations live in ``chunk_offload.integrations``; plans and
-schedule-driven decisions in ``chunk_offload.schedule``.
+change without notice. Subpackages with their own public API:
+
+- ``chunk_offload.schedule``: plans (`Plan`, `megatron_plan`), `PlanPolicy`, `simulate`;
+- ``chunk_offload.report``: the per-stage memory report;
+- ``chunk_offload.planner``: the analytic planner (also the ``chunk-offload plan`` command);
+- ``chunk_offload.replay``: one pipeline stage of a large job on one device;
+- ``chunk_offload.integrations.megatron`` and ``chunk_offload.pipelining``: the integrations.
 """
 
 from .core import (
