@@ -7,7 +7,7 @@ activations and gradients, with and without offload side by side in one process:
 
     with megatron_stage(GPTShape(num_layers=32, hidden_size=4096, ...), pp_size=4, pp_rank=0, vp_size=2) as stage:
         result = replay(stage, modules="core_attn,qkv_linear", num_microbatches=8)
-    print(result.format())                  # step time, peak memory, measured/theoretical drop, R
+    table = result.format()                 # step time, peak memory, measured/theoretical drop, R
 
 Command line: ``python -m chunk_offload.replay --help``.
 """
