@@ -160,11 +160,22 @@ def test_expert_parallel_2_moe_allgather():
         _assert_same_tensors(a.params, b.params, f"rank {a.rank} allgather vs alltoall parameters")
 
 
+_HANG_TIMEOUT_S = 20.0
+
+
 def _recv_forever_on_rank_0(forward_backward):
-    """A ``wrap_forward_backward`` hook that makes rank 0 wait for a message nobody sends."""
+    """A ``wrap_forward_backward`` hook that makes rank 0 wait for a message nobody sends.
+
+    Rank 1 then waits for rank 0 in its pipeline receive. Both ranks' watchdogs are armed for the
+    same time, and if rank 1's fired first, rank 0's receive would fail on the closed connection
+    instead of dumping its stack: rank 1's watchdog is pushed 15 s later so that rank 0's fires.
+    """
+    import faulthandler
+
     import torch.distributed as dist
 
     if dist.get_rank() != 0:
+        faulthandler.dump_traceback_later(_HANG_TIMEOUT_S + 15.0, exit=True)
         return forward_backward
 
     def stuck(**kwargs):
@@ -179,8 +190,8 @@ def test_a_hang_dumps_stacks_and_fails(capfd):
     # Rank 0 times out and exits; rank 1 then either errors out of its receive (the connection
     # closed) or is terminated, depending on timing, so the exception type is not fixed.
     with pytest.raises(Exception, match="exited with code|terminated with the following error"):
-        spawn_runs([hang], world_size=2, timeout_s=20.0)
-    assert time.monotonic() - started < 20.0 + 30.0
+        spawn_runs([hang], world_size=2, timeout_s=_HANG_TIMEOUT_S)
+    assert time.monotonic() - started < _HANG_TIMEOUT_S + 30.0
     err = capfd.readouterr().err
     assert "Timeout (0:00:20)!" in err, err[-2000:]
     assert "in stuck" in err, err[-2000:]  # the hung rank's stack shows where it waits
