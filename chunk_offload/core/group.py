@@ -106,11 +106,26 @@ class SavedRef:
         # zero-bubble input-gradient steps) never frees by reference counting.
         self.tensor: torch.Tensor | None = tensor.detach()
         self.version = tensor._version
-        self.probe = version_probe(tensor)  # autograd's version counter, checked on unpack
+        # Autograd's version counter is read through ``tensor`` while it is held, and through a
+        # storage-less probe made when the original is dropped (`drop_original`), so that groups
+        # kept on device never pay for one.
+        self.probe: torch.Tensor | None = None
         self.dtype = tensor.dtype
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.offset_bytes = tensor.storage_offset() * tensor.element_size()
+
+    def drop_original(self) -> None:
+        """Stop holding the device original, keeping a probe of its version counter."""
+        if self.tensor is not None:
+            self.probe = version_probe(self.tensor)
+            self.tensor = None
+
+    def check_version(self, group_name: str) -> None:
+        """Raise autograd's error if the saved tensor changed in place since it was saved."""
+        counter = self.tensor if self.tensor is not None else self.probe
+        if counter is not None:  # neither: the group was discarded, and unpack says so
+            check_version(counter, self.version, self.size, group_name)
 
     def span(self) -> tuple[int, int]:
         """Bytes ``[start, end)`` of the storage this view touches."""
@@ -250,7 +265,7 @@ class OffloadGroup:
                 storage.device_bytes = None
                 storage.on_host = True
                 for ref in _alive(storage):
-                    ref.tensor = None
+                    ref.drop_original()
                 self._ctx.resident.moved_to_host(storage.nbytes)
         self.state = GroupState.ON_HOST
 
@@ -321,7 +336,7 @@ class OffloadGroup:
 
     def unpack(self, ref: SavedRef) -> torch.Tensor:
         """Return the saved tensor for autograd (the unpack hook)."""
-        check_version(ref.probe, ref.version, ref.size, self.name)
+        ref.check_version(self.name)
         if ref.tensor is not None:
             return ref.tensor  # the device original is still held: nothing was released
         self.ensure_resident()

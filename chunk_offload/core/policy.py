@@ -39,12 +39,16 @@ def is_marked_not_offloadable(tensor: torch.Tensor) -> bool:
     Besides `mark_not_offloadable`, the marks of Transformer Engine (``_TE_do_not_offload``) and
     of Megatron-core's own offloading (``offloading_activation = False``) are honoured.
     """
+    return _marked(tensor, tensor.untyped_storage() if tensor.layout == torch.strided else None)
+
+
+def _marked(tensor: torch.Tensor, storage: torch.UntypedStorage | None) -> bool:
     if _carries_keep_mark(tensor):
         return True
     base = tensor._base
     if base is not None and _carries_keep_mark(base):
         return True
-    return tensor.layout == torch.strided and bool(getattr(tensor.untyped_storage(), _KEEP_ATTR, False))
+    return storage is not None and bool(getattr(storage, _KEEP_ATTR, False))
 
 
 def _plain_tensors(tensor: torch.Tensor):
@@ -79,6 +83,9 @@ class OffloadPolicy:
         # another allocation while it is in the set (a buffer that a module replaces in forward
         # would otherwise free its address, and a new activation there would look protected).
         self._protected: dict[int, torch.UntypedStorage] = {}
+        # torch.device -> whether it is of `device_type` (reading ``device.type`` costs more
+        # than the rest of the checks together; a pack hook runs for every saved tensor).
+        self._on_device: dict[torch.device, bool] = {}
 
     def protect(self, module: nn.Module) -> None:
         """Never offload the parameters and buffers of ``module`` (recursively), or their views."""
@@ -119,11 +126,18 @@ class OffloadPolicy:
         """
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return False  # parameters, subclasses (DTensor, fake, functional) and sparse tensors
-        if tensor.device.type != self.device_type:
+        device = tensor.device
+        on_device = self._on_device.get(device)
+        if on_device is None:
+            on_device = self._on_device[device] = device.type == self.device_type
+        if not on_device:
             return False
         if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
             return False
-        storage = tensor.untyped_storage().data_ptr()
+        storage_obj = tensor.untyped_storage()
+        storage = storage_obj.data_ptr()
+        if storage in self._protected:
+            return False
         if storage not in activations:
             base = tensor._base
             if base is None and tensor.is_leaf and tensor.requires_grad:
@@ -132,6 +146,4 @@ class OffloadPolicy:
             # is_leaf and requires_grad; its base decides)
             if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
                 return False
-        if is_marked_not_offloadable(tensor):
-            return False
-        return storage not in self._protected
+        return not _marked(tensor, storage_obj)
