@@ -78,7 +78,7 @@ class GroupState(enum.Enum):
 class _Storage:
     """One device storage saved in a group (through one or more views) and its copies."""
 
-    __slots__ = ("key", "refs", "start", "nbytes", "device_bytes", "host", "on_host", "live", "save_mark")
+    __slots__ = ("key", "refs", "start", "nbytes", "device_bytes", "host", "on_host", "live", "save_mark", "pinned")
 
     def __init__(self, key: int, save_mark: Mark | None) -> None:
         self.key = key
@@ -90,6 +90,7 @@ class _Storage:
         self.on_host = False  # the host copy is the only one (counted in `ResidentBytes.host`)
         self.live = 0  # SavedRefs autograd still holds
         self.save_mark = save_mark  # last compute moment a view of it was saved (R1)
+        self.pinned = False  # another view of it stays on device in this group: copying frees nothing
 
 
 class SavedRef:
@@ -153,6 +154,7 @@ class OffloadGroup:
         self._ctx: EngineContext = handler.ctx
         self._storages: dict[int, _Storage] = {}
         self._live_storages = 0
+        self._kept_storages: set[int] = set()  # storages of views the policy left on device
         self._d2h_event: Event | None = None
         self._h2d_event: Event | None = None
         self._offload_cancelled = False  # backward kept the originals while their copy to host was in flight
@@ -199,6 +201,15 @@ class OffloadGroup:
         storage.live += 1
         return ref
 
+    def note_kept(self, tensor: torch.Tensor) -> None:
+        """Record that the policy leaves ``tensor`` on device (too small, marked, a parameter).
+
+        At commit, offloaded views of the same storage are kept too: the kept view holds the
+        whole storage on device, so a copy would free nothing while counting its bytes as moved.
+        """
+        if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
+            self._kept_storages.add(tensor.untyped_storage()._cdata)
+
     def commit(self) -> None:
         """Close the group: fix each storage's span, account its bytes, start copies to host."""
         self._expect((GroupState.COLLECTING,), "commit")
@@ -217,7 +228,11 @@ class OffloadGroup:
             storage.start, storage.nbytes = start, max(end - start, 0)
             self.saved_bytes += storage.nbytes
             ctx.resident.saved(storage.nbytes)
-        if not self.handler.offload or not self._storages:
+            if key in self._kept_storages:
+                storage.pinned = True
+                stats.tensors_kept += len(refs)
+        self._kept_storages = set()
+        if not self.handler.offload or all(storage.pinned for storage in self._storages.values()):
             self.state = GroupState.KEPT
             return
         try:
@@ -235,6 +250,8 @@ class OffloadGroup:
         if "offload_after_compute" not in ctx.skip_waits:
             d2h.wait_stream(streams.compute)
         for storage in self._storages.values():
+            if storage.pinned:
+                continue
             buf = ctx.pool.acquire(storage.nbytes)
             if buf.fence is not None:
                 self._wait(d2h, buf.fence, "reuse_after_reload")
@@ -261,7 +278,7 @@ class OffloadGroup:
         self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
         compute.require(self._d2h_event.mark, rule="R2", what=f"release of offloaded tensors of {self.name!r}")
         for storage in self._storages.values():
-            if storage.live:
+            if storage.live and not storage.pinned:
                 storage.device_bytes = None
                 storage.on_host = True
                 for ref in _alive(storage):
@@ -287,7 +304,7 @@ class OffloadGroup:
         stats = ctx.stats.group(self.name)
         pending: list[_Storage] = []
         for storage in self._storages.values():
-            if not storage.live:
+            if not storage.live or storage.pinned:
                 continue
             # NOTE [Reload allocation]: the reload buffer is allocated on the compute stream, so
             # the caching allocator frees it in compute order after its last use; the copy stream

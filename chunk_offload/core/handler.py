@@ -216,6 +216,7 @@ class ChunkOffloadHandler:
             self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
         if not self.ctx.should_offload(tensor, self.current.activations):
             self.ctx.stats.group(self.current.name).tensors_kept += 1
+            self.current.note_kept(tensor)
             return _KeptRef(tensor, self.current.name)
         return self.current.save(tensor)
 

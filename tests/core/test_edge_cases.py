@@ -136,6 +136,31 @@ def test_square_transpose_and_its_base_saved_by_one_matmul(make_manager):
     assert_clean(mgr)
 
 
+@pytest.mark.parametrize("keep", ["below_threshold", "marked_view"])
+def test_a_view_kept_on_device_keeps_its_whole_storage(make_manager, keep):
+    # mul saves both operands: the whole activation and one row of it, views of one storage.
+    # When the row stays on device (below the threshold, or marked by Transformer Engine's
+    # per-tensor attribute), it holds the whole storage there: copying the other view would
+    # free nothing while counting its bytes as moved to host.
+    def fn(x):
+        h = x * 2.0
+        row = h[:1]
+        if keep == "marked_view":
+            row._TE_do_not_offload = True
+        other = x * 3.0  # a storage of its own in the same group, offloaded as usual
+        return h * row + other.sin()
+
+    x = _randn(N, H, seed=41)
+    ref = _run_fn(fn, [x], None, seed=42)
+    mgr = make_manager(min_offload_bytes=H * F32 + 1 if keep == "below_threshold" else 1)
+    got = _run_fn(fn, [x], mgr, seed=42)
+    _assert_same(got, ref)
+    group = mgr.stats().groups["g"]
+    assert group.bytes_offloaded == group.bytes_reloaded == N * H * F32  # `other` only
+    assert (group.tensors_offloaded, group.tensors_kept) == (1, 2)
+    assert_clean(mgr)
+
+
 def test_several_views_of_one_storage_saved_by_different_ops(make_manager):
     def fn(x):
         h = x * 1.5  # the only storage saved below (mul by a scalar saves nothing)
