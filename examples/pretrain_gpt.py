@@ -132,7 +132,7 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
     forward_backward = get_forward_backward_func()
     # The first iteration runs without copies: the report's peak without offload.
     manager = attach_from_args(chunks, args, baseline_iterations=1, trace=True)
-    if manager is not None:
+    if manager is not None and manager.iterations == "wrap":
         forward_backward = manager.wrap(forward_backward)
     optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=args.lr)
     interleaved = len(chunks) > 1

@@ -169,7 +169,7 @@ class OffloadGroup:
             if self.state is GroupState.DISCARDED:
                 raise ChunkOffloadError(
                     f"cannot {action} group {self.name!r} of chunk {self.handler.key}: the group was "
-                    "discarded because its chunk or iteration raised an exception. Run the forward again."
+                    "discarded (its chunk or iteration raised an exception, or the iteration was discarded). Run the forward again."
                 )
             raise ChunkOffloadError(
                 f"cannot {action} group {self.name!r} of chunk {self.handler.key} in state "

@@ -9,6 +9,9 @@
     if manager is not None:
         forward_backward_func = manager.wrap(get_forward_backward_func())
 
+With ``--chunk-offload-iterations auto`` no wrap is needed: the manager delimits the iterations
+itself (for Megatron-LM's ``pretrain``, whose ``train_step`` calls ``get_forward_backward_func()``).
+
 Flags (group "chunk-offload"); every value lands in ``args.chunk_offload_*``:
 
 * ``--chunk-offload-modules core_attn,qkv_linear``: what to offload (comma- or space-separated
@@ -17,6 +20,10 @@ Flags (group "chunk-offload"); every value lands in ``args.chunk_offload_*``:
 * ``--chunk-offload-host-pool-bytes N``: cap on pinned host memory (unset: no cap).
 * ``--chunk-offload-on-exhausted fallback|error``: what happens at the cap.
 * ``--chunk-offload-baseline``: track the same groups and bytes but copy nothing.
+* ``--chunk-offload-iterations wrap|auto``: ``wrap`` (default): each call of
+  ``manager.wrap(get_forward_backward_func())`` is one iteration; ``auto``: the manager opens and
+  closes iterations itself, with Megatron's ``get_num_microbatches()`` forwards per model chunk
+  (``attach(..., iterations="auto")``, NOTE [Automatic iterations] in ``attach.py``).
 * ``--chunk-offload-report PATH``: produce the per-stage memory report. `attach_from_args` then
   runs the first training iteration as a baseline without copies (``baseline_iterations=1``)
   and traces memory (``trace=True``), so ``manager.report()`` can compare the baseline with the
@@ -39,13 +46,13 @@ Megatron-LM defines flags of its own for its built-in offloading: ``--offload-mo
 adds its flags to Megatron-LM's parser, and argparse refuses a second ``--offload-modules`` with
 "conflicting option string". Our flags therefore all start with ``--chunk-offload-`` and store to
 ``chunk_offload_*`` destinations, which no Megatron flag uses. The shorter spellings
-``--offload-modules``, ``--offload-min-tensor-bytes``, ``--offload-host-pool-bytes``,
-``--offload-on-exhausted``, ``--offload-baseline`` and ``--offload-report`` are added as aliases
-only when the parser defines none of them, all or nothing: under Megatron-LM, whose parser has
-``--offload-modules``, only the ``--chunk-offload-`` names exist, so no command line can mix our
-flags with Megatron's. `attach_from_args` refuses a Megatron ``--offload-modules`` given without
-Megatron's own offloading switched on (a likely mix-up with ours) and refuses to run both
-offloading mechanisms at once.
+``--offload-modules``, ``--offload-min-tensor-bytes``, ..., ``--offload-iterations`` (one per
+``--chunk-offload-*`` flag) are added as aliases only when the parser defines none of them,
+all or nothing: under Megatron-LM, whose parser has ``--offload-modules``, only the
+``--chunk-offload-`` names exist, so no command line can mix our flags with Megatron's.
+`attach_from_args` refuses a Megatron ``--offload-modules`` given without Megatron's own
+offloading switched on (a likely mix-up with ours) and refuses to run both offloading
+mechanisms at once.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from torch import nn
 
 from ...core.errors import ChunkOffloadError
 from ...core.manager import OffloadConfig
-from .attach import MegatronOffloadManager, attach
+from .attach import ITERATION_MODES, MegatronOffloadManager, attach
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
 __all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args"]
@@ -81,6 +88,7 @@ _DESTS = {
     "schedule": "chunk_offload_schedule",
     "prefetch-bytes": "chunk_offload_prefetch_bytes",
     "reload-ahead-bytes": "chunk_offload_reload_ahead_bytes",
+    "iterations": "chunk_offload_iterations",
 }
 _SCHEDULE_CHOICES = ("plan", "group-start")
 
@@ -226,6 +234,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ),
     )
     group.add_argument(
+        *names("iterations"),
+        dest=_DESTS["iterations"],
+        choices=ITERATION_MODES,
+        default="wrap",
+        help=(
+            "'wrap' (default): each call of manager.wrap(get_forward_backward_func()) is one offload iteration. "
+            "'auto': the manager opens an iteration at the first training forward of each step and closes it when "
+            "every model chunk ran get_num_microbatches() forwards and their backwards; for training loops that call "
+            "get_forward_backward_func() themselves (Megatron-LM's pretrain)."
+        ),
+    )
+    group.add_argument(
         *names("report"),
         dest=_DESTS["report"],
         default=None,
@@ -263,7 +283,8 @@ def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Name
 
     With ``--chunk-offload-report`` the manager runs its first training iteration as a baseline
     without copies (``baseline_iterations=1``) and traces memory (``trace=True``) for
-    ``manager.report()``.
+    ``manager.report()``. With ``--chunk-offload-iterations auto`` it is attached with
+    ``iterations="auto"`` (no wrap; Megatron's ``get_num_microbatches()`` per iteration).
 
     Args:
         model: the rank's model chunks (one per virtual stage) or a single chunk.
@@ -291,6 +312,7 @@ def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Name
         "schedule_policy": "plan" if getattr(args, _DESTS["schedule"]) == "plan" else None,
         "prefetch_bytes": getattr(args, _DESTS["prefetch-bytes"]),
         "reload_ahead_bytes": getattr(args, _DESTS["reload-ahead-bytes"]),
+        "iterations": getattr(args, _DESTS["iterations"]),
     }
     if getattr(args, _DESTS["report"]):
         config["baseline_iterations"] = 1  # the report's peak without offload

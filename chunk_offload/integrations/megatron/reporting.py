@@ -43,7 +43,7 @@ def build_stage_report(manager: "MegatronOffloadManager") -> StageReport:
         )
     plan = manager.plan
     if plan is None:
-        raise ChunkOffloadError("the manager has no plan yet: run a training iteration through manager.wrap(...) first")
+        raise ChunkOffloadError("the manager has no plan yet: run a training iteration first (through manager.wrap(...), or with iterations='auto')")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return stage_report(
         baseline=records[baseline],

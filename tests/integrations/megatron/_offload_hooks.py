@@ -15,6 +15,9 @@ class OffloadHooks:
     ``evaluate_between``: after each training call, run a ``forward_only=True`` call (under
     ``torch.no_grad()``, as Megatron's evaluation does) over the same microbatches.
 
+    ``wrap_schedule=False`` leaves Megatron's schedule unwrapped, as Megatron-LM's own training
+    loop does (for managers attached with ``iterations="auto"``).
+
     ``evaluation_forwards`` counts the model-chunk forwards run with gradients disabled.
     Independently of the engine, ``wrap_model`` also counts the calls of each local expert's
     ``linear_fc1`` with gradients enabled (training forwards) and the bytes of their inputs, so
@@ -27,6 +30,7 @@ class OffloadHooks:
     modules: tuple[str, ...]
     options: dict[str, Any] = field(default_factory=lambda: {"min_offload_bytes": 1})
     evaluate_between: bool = False
+    wrap_schedule: bool = True
     manager: Any = None
     expert_fc1_calls: int = 0
     expert_fc1_input_bytes: int = 0
@@ -54,7 +58,7 @@ class OffloadHooks:
             self.expert_fc1_input_bytes += args[0].numel() * args[0].element_size()
 
     def wrap_forward_backward(self, forward_backward):
-        wrapped = self.manager.wrap(forward_backward)
+        wrapped = self.manager.wrap(forward_backward) if self.wrap_schedule else forward_backward
         if not self.evaluate_between:
             return wrapped
 

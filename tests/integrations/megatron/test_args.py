@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadConfig, SchedulePolicy
-from chunk_offload.integrations.megatron import ALIASES, OFFLOAD_MODULE_NAMES, add_arguments, attach_from_args
+from chunk_offload.integrations.megatron import ALIASES, ITERATION_MODES, OFFLOAD_MODULE_NAMES, add_arguments, attach_from_args
 from chunk_offload.integrations.megatron.args import GROUP_TITLE
 
 _HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -33,6 +33,7 @@ LONG_FLAGS = (
     "--chunk-offload-schedule",
     "--chunk-offload-prefetch-bytes",
     "--chunk-offload-reload-ahead-bytes",
+    "--chunk-offload-iterations",
 )
 SHORT_FLAGS = tuple(flag.replace("--chunk-offload-", "--offload-") for flag in LONG_FLAGS)
 
@@ -153,6 +154,17 @@ def test_schedule_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         parser().parse_args(["--chunk-offload-schedule", "zero-bubble"])
     assert "invalid choice: 'zero-bubble' (choose from 'plan', 'group-start')" in capsys.readouterr().err
+
+
+def test_iterations_flag() -> None:
+    assert parser().parse_args([]).chunk_offload_iterations == "wrap"
+    assert parser().parse_args(["--offload-iterations", "auto"]).chunk_offload_iterations == "auto"
+    assert tuple(parser()._option_string_actions["--chunk-offload-iterations"].choices) == ITERATION_MODES == ("wrap", "auto")
+
+
+def test_iterations_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(parser(), ["--chunk-offload-iterations", "manual"], capsys)
+    assert "invalid choice: 'manual' (choose from 'wrap', 'auto')" in err
 
 
 def test_on_exhausted_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> None:
@@ -365,6 +377,42 @@ def test_attach_from_args_trains_dense_gpt(baseline: bool) -> None:
             assert stats.peak_saved_bytes > 0
             assert stats.resident_bytes == 0 and stats.host_bytes == 0 and manager.live_chunks() == []
         finally:
+            if manager is not None:
+                manager.detach()
+                manager.close()
+
+
+@needs_megatron
+def test_attach_from_args_auto_iterations_on_dense_gpt() -> None:
+    """--offload-iterations auto: no wrap, no iteration(); the count comes from Megatron's calculator."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, unset_num_microbatches_calculator
+
+    from tests.integrations.megatron._gpt import TinyGPTConfig, _build_chunks
+
+    cfg = TinyGPTConfig(num_layers=2)
+    argv = ["--offload-modules", "core_attn", "--offload-min-tensor-bytes", "1", "--offload-iterations", "auto"]
+    # PP=1: every backward follows its forward, so the plan would keep every chunk; group-start offloads them.
+    args = parser().parse_args([*argv, "--offload-schedule", "group-start"])
+    microbatches = 2
+    with _megatron_world_of_one():
+        chunks = _build_chunks(cfg)
+        init_num_microbatches_calculator(0, None, microbatches * cfg.micro_batch_size, cfg.micro_batch_size, 1)
+        manager = attach_from_args(chunks, args)
+        try:
+            assert manager is not None and manager.iterations == "auto"
+            gen = torch.Generator().manual_seed(0)
+            positions = torch.arange(cfg.seq_length).expand(cfg.micro_batch_size, -1)
+            for _ in range(microbatches):  # megatron's no-pipelining schedule: forward and backward in turn
+                tokens = torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), generator=gen)
+                chunks[0](tokens, positions, None, labels=tokens).float().mean().backward()
+            assert manager.training_calls == 0  # open until the next forward or end_iteration()
+            manager.end_iteration()
+            assert manager.training_calls == 1
+            assert manager.observed_order == [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)]
+            g = manager.last_iteration.groups["core_attn"]
+            assert g.groups == 2 * microbatches and g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded
+        finally:
+            unset_num_microbatches_calculator()
             if manager is not None:
                 manager.detach()
                 manager.close()
