@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
     from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator, init_num_microbatches_calculator
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -110,6 +111,10 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
     )
+    # As Megatron-LM's initialize_megatron does: --offload-iterations auto reads the count here.
+    data_parallel = parallel_state.get_data_parallel_world_size()
+    global_batch = args.num_microbatches * args.micro_batch_size * data_parallel
+    init_num_microbatches_calculator(rank, None, global_batch, args.micro_batch_size, data_parallel)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     shape = GPTShape(
@@ -167,6 +172,7 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
         torch.save({"rank": rank, "pp_rank": pp_rank, "losses": losses, "params": params}, args.save_state / f"rank{rank}.pt")
     if manager is not None:
         manager.close()
+    destroy_num_microbatches_calculator()
     parallel_state.destroy_model_parallel()
 
 

@@ -98,20 +98,21 @@ def _losses(stdout: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "world, pipeline, virtual, parallel",
+    "world, pipeline, virtual, parallel, iterations",
     [
-        (2, 2, 2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
+        (2, 2, 2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], "wrap"),
         # No pipeline: every backward follows its forward at once, so the plan keeps every chunk.
-        (2, 1, None, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2"]),
+        # Iterations delimited by the manager itself, as under Megatron-LM's own training loop.
+        (2, 1, None, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2"], "auto"),
     ],
-    ids=["pp2_vpp2", "ep2_moe"],
+    ids=["pp2_vpp2", "ep2_moe_auto_iterations"],
 )
-def test_example_with_and_without_offload_is_bit_identical(tmp_path, world, pipeline, virtual, parallel):
+def test_example_with_and_without_offload_is_bit_identical(tmp_path, world, pipeline, virtual, parallel, iterations):
     modules = MODULES if "--num-experts" not in parallel else "core_attn,qkv_linear,expert_fc1"
     offloads = [_offloads_some_chunk(pipeline, virtual, rank % pipeline) for rank in range(world)]
     base_out, base_state = _launch(tmp_path, "base", world, parallel)
     report = tmp_path / "report" / "run"
-    off_out, off_state = _launch(tmp_path, "offload", world, [*parallel, "--offload-modules", modules, "--offload-report", str(report)])
+    off_out, off_state = _launch(tmp_path, "offload", world, [*parallel, "--offload-modules", modules, "--offload-iterations", iterations, "--offload-report", str(report)])
     _check_report(off_out, report, world, pipeline, offloads)
     assert "per-stage memory report" not in base_out
 
