@@ -38,7 +38,9 @@ tensors. A complete iteration is closed lazily, never from inside autograd's bac
 next chunk forward of any kind (a training forward then opens the next iteration; an evaluation
 forward under ``torch.no_grad()`` opens nothing and offloads nothing), by `end_iteration`,
 `report`, `detach` or `close`. Closing does what `wrap` does after a call: count the training
-call, keep its record, check the plan. A training forward of a chunk that already ran N forwards
+call, keep its record, check the plan. A chunk forward that raises discards the open iteration
+at once (its chunks' saved tensors are freed; the next training forward opens a fresh one); an
+exception in backward leaves it open, and `end_iteration(discard=True)` or `close` frees it. A training forward of a chunk that already ran N forwards
 in an incomplete iteration cannot belong to that iteration nor start the next one: it raises,
 with the counts. `wrap` and `iteration` are refused in this mode (one owner of the iterations).
 """
@@ -201,7 +203,14 @@ class MegatronOffloadManager(OffloadManager):
                 return None
             scope = self._chunk_scopes.pop()
             handler = self.current_handler
-            scope.__exit__(*sys.exc_info())  # inside torch's except clause when the forward raised
+            error = sys.exc_info()
+            scope.__exit__(*error)  # inside torch's except clause when the forward raised
+            if error[0] is not None and self._auto is not None:
+                # The step is broken: free what its earlier chunks hold now, not when someone
+                # calls end_iteration(discard=True); the next training forward opens a fresh one.
+                logger.warning("chunk_offload: a forward of model chunk %d raised; discarding the open iteration.", vp_stage)
+                self._close_auto(discard=True)
+                return None
             if handler is not None and output is not None:
                 # Bound to this iteration's order and state, even if the gradient arrives after it closed.
                 order, auto, action = self.observed_order, self._auto, ("B", handler.key.microbatch, vp_stage)

@@ -42,6 +42,8 @@ from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.core.stats import GroupStats, IterationRecord
 from chunk_offload.integrations.megatron import MegatronOffloadManager, attach
 
+from tests.core._models import assert_clean
+
 from ._gpt import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
 from ._offload_hooks import OffloadHooks
 
@@ -472,6 +474,30 @@ def test_discard_drops_the_open_iteration(managed):
     _step(chunk, 2)  # the next forward opens a fresh iteration
     manager.end_iteration()
     assert manager.training_calls == 1 and manager.observed_order == [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)]
+
+
+def test_a_forward_that_raises_discards_the_open_iteration(managed, caplog):
+    chunk, manager = managed(iterations="auto", num_microbatches=2)
+    held = chunk(_batch(0))  # the step's first microbatch: its saved tensors are held
+    layer = chunk.decoder.layers[1]
+    failing = layer.register_forward_hook(lambda module, args, output: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="chunk_offload.integrations.megatron.attach"), pytest.raises(ZeroDivisionError):
+        chunk(_batch(1))
+    failing.remove()
+    assert [r.getMessage() for r in caplog.records] == ["chunk_offload: a forward of model chunk 0 raised; discarding the open iteration."]
+    assert manager.live_chunks() == [] and manager.training_calls == 0
+    assert_clean(manager)
+    with pytest.raises(ChunkOffloadError, match=r"discarded \(its chunk or iteration raised"):
+        held.sum().backward()
+    chunk.zero_grad(set_to_none=True)
+    losses = _step(chunk, 2)  # the next step runs in a fresh iteration, exactly
+    manager.end_iteration()
+    assert manager.training_calls == 1
+    torch.manual_seed(0)
+    reference = _Chunk()  # the same parameters, no offload
+    assert all(torch.equal(a, b) for a, b in zip(losses, _step(reference, 2), strict=True))
+    for (name, p), q in zip(chunk.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
 
 
 def test_wrap_and_iteration_are_refused_in_auto_mode(managed):
