@@ -79,6 +79,12 @@ class OffloadHooks:
 
         return train_then_evaluate
 
+    def with_steps(self) -> Any:
+        """The harness's ``Hooks`` with all four of these hooks, ``after_step`` included."""
+        from ._gpt import Hooks
+
+        return Hooks(wrap_model=self.wrap_model, wrap_forward_backward=self.wrap_forward_backward, report=self.report, after_step=self.after_step)
+
     def after_step(self, chunks: list[torch.nn.Module], iteration: int) -> dict[str, Any]:
         from ._gpt import step_params
 

@@ -44,7 +44,7 @@ from chunk_offload.integrations.megatron import MegatronOffloadManager, attach
 
 from tests.core._models import assert_clean
 
-from ._gpt import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
+from ._gpt import RankResult, Run, TinyGPTConfig, spawn_runs
 from ._offload_hooks import OffloadHooks
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
@@ -116,15 +116,7 @@ class _StepHooks(OffloadHooks):
 
 
 def _run(hooks: _StepHooks) -> Run:
-    return Run(
-        config=_CONFIG,
-        hooks=Hooks(
-            wrap_model=hooks.wrap_model,
-            wrap_forward_backward=hooks.wrap_forward_backward,
-            report=hooks.report,
-            after_step=hooks.after_step,
-        ),
-    )
+    return Run(config=_CONFIG, hooks=hooks.with_steps())
 
 
 _N = _CONFIG.num_microbatches

@@ -57,15 +57,7 @@ def spawned() -> _Spawned:
     hooks = OffloadHooks(_DENSE)
     runs = [
         Run(config=_CONFIG, hooks=Hooks(after_step=step_params)),
-        Run(
-            config=_CONFIG,
-            hooks=Hooks(
-                wrap_model=hooks.wrap_model,
-                wrap_forward_backward=hooks.wrap_forward_backward,
-                report=hooks.report,
-                after_step=hooks.after_step,
-            ),
-        ),
+        Run(config=_CONFIG, hooks=hooks.with_steps()),
     ]
     baseline, offloaded = spawn_runs(runs, world_size=2, timeout_s=_TIMEOUT_S)
     return _Spawned(baseline, offloaded)
