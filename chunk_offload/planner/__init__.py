@@ -1,8 +1,8 @@
 """The analytic planner: activation bytes per offload module, per-stage drop, copy against compute.
 
 - `GPTDims`, `saved_tensors`, `group_bytes`, `layer_groups`, `layer_saved_bytes`,
-  `layer_forward_flops`: the byte and FLOP model of megatron-core GPT/MoE layers (`model.py`,
-  NOTE [Byte model] says what is exact and what is estimated);
+  `layer_forward_flops`: the byte and FLOP model of megatron-core GPT/MoE layers, per
+  tensor-parallel rank (`model.py`, NOTE [Byte model] says what is exact and what is estimated);
 - `PipelineConfig`, `Hardware`, `StagePlanner`, `estimate_stages`, `StageEstimate`: per stage,
   the offload groups of a chunk, chunks in flight, the predicted peaks and drop (replayed on
   Megatron's schedule with `chunk_offload.schedule.simulate`) and copy against compute time;
@@ -18,6 +18,8 @@ from .model import (
     ALIASES,
     DTYPE_BYTES,
     MODULE_NAMES,
+    NORMALIZATIONS,
+    POSITION_EMBEDDINGS,
     GPTDims,
     SavedTensor,
     canonical_modules,
@@ -37,6 +39,8 @@ __all__ = [
     "GPTDims",
     "Hardware",
     "MODULE_NAMES",
+    "NORMALIZATIONS",
+    "POSITION_EMBEDDINGS",
     "PipelineConfig",
     "Recommendation",
     "SavedTensor",

@@ -1,12 +1,14 @@
 """``chunk-offload plan``: the planner on the command line.
 
-Example (Llama-3-8B-like shape, 4 stages x 2 virtual stages, 8 microbatches)::
+Example (Llama-3-8B-like shape, tensor parallel 2 with sequence parallelism, 4 stages x 2
+virtual stages, 8 microbatches)::
 
     chunk-offload plan --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \\
         --num-attention-heads 32 --num-query-groups 8 --seq-length 4096 --micro-batch-size 1 \\
+        --normalization RMSNorm --swiglu --position-embedding-type rope --tp 2 --sequence-parallel \\
         --pp 4 --vpp 2 --num-microbatches 8 --modules qkv_linear,core_attn --budget-gb 60
 
-prints a table per stage (bytes per module per layer and per chunk, chunks in flight at the
+prints a table per stage (bytes per module per layer and per chunk, on one tensor-parallel rank, chunks in flight at the
 peak, the predicted peak without and with offload and the drop, copy against compute time per
 layer) and, with ``--budget-gb``, the cheapest module set per stage that fits without stalls.
 ``--json PATH`` writes the same as JSON. Byte counts are decimal (1 GB = 1e9 bytes).
@@ -22,7 +24,7 @@ from typing import Sequence
 
 from ..core.errors import ChunkOffloadError
 from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner
-from .model import ALIASES, DTYPE_BYTES, MODULE_NAMES, GPTDims, canonical_modules
+from .model import ALIASES, DTYPE_BYTES, MODULE_NAMES, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTDims, canonical_modules
 from .recommend import Recommendation, recommend
 
 __all__ = ["build_parser", "main"]
@@ -53,8 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--expert-model-parallel-size", "--ep", dest="expert_parallel", type=int, default=1)
     model.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     model.add_argument(
-        "--device", choices=["cuda", "cpu"], default="cuda", help="cpu: LayerNorm statistics in the input dtype (CPU training)"
+        "--device", choices=["cuda", "cpu"], default="cuda", help="cpu: torch's CPU norms (CPU training)"
     )
+    model.add_argument("--normalization", choices=list(NORMALIZATIONS), default="LayerNorm")
+    model.add_argument("--swiglu", action="store_true", help="gated MLP with SiLU (fc1 is 2 x ffn wide)")
+    model.add_argument(
+        "--no-bias-swiglu-fusion",
+        dest="bias_swiglu_fusion",
+        action="store_false",
+        help="with --swiglu: megatron's unfused SwiGLU, which saves more than the fused one",
+    )
+    model.add_argument("--position-embedding-type", choices=list(POSITION_EMBEDDINGS), default="learned_absolute")
+    model.add_argument(
+        "--rope", dest="position_embedding_type", action="store_const", const="rope", help="same as --position-embedding-type rope"
+    )
+    parallel = plan.add_argument_group("tensor parallel (bytes are per tensor-parallel rank)")
+    parallel.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
+    parallel.add_argument("--sequence-parallel", action="store_true", help="megatron's sequence parallelism (needs --tp >= 2)")
     pipe = plan.add_argument_group("pipeline")
     pipe.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
     pipe.add_argument("--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=int, default=None)
@@ -140,6 +157,12 @@ def _plan(args: argparse.Namespace) -> _Result:
         expert_parallel=args.expert_parallel,
         dtype=args.dtype,
         device=args.device,
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        bias_swiglu_fusion=args.bias_swiglu_fusion,
+        position_embedding_type=args.position_embedding_type,
+        tensor_parallel=args.tp,
+        sequence_parallel=args.sequence_parallel,
     )
     pipeline = PipelineConfig(
         pipeline_parallel=args.pp,
@@ -207,9 +230,12 @@ def _format(
     recommendations: list[Recommendation] | None,
 ) -> str:
     moe = f", {dims.num_experts} experts top-{dims.moe_router_topk} EP={dims.expert_parallel}" if dims.num_experts else ""
+    mlp = ("SwiGLU" + ("" if dims.bias_swiglu_fusion else " (unfused)")) if dims.swiglu else "GELU"
     lines = [
         f"model: {dims.num_layers} layers, hidden {dims.hidden_size}, ffn {dims.ffn}, {dims.num_attention_heads} heads "
         f"({dims.query_groups} query groups), seq {dims.seq_length}, micro batch {dims.micro_batch_size}, {dims.dtype}{moe}",
+        f"layers: {dims.normalization}, {mlp}, {dims.position_embedding_type} positions; "
+        f"TP={dims.tensor_parallel}{' with sequence parallel' if dims.sequence_parallel else ''} (bytes and FLOPs per TP rank)",
         f"schedule: {planner.plans[0].source}, PP={pipeline.pipeline_parallel} VPP={pipeline.vp_size}, "
         f"{pipeline.num_microbatches} microbatches; policy {planner.policy}; tensors < {planner.min_offload_bytes} B stay",
         f"offload: {', '.join(modules)}; host link {hardware.host_bandwidth_gbs:g} GB/s, device {hardware.device_tflops:g} TFLOP/s",

@@ -11,6 +11,9 @@ For each pipeline rank, `estimate_stages`:
 4. compares, for the stage's worst layer, the time to copy what it offloads over the host link
    with the time its forward computes (`Hardware`): the copies hide when copy <= compute.
 
+Everything is per tensor-parallel rank (one device): with ``GPTDims.tensor_parallel`` > 1 the
+bytes and FLOPs are one rank's share (NOTE [Byte model] in ``model.py``).
+
 NOTE [Stage activation peak]: for the memory budget the planner also estimates everything the
 stage's layers save (`model.layer_saved_bytes`, one group per layer, replayed without offload
 over the same plan): ``activation_peak_bytes``. With offload it estimates
@@ -117,7 +120,7 @@ class Hardware:
 
 @dataclass(kw_only=True)
 class StageEstimate:
-    """The prediction for one pipeline stage (byte counts are per microbatch unless named otherwise)."""
+    """The prediction for one pipeline stage on one tensor-parallel rank (byte counts are per microbatch unless named otherwise)."""
 
     pp_rank: int
     layers: list[list[int]]

@@ -12,6 +12,8 @@ the one that copies the fewest bytes per iteration (then the fewest modules, the
 `MODULE_NAMES`). The empty set qualifies when the stage fits without offloading. When no set
 qualifies, the result says so and names the best achievable: the lowest peak among the sets
 whose copies hide, and the lowest peak of all.
+
+The budget is one device's: with tensor parallelism, one tensor-parallel rank of the stage.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Measure, in real megatron-core runs on CPU, the bytes each offload group saves.
 
-One call of `measure` spawns one process (world size 1, gloo, ``cpu_compat``) and, for every
-`ByteCase`, builds the model through `chunk_offload.integrations.megatron.gpt.build_gpt_chunks`
-(the builder the harness and the example use), attaches an offload manager to every module name
-the model has, and runs one training step of one microbatch through megatron's own schedule
+One call of `measure` spawns one set of gloo processes per tensor-parallel size among the cases
+(world size = that size, ``cpu_compat``) and, for every `ByteCase`, builds the model through
+`chunk_offload.integrations.megatron.gpt.build_gpt_chunks` (the builder the harness and the
+example use), attaches an offload manager to every module name the model has, and runs one
+training step of one microbatch through megatron's own schedule
 (``forward_backward_no_pipelining``). A forward pre-hook on each offloaded module records which
 module opened each group, and the manager's record of the iteration
 (``last_iteration.group_bytes``) gives each group's bytes, so the result is every group of the
@@ -12,6 +13,13 @@ step in forward order: (layer, module name, bytes), plus the per-name totals of 
 A second run of the same case offloads each whole ``TransformerLayer`` as one group, which gives
 the bytes of everything a layer saves for backward (storages deduplicated within the layer).
 A third run counts each layer's forward FLOPs with ``torch.utils.flop_counter.FlopCounterMode``.
+Every tensor-parallel rank measures; the result is rank 0's, and `CaseBytes.same_on_every_rank`
+says whether the other ranks measured the same.
+
+megatron-core compiles its fused bias-SwiGLU with ``torch.compile``; the children disable
+dynamo, so the function runs eagerly (compiling took about 15 s per process here). What it
+saves does not change: ``SwiGLUFunction.forward`` saves its input in Python, outside the
+compiled function.
 """
 
 from __future__ import annotations
@@ -42,6 +50,12 @@ class ByteCase:
     moe_router_topk: int = 2
     add_bias_linear: bool = True
     dtype: torch.dtype = torch.float32
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    bias_activation_fusion: bool = False
+    position_embedding_type: str = "learned_absolute"
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
     min_offload_bytes: int = 1
 
 
@@ -60,16 +74,33 @@ class CaseBytes:
     """Bytes offloaded by each whole layer taken as one group (second run), per layer."""
     layer_flops: list[int] = field(default_factory=list)
     """Forward FLOPs of each layer as torch's ``FlopCounterMode`` counts them (third run)."""
+    same_on_every_rank: bool = True
+    """Whether every tensor-parallel rank measured the same calls, totals, layer bytes and FLOPs."""
+
+    def _key(self) -> tuple:
+        return (self.calls, self.totals, self.group_bytes, self.layer_bytes, self.layer_flops)
 
 
 def measure(cases: list[ByteCase], *, timeout_s: float = 300.0) -> list[CaseBytes]:
-    """Run every case in one spawned process; results in the order of ``cases``."""
-    (results,) = run_ranks(_measure_cases, (cases,), world_size=1, timeout_s=timeout_s, what="byte measurement")
-    return results
+    """Run the cases, one spawn per tensor-parallel size; results in the order of ``cases``."""
+    results: dict[int, CaseBytes] = {}
+    for tp in sorted({c.tensor_parallel for c in cases}):
+        picked = [i for i, c in enumerate(cases) if c.tensor_parallel == tp]
+        per_rank = run_ranks(
+            _measure_cases, ([cases[i] for i in picked],), world_size=tp, timeout_s=timeout_s, what="byte measurement"
+        )
+        for j, i in enumerate(picked):
+            first = per_rank[0][j]
+            first.same_on_every_rank = all(r[j]._key() == first._key() for r in per_rank)
+            results[i] = first
+    return [results[i] for i in range(len(cases))]
 
 
 def _measure_cases(rank: int, world_size: int, cases: list[ByteCase]) -> list[CaseBytes]:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    import torch._dynamo.config
+
+    torch._dynamo.config.disable = True  # see the module docstring
     from chunk_offload.integrations.megatron import cpu_compat
 
     with cpu_compat.megatron_on_cpu():
@@ -93,6 +124,10 @@ def _shape(case: ByteCase):
         moe_router_topk=case.moe_router_topk,
         add_bias_linear=case.add_bias_linear,
         dtype=case.dtype,
+        normalization=case.normalization,
+        swiglu=case.swiglu,
+        bias_activation_fusion=case.bias_activation_fusion,
+        position_embedding_type=case.position_embedding_type,
     )
 
 
@@ -102,10 +137,10 @@ def _build(case: ByteCase):
 
     from chunk_offload.integrations.megatron.gpt import build_gpt_chunks
 
-    parallel_state.initialize_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=case.tensor_parallel)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    chunks = build_gpt_chunks(_shape(case))
+    chunks = build_gpt_chunks(_shape(case), tensor_parallel=case.tensor_parallel, sequence_parallel=case.sequence_parallel)
     if case.dtype in (torch.bfloat16, torch.float16):
         # What Megatron-LM's training does for bf16/fp16: Float16Module casts the parameters
         # (norms included) and the float inputs of the first stage.

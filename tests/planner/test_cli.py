@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import dataclasses
 import json
 import re
 import shutil
@@ -110,6 +111,10 @@ def test_budget_nothing_fits(capsys):
         (["--num-experts", "4", "--moe-layer-freq", "1,x"], r"--moe-layer-freq takes an int or comma-separated 0/1 per layer, got '1,x'"),
         (["--budget-gb", "-1"], "--budget-gb must be >= 0, got -1.0"),
         (["--host-bandwidth-gbs", "0"], "host_bandwidth_gbs must be a number > 0, got 0.0"),
+        (["--sequence-parallel"], "sequence_parallel needs tensor_parallel >= 2, got tensor_parallel 1"),
+        (["--tp", "3"], "num_attention_heads 4 must be divisible by tensor_parallel 3"),
+        (["--tp", "4"], "num_query_groups 2 must be divisible by tensor_parallel 4"),
+        (["--tp", "2", "--num-experts", "4"], "MoE with tensor_parallel 2 is not modelled"),
     ],
 )
 def test_invalid_input_names_the_fix(capsys, extra, message):
@@ -124,6 +129,33 @@ def test_malformed_flags_exit_through_argparse(capsys):
         main(["plan", "--num-layers", "8"])
     assert info.value.code == 2
     assert "the following arguments are required: --hidden-size" in capsys.readouterr().err
+
+
+def test_llama_and_tensor_parallel_flags(capsys, tmp_path: Path):
+    """--normalization, --swiglu, --no-bias-swiglu-fusion, --rope, --tp and --sequence-parallel reach GPTDims."""
+    path = tmp_path / "plan.json"
+    flags = ["--normalization", "RMSNorm", "--swiglu", "--no-bias-swiglu-fusion", "--rope", "--tp", "2", "--sequence-parallel"]
+    status, out, err = _run(capsys, *flags, "--json", str(path))
+    assert (status, err) == (0, "")
+    dims = dataclasses.replace(
+        _DIMS,
+        normalization="RMSNorm",
+        swiglu=True,
+        bias_swiglu_fusion=False,
+        position_embedding_type="rope",
+        tensor_parallel=2,
+        sequence_parallel=True,
+    )
+    data = json.loads(path.read_text())
+    assert data["model"] == json.loads(json.dumps(dataclasses.asdict(dims)))
+    stages = StagePlanner(dims, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(data["modules"])
+    assert data["stages"] == [json.loads(json.dumps(s.to_dict())) for s in stages]
+    assert "layers: RMSNorm, SwiGLU (unfused), rope positions; TP=2 with sequence parallel" in out
+    # --position-embedding-type rope is the same as --rope; the defaults are LayerNorm, GELU, learned.
+    status, _, _ = _run(capsys, "--position-embedding-type", "rope", "--json", str(path))
+    assert status == 0 and json.loads(path.read_text())["model"]["position_embedding_type"] == "rope"
+    status, out, _ = _run(capsys)
+    assert "layers: LayerNorm, GELU, learned_absolute positions; TP=1 (bytes and FLOPs per TP rank)" in out
 
 
 def test_moe_model(capsys, tmp_path: Path):

@@ -42,6 +42,36 @@ _CASES = {
     "bf16": ByteCase(dtype=torch.bfloat16),
     # 300 bytes: the causal mask (16 x 16 bools) and LayerNorm's mean and rstd (32 fp32 each) stay.
     "threshold": ByteCase(num_query_groups=2, min_offload_bytes=300),
+    # Llama-style: RMSNorm, unfused SwiGLU, rotary embeddings (value stays a view), no biases.
+    "llama": ByteCase(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False),
+    # Megatron-LM's fused bias-SwiGLU, grouped-query attention with rotary embeddings, bf16.
+    "llama_fused_gqa_bf16": ByteCase(
+        normalization="RMSNorm",
+        swiglu=True,
+        bias_activation_fusion=True,
+        position_embedding_type="rope",
+        num_query_groups=2,
+        dtype=torch.bfloat16,
+    ),
+    "moe_swiglu": ByteCase(num_experts=2, moe_router_topk=2, swiglu=True, normalization="RMSNorm", add_bias_linear=False),
+    "moe_swiglu_fused_bf16": ByteCase(
+        num_experts=2, moe_router_topk=2, swiglu=True, bias_activation_fusion=True, add_bias_linear=False, dtype=torch.bfloat16
+    ),
+    # Tensor parallel 2 on two gloo ranks (per-rank bytes), with and without sequence parallelism.
+    "tp2_rope": ByteCase(tensor_parallel=2, position_embedding_type="rope"),
+    "tp2_sp_llama_gqa_bf16": ByteCase(
+        tensor_parallel=2,
+        sequence_parallel=True,
+        normalization="RMSNorm",
+        swiglu=True,
+        bias_activation_fusion=True,
+        num_query_groups=2,
+        add_bias_linear=False,
+        dtype=torch.bfloat16,
+    ),
+    "tp2_sp_layernorm_swiglu_rope": ByteCase(
+        tensor_parallel=2, sequence_parallel=True, swiglu=True, position_embedding_type="rope"
+    ),
 }
 
 
@@ -59,6 +89,12 @@ def _dims(case: ByteCase) -> GPTDims:
         moe_layer_freq=case.moe_layer_freq,
         dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[case.dtype],
         device="cpu",
+        normalization=case.normalization,
+        swiglu=case.swiglu,
+        bias_swiglu_fusion=case.bias_activation_fusion,
+        position_embedding_type=case.position_embedding_type,
+        tensor_parallel=case.tensor_parallel,
+        sequence_parallel=case.sequence_parallel,
     )
 
 
@@ -79,6 +115,19 @@ def test_cases_cover_the_issue():
     assert any(d.num_experts for d in dims.values())
     assert len({(d.seq_length, d.hidden_size) for d in dims.values()}) > 1
     assert {d.dtype for d in dims.values()} == {"fp32", "bf16"}
+    # Llama-style options, each with the other choices, and tensor parallelism with and without SP.
+    assert {d.normalization for d in dims.values()} == {"LayerNorm", "RMSNorm"}
+    assert {(d.swiglu, d.bias_swiglu_fusion) for d in dims.values() if d.swiglu} == {(True, True), (True, False)}
+    assert any(d.rope and d.query_groups == d.num_attention_heads for d in dims.values())
+    assert any(d.rope and d.query_groups < d.num_attention_heads for d in dims.values())
+    assert {(d.tensor_parallel, d.sequence_parallel) for d in dims.values()} == {(1, False), (2, False), (2, True)}
+    assert any(d.swiglu and d.num_experts for d in dims.values())
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_every_rank_measured_the_same(measured: dict[str, CaseBytes], name: str):
+    """Tensor-parallel ranks hold the same shapes, so the per-rank model is every rank's."""
+    assert measured[name].same_on_every_rank, name
 
 
 @pytest.mark.parametrize("name", list(_CASES))
@@ -163,6 +212,40 @@ def test_norm_statistics_follow_the_device():
     assert stats(cpu) == [t * 2, t * 2]
 
 
+def test_rmsnorm_saves_fp32_on_cpu_and_the_input_with_an_fp32_rstd_on_cuda():
+    """CPU: torch's composite in fp32 (measured above); CUDA: the fused kernel's input and rstd (torch's formula)."""
+    t, h = 32, 32
+    saved = lambda d: sorted(x.nbytes for x in saved_tensors(d, "mlp_norm"))  # noqa: E731
+    assert saved(_tiny(dtype="bf16", normalization="RMSNorm", device="cpu")) == [t * 4, t * h * 4, t * h * 4]
+    assert saved(_tiny(dtype="bf16", normalization="RMSNorm")) == [t * 4, t * h * 2]
+    # Under sequence parallelism each of tp ranks normalises s/tp of the tokens.
+    sp = _tiny(dtype="bf16", normalization="RMSNorm", tensor_parallel=2, sequence_parallel=True)
+    assert saved(sp) == [t // 2 * 4, t // 2 * h * 2]
+
+
+def test_tensor_parallel_splits_heads_and_ffn_and_sequence_parallel_the_norm_tokens():
+    base = _tiny(swiglu=True, position_embedding_type="rope")
+    tp = _tiny(swiglu=True, position_embedding_type="rope", tensor_parallel=2)
+    sp = _tiny(swiglu=True, position_embedding_type="rope", tensor_parallel=2, sequence_parallel=True)
+    one = lambda d, n: group_bytes(saved_tensors(d, n), min_offload_bytes=1)  # noqa: E731
+    assert one(tp, "attn_proj") * 2 == one(base, "attn_proj")
+    assert one(tp, "qkv_linear") == one(base, "qkv_linear")  # the whole (replicated) input
+    assert one(sp, "qkv_linear") * 2 == one(base, "qkv_linear")  # the local shard
+    assert one(sp, "attn_norm") * 2 == one(base, "attn_norm")
+    assert one(sp, "core_attn") == one(tp, "core_attn")  # attention sees the whole sequence
+    assert layer_forward_flops(tp, 0) * 2 == layer_forward_flops(base, 0)
+
+
+def test_rope_value_view_spans_the_rest_of_linear_qkv_output():
+    """Multi-head attention with RoPE: rotated query and key copies, value a view from 2*hn on."""
+    dims = _tiny(position_embedding_type="rope")  # hn = 8, fp32: value starts at byte 64
+    one = dims.tokens * dims.hidden_size * 4
+    qkv = [x for x in saved_tensors(dims, "core_attn") if x.storage in ("query", "key", "mixed_qkv")]
+    assert qkv == [SavedTensor("query", 0, one, one), SavedTensor("key", 0, one, one), SavedTensor("mixed_qkv", 64, 3 * one - 64, one)]
+    # A threshold above one view keeps all three on device, though the value view spans ~3 of them.
+    assert group_bytes(qkv, min_offload_bytes=one + 1) == 0
+
+
 def test_expert_tokens_split_evenly_and_sum_to_tokens_times_topk():
     dims = _tiny(num_experts=6, moe_router_topk=2, expert_parallel=2)
     assert expert_tokens(dims) == [22, 21, 21]
@@ -201,6 +284,22 @@ def test_unknown_module_names_the_valid_ones():
         ({"num_experts": 2, "moe_layer_freq": (1, 0, 1)}, r"moe_layer_freq \(1, 0, 1\) must hold one 0 or 1 per layer \(2\)"),
         ({"seq_length": 0}, "seq_length must be an int >= 1, got 0"),
         ({"device": "tpu"}, "unknown device 'tpu'"),
+        ({"normalization": "L2Norm"}, r"unknown normalization 'L2Norm'; valid: \['LayerNorm', 'RMSNorm'\]"),
+        (
+            {"position_embedding_type": "yarn"},
+            r"unknown position_embedding_type 'yarn'; valid: \['learned_absolute', 'rope'\]",
+        ),
+        ({"swiglu": 1}, "swiglu must be True or False, got 1"),
+        ({"sequence_parallel": True}, "sequence_parallel needs tensor_parallel >= 2, got tensor_parallel 1"),
+        ({"tensor_parallel": 0}, "tensor_parallel must be an int >= 1, got 0"),
+        ({"tensor_parallel": 3}, "num_attention_heads 4 must be divisible by tensor_parallel 3"),
+        ({"tensor_parallel": 4, "num_query_groups": 2}, "num_query_groups 2 must be divisible by tensor_parallel 4"),
+        ({"tensor_parallel": 2, "ffn_hidden_size": 33}, "ffn_hidden_size 33 must be divisible by tensor_parallel 2"),
+        (
+            {"tensor_parallel": 4, "sequence_parallel": True, "seq_length": 18},
+            "seq_length 18 must be divisible by tensor_parallel 4 with sequence_parallel",
+        ),
+        ({"tensor_parallel": 2, "num_experts": 2}, "MoE with tensor_parallel 2 is not modelled"),
     ],
 )
 def test_invalid_dimensions(overrides, message):

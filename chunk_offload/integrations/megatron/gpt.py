@@ -4,6 +4,11 @@ Shared by the pretraining example, the test harness and (later) the stage replay
 of them train the very same model: local layer spec (no Transformer Engine), fused CUDA
 kernels off, dropout 0, deterministic on CPU. Model parallelism must be initialised first
 (``parallel_state.initialize_model_parallel``).
+
+The shape also picks Llama-style options of the local spec: RMSNorm, SwiGLU (gated MLP with
+SiLU, megatron's fused or unfused activation) and rotary position embeddings. Sequence
+parallelism with the local spec needs Apex's norm; without Apex (CPU hosts) torch's norm stands
+in for it, see `SequenceParallelTorchNorm`.
 """
 
 from __future__ import annotations
@@ -12,8 +17,21 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["GPTShape", "build_gpt_chunks", "random_token_batches", "gpt_forward_step", "average_data_parallel_grads"]
+from ...core.errors import ChunkOffloadError
+
+__all__ = [
+    "GPTShape",
+    "SequenceParallelTorchNorm",
+    "build_gpt_chunks",
+    "random_token_batches",
+    "gpt_forward_step",
+    "average_data_parallel_grads",
+]
+
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,6 +74,45 @@ class GPTShape:
     """With full recomputation: ``"uniform"`` or ``"block"``."""
     recompute_num_layers: int | None = None
     """With full recomputation: layers per checkpointed group (uniform) or checkpointed layers per chunk (block)."""
+    normalization: str = "LayerNorm"
+    """megatron's ``normalization``: ``"LayerNorm"`` or ``"RMSNorm"`` (torch's, in the local spec without Apex)."""
+    swiglu: bool = False
+    """SwiGLU MLPs (and experts): megatron's ``gated_linear_unit=True`` with ``activation_func=F.silu``;
+    fc1 is 2 x ffn wide."""
+    bias_activation_fusion: bool = False
+    """megatron's ``bias_activation_fusion``: the fused bias-GELU / bias-SwiGLU autograd functions
+    (``torch.compile``-d in megatron-core 0.16.1) instead of plain torch ops. GELU without SwiGLU
+    needs ``add_bias_linear``."""
+    position_embedding_type: str = "learned_absolute"
+    """GPTModel's ``position_embedding_type``: ``"learned_absolute"`` or ``"rope"`` (unfused rotary
+    embedding of query and key, ``rotary_percent`` 1)."""
+
+    def __post_init__(self) -> None:
+        if self.normalization not in _NORMALIZATIONS:
+            raise ChunkOffloadError(f"normalization must be one of {list(_NORMALIZATIONS)}, got {self.normalization!r}")
+        if self.position_embedding_type not in _POSITION_EMBEDDINGS:
+            raise ChunkOffloadError(
+                f"position_embedding_type must be one of {list(_POSITION_EMBEDDINGS)}, got {self.position_embedding_type!r}"
+            )
+
+
+class SequenceParallelTorchNorm:
+    """torch's ``LayerNorm`` / ``RMSNorm`` (by ``config.normalization``) that accepts sequence parallelism.
+
+    megatron-core's local spec takes Apex's ``FusedLayerNorm`` when Apex is installed and
+    otherwise torch's norm through ``WrappedTorchNorm``, which refuses ``sequence_parallel``. The
+    norm itself is the same computation under sequence parallelism (each rank normalises its own
+    tokens); only its parameters' gradients must be summed over the tensor-parallel ranks, which
+    megatron does for parameters marked ``sequence_parallel`` (as ``FusedLayerNorm`` marks them).
+    Used by `build_gpt_chunks` only for sequence parallelism on hosts without Apex (CPU tests).
+    """
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> torch.nn.Module:
+        norm_class = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_class(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def build_gpt_chunks(
@@ -107,7 +164,6 @@ def build_gpt_chunks(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # Fused kernels are CUDA (or torch.compile) paths; the unfused ones are plain torch.
-        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -119,17 +175,30 @@ def build_gpt_chunks(
         recompute_granularity=shape.recompute_granularity,
         recompute_method=shape.recompute_method,
         recompute_num_layers=shape.recompute_num_layers,
+        normalization=shape.normalization,
+        gated_linear_unit=shape.swiglu,
+        activation_func=F.silu if shape.swiglu else F.gelu,
+        bias_activation_fusion=shape.bias_activation_fusion,
         **moe,
     )
     chunks = []
     for vp_stage in range(virtual_pipeline or 1):
         vp = vp_stage if virtual_pipeline is not None else None
-        if shape.num_experts is not None and shape.moe_layer_freq != 1:
+        if sequence_parallel and not _have_apex():
+            # megatron's block spec (one layer spec per layer of this chunk, dense or MoE by
+            # moe_layer_freq) with every norm replaced; see SequenceParallelTorchNorm.
+            spec = _with_norm(
+                get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=shape.normalization, vp_stage=vp),
+                SequenceParallelTorchNorm,
+            )
+        elif shape.num_experts is not None and shape.moe_layer_freq != 1:
             # Dense and MoE layers mixed: megatron's block spec picks each layer's spec from
             # moe_layer_freq and slices out this stage's (and chunk's) layers.
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=shape.normalization, vp_stage=vp)
         else:
-            spec = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
+            spec = get_gpt_layer_local_spec(
+                num_experts=shape.num_experts, moe_grouped_gemm=False, normalization=shape.normalization
+            )
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -138,10 +207,28 @@ def build_gpt_chunks(
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=False,
+            position_embedding_type=shape.position_embedding_type,
             vp_stage=vp,
         )
         chunks.append(chunk.to(device) if device is not None else chunk)
     return chunks
+
+
+def _have_apex() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("apex") is not None
+
+
+def _with_norm(block_spec: Any, norm: type) -> Any:
+    """``block_spec`` (megatron's TransformerBlockSubmodules) with ``norm`` for every norm of its layers and its final norm."""
+    from dataclasses import replace
+
+    layers = [
+        replace(spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+        for spec in block_spec.layer_specs
+    ]
+    return replace(block_spec, layer_specs=layers, layer_norm=norm)
 
 
 def random_token_batches(
