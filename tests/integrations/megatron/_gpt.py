@@ -70,8 +70,9 @@ class TinyGPTConfig:
     tensor_parallel: int = 1
     """``tensor_model_parallel_size`` (not covered by the tests in this directory)."""
     sequence_parallel: bool = False
-    """Megatron's sequence parallelism (needs ``tensor_parallel > 1``; without Apex the local
-    spec's torch LayerNorm refuses it)."""
+    """Megatron's sequence parallelism (needs ``tensor_parallel > 1``; not covered by the tests in
+    this directory: their gradient averaging does not sum sequence-parallel norm gradients over
+    the tensor-parallel ranks)."""
     pipeline_parallel: int = 1
     """Pipeline stages (``pipeline_model_parallel_size``)."""
     virtual_pipeline: int | None = None
