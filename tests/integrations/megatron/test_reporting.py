@@ -180,7 +180,7 @@ def _record(offload: bool) -> SimpleNamespace:
         ([False, False], object(), r"all 2 recorded iterations were baselines; train more iterations than baseline_iterations"),
         ([], object(), r"all 0 recorded iterations ran with offload"),
         ([False], object(), r"all 1 recorded iterations were baselines"),
-        ([False, True], None, r"the manager has no plan yet: run a training iteration through manager.wrap"),
+        ([False, True], None, r"the manager has no plan yet: run a training iteration first \(through manager.wrap\(...\), or with iterations='auto'\)"),
     ],
     ids=["no_baseline", "no_offload", "no_records", "only_baseline", "no_plan"],
 )
