@@ -1,9 +1,10 @@
 """Run megatron-core on a CPU-only host: redirect the CUDA calls it makes to CPU equivalents.
 
 megatron-core 0.16.1 builds and trains ``GPTModel`` with the local (non-Transformer-Engine)
-layer spec on CPU tensors and the ``gloo`` backend, through its own pipeline schedules, once a
-handful of hard-wired CUDA calls are redirected. Everything that redirects them lives here, in
-one reversible object::
+layer spec on CPU tensors and the ``gloo`` backend, through its own pipeline schedules (also
+inside its ``DistributedDataParallel`` and ``Float16Module`` wrappers, stepped by
+``get_megatron_optimizer``), once a handful of hard-wired CUDA calls are redirected. Everything
+that redirects them lives here, in one reversible object::
 
     from chunk_offload.integrations.megatron import cpu_compat
 
@@ -23,6 +24,8 @@ What is redirected, and why (one line each; see ``docs/megatron_cpu.md``):
   and bare device indices in any torch call to ``cpu``; ``Tensor.cuda()`` and ``Tensor.to("cuda")``
   return a copy, never the source, as a real device move does; ``pin_memory`` requests give plain
   host memory (the pinned allocator needs an accelerator).
+  The no-argument ``Tensor.type()`` names the CUDA type (``"torch.cuda.FloatTensor"``): megatron's
+  optimizers accept parameters by that name. See NOTE [ Tensor type names ].
   Autograd's engine entry is wrapped so that the mode is active in backward too (custom autograd
   functions allocate there). See NOTE [ Device mode in backward ].
 * ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``default_stream`` / ``stream`` /
@@ -83,6 +86,16 @@ logger = logging.getLogger(__name__)
 # but random numbers differ from a GPU run with the same seed. Megatron's check that "the CPU RNG
 # state did not change within the GPU RNG context" is meaningless here, so its warning is filtered
 # while the handle is active.
+
+# NOTE [ Tensor type names ]
+# megatron's optimizers pick the tensor kind by its legacy type name, `param.type()`:
+# `Float16OptimizerWithFloat16Params` and the distributed optimizer accept only
+# 'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' and raise on
+# anything else, and `clip_grad_by_total_norm_fp32` asserts `param.grad.type() ==
+# 'torch.cuda.FloatTensor'`. The device mode therefore answers the no-argument `Tensor.type()` of
+# a CPU tensor with the name it would have on the GPU (dtype unchanged, only `cuda.` inserted).
+# Conversions (`t.type(torch.float16)`, `t.type("torch.FloatTensor")`) pass through unchanged;
+# `Tensor.is_cuda` and `Tensor.device` still say cpu.
 
 # NOTE [ Device mode in backward ]
 # A TorchFunctionMode is popped while its handler runs, and `torch.autograd.backward`,
@@ -190,6 +203,7 @@ class _CudaToCpuMode(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.rewrites = 0
+        self.type_names = 0
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = {} if kwargs is None else kwargs
@@ -198,6 +212,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0].clone()  # a device move makes a new tensor; see below
         if func is torch.Tensor.pin_memory:
             return args[0].clone()  # pin_memory() copies; CPU-only hosts have no pinned allocator
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # See NOTE [ Tensor type names ]: the no-argument form names the type, as on a GPU.
+            self.type_names += 1
+            return _cuda_type_name(func(*args))
         moved = False
         if "device" in kwargs and _is_accelerator_device(kwargs["device"]):
             moved = True
@@ -218,6 +236,13 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and result is args[0]:
             result = result.clone()
         return result
+
+
+def _cuda_type_name(name: str) -> str:
+    """``"torch.FloatTensor"`` -> ``"torch.cuda.FloatTensor"``: the name the tensor would have on a GPU."""
+    if name.startswith("torch.") and not name.startswith("torch.cuda."):
+        return "torch.cuda." + name[len("torch.") :]
+    return name
 
 
 class _RngWarningFilter(logging.Filter):
@@ -273,6 +298,11 @@ class MegatronCpuCompat:
     def device_rewrites(self) -> int:
         """How many CUDA device arguments (and ``Tensor.cuda()`` calls) were redirected to ``cpu`` so far."""
         return 0 if self._mode is None else self._mode.rewrites
+
+    @property
+    def type_names(self) -> int:
+        """How many no-argument ``Tensor.type()`` calls were answered with a CUDA type name so far."""
+        return 0 if self._mode is None else self._mode.type_names
 
     @property
     def patched(self) -> tuple[str, ...]:
