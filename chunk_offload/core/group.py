@@ -216,22 +216,28 @@ class OffloadGroup:
         ctx = self._ctx
         stats = ctx.stats.group(self.name)
         stats.groups += 1
-        for key, storage in list(self._storages.items()):
+        dropped = []
+        for key, storage in self._storages.items():
             refs = _alive(storage)
             if not refs:  # autograd already dropped every view saved in this storage
-                del self._storages[key]
-                self._live_storages -= 1
+                dropped.append(key)
                 continue
-            spans = [ref.span() for ref in refs]
-            start = min(s for s, _ in spans) // _SPAN_ALIGN * _SPAN_ALIGN
-            end = max(e for _, e in spans)
+            if len(refs) == 1:
+                start, end = refs[0].span()
+            else:
+                spans = [ref.span() for ref in refs]
+                start, end = min(s for s, _ in spans), max(e for _, e in spans)
+            start = start // _SPAN_ALIGN * _SPAN_ALIGN
             storage.start, storage.nbytes = start, max(end - start, 0)
             self.saved_bytes += storage.nbytes
-            ctx.resident.saved(storage.nbytes)
             if key in self._kept_storages:
                 storage.pinned = True
                 stats.tensors_kept += len(refs)
+        for key in dropped:
+            del self._storages[key]
+            self._live_storages -= 1
         self._kept_storages = set()
+        ctx.resident.saved(self.saved_bytes)  # one change: the mark sees the group as a whole
         if not self.handler.offload or all(storage.pinned for storage in self._storages.values()):
             self.state = GroupState.KEPT
             return

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 
 from .errors import ChunkOffloadError
 from .group import EngineContext, GroupState, OffloadGroup, SavedRef, check_version
@@ -68,6 +69,8 @@ class ChunkOffloadHandler:
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
         self._forward_ended = False  # finish_forward or abort ran: no new group may open
         self._backward_started = False
+        self.saved_tensors_hooks = saved_tensors_hooks(self.tensor_push, self.tensor_pop)
+        """This handler's pack/unpack hooks, entered for the span of each named group."""
 
     def __repr__(self) -> str:
         return f"ChunkOffloadHandler{self.key}"

@@ -302,9 +302,9 @@ class OffloadManager:
         flat, _ = _flatten(tensors)
         # A plain call, no autograd node on the inputs: see NOTE [No node on group inputs].
         group = handler.open_group(name)
-        group.input_nodes = {t.grad_fn for t in flat if t.grad_fn is not None}
+        group.input_nodes = {node for t in flat if (node := t.grad_fn) is not None}
         group.activations = _leaf_activation_storages(flat)
-        hooks = saved_tensors_hooks(handler.tensor_push, handler.tensor_pop)
+        hooks = handler.saved_tensors_hooks
         hooks.__enter__()
         self._hooks_pushed.append(hooks)
         return tensors
