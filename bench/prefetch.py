@@ -27,7 +27,7 @@ import argparse
 import torch
 
 from chunk_offload import CpuStreams
-from chunk_offload.integrations.megatron.gpt import GPTShape
+from chunk_offload.devkit.gpt import GPTShape
 from chunk_offload.replay import megatron_stage, replay
 from chunk_offload.schedule import PlanPolicy
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from chunk_offload.integrations.megatron import add_arguments, attach_from_args
-from chunk_offload.integrations.megatron.gpt import (
+from chunk_offload.devkit.gpt import (
     GPTShape,
     average_data_parallel_grads,
     build_gpt_chunks,
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     compat = contextlib.nullcontext()
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        from chunk_offload.integrations.megatron import cpu_compat
+        from chunk_offload.devkit import cpu_compat
 
         compat = cpu_compat.megatron_on_cpu()
     with compat:

@@ -68,7 +68,7 @@ fp32 and bf16, LayerNorm and RMSNorm, GELU and SwiGLU (fused and unfused), learn
 positions, multi-head, grouped-query and multi-query attention, tensor parallel 2 with and
 without sequence parallelism (per rank, on gloo ranks; the local spec takes Apex's norm under
 sequence parallelism, so there the measurement puts torch's in its place,
-``integrations.megatron.gpt.SequenceParallelTorchNorm``), MoE with EP = 1 (expert_fc1 summed per
+``devkit.gpt.SequenceParallelTorchNorm``), MoE with EP = 1 (expert_fc1 summed per
 layer; per expert when top-k = E), the threshold, the whole dense layer, and
 `layer_forward_flops` against torch's FlopCounterMode.
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..core.streams import CpuStreams
-from ..integrations.megatron.gpt import GPTShape
+from ..devkit.gpt import GPTShape
 from .run import replay
 from .stage import megatron_stage
 

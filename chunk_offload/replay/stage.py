@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from ..core.errors import ChunkOffloadError
-from ..integrations.megatron.gpt import GPTShape, build_gpt_chunks, random_token_batches
+from ..devkit.gpt import GPTShape, build_gpt_chunks, random_token_batches
 from ..schedule.megatron import megatron_plan
 from ..schedule.plan import Plan
 
@@ -180,7 +180,7 @@ def megatron_stage(
                 "call parallel_state.destroy_model_parallel() first"
             )
         if not cuda:
-            from ..integrations.megatron import cpu_compat
+            from ..devkit import cpu_compat
 
             stack.enter_context(cpu_compat.megatron_on_cpu())
         parallel_state.initialize_model_parallel()

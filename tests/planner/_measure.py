@@ -2,7 +2,7 @@
 
 One call of `measure` spawns one set of gloo processes per tensor-parallel size among the cases
 (world size = that size, ``cpu_compat``) and, for every `ByteCase`, builds the model through
-`chunk_offload.integrations.megatron.gpt.build_gpt_chunks` (the builder the harness and the
+`chunk_offload.devkit.gpt.build_gpt_chunks` (the builder the harness and the
 example use), attaches an offload manager to every module name the model has, and runs one
 training step of one microbatch through megatron's own schedule
 (``forward_backward_no_pipelining``). A forward pre-hook on each offloaded module records which
@@ -101,14 +101,14 @@ def _measure_cases(rank: int, world_size: int, cases: list[ByteCase]) -> list[Ca
     import torch._dynamo.config
 
     torch._dynamo.config.disable = True  # see the module docstring
-    from chunk_offload.integrations.megatron import cpu_compat
+    from chunk_offload.devkit import cpu_compat
 
     with cpu_compat.megatron_on_cpu():
         return [_measure_case(case) for case in cases]
 
 
 def _shape(case: ByteCase):
-    from chunk_offload.integrations.megatron.gpt import GPTShape
+    from chunk_offload.devkit.gpt import GPTShape
 
     return GPTShape(
         num_layers=case.num_layers,
@@ -135,7 +135,7 @@ def _build(case: ByteCase):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from chunk_offload.integrations.megatron.gpt import build_gpt_chunks
+    from chunk_offload.devkit.gpt import build_gpt_chunks
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=case.tensor_parallel)
     torch.manual_seed(1234)
@@ -151,7 +151,7 @@ def _build(case: ByteCase):
 
 
 def _step(case: ByteCase, chunks, forward_backward) -> None:
-    from chunk_offload.integrations.megatron.gpt import gpt_forward_step, random_token_batches
+    from chunk_offload.devkit.gpt import gpt_forward_step, random_token_batches
 
     batches = random_token_batches(_shape(case), num_microbatches=1, seed=1234, iteration=0)
     forward_backward(

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
-from chunk_offload.integrations.megatron.gpt import GPTShape
+from chunk_offload.devkit.gpt import GPTShape
 from chunk_offload.schedule.megatron import megatron_plan
 
 pytestmark = [

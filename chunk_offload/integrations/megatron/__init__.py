@@ -6,7 +6,7 @@
 or, where the training loop calls ``get_forward_backward_func()`` itself (Megatron-LM's
 ``pretrain``), ``attach(..., iterations="auto")`` and no wrap.
 
-`cpu_compat` runs megatron-core on a CPU-only host (tests, CPU development); import it
+`chunk_offload.devkit.cpu_compat` runs megatron-core on a CPU-only host (tests, CPU development); import it
 explicitly, it is not imported here because importing megatron-core is slow.
 """
 

@@ -308,7 +308,7 @@ def spawn_runs(
 def _rank_runs(rank: int, world_size: int, runs: list[Run]) -> list[RankResult]:
     # megatron warns at import and build time that Apex / Transformer Engine are missing.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from chunk_offload.integrations.megatron import cpu_compat
+    from chunk_offload.devkit import cpu_compat
 
     with cpu_compat.megatron_on_cpu() as compat:
         return [_train_once(run, compat, rank) for run in runs]
@@ -378,7 +378,7 @@ def _train(
     ``cfg.megatron_ddp`` the description of megatron's wrappers."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from chunk_offload.integrations.megatron.gpt import average_data_parallel_grads, gpt_forward_step, random_token_batches
+    from chunk_offload.devkit.gpt import average_data_parallel_grads, gpt_forward_step, random_token_batches
 
     megatron = _MegatronTraining(cfg, chunks) if cfg.megatron_ddp else None
     if megatron is None:
@@ -516,7 +516,7 @@ def _named(chunks: list[torch.nn.Module], pick: Callable[[torch.nn.Parameter], A
 
 
 def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
-    from chunk_offload.integrations.megatron.gpt import build_gpt_chunks
+    from chunk_offload.devkit.gpt import build_gpt_chunks
 
     return build_gpt_chunks(
         _shape(cfg),
@@ -531,7 +531,7 @@ def _build_chunks(cfg: TinyGPTConfig) -> list[torch.nn.Module]:
 
 
 def _shape(cfg: TinyGPTConfig):
-    from chunk_offload.integrations.megatron.gpt import GPTShape
+    from chunk_offload.devkit.gpt import GPTShape
 
     # Recompute options only when set, so GPTShape without them keeps working.
     recompute = {

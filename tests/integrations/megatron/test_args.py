@@ -282,7 +282,7 @@ def _megatron_world_of_one() -> Iterator[None]:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        from chunk_offload.integrations.megatron import cpu_compat
+        from chunk_offload.devkit import cpu_compat
 
     if dist.is_initialized():
         pytest.fail("a torch.distributed process group is already initialised in this process (leak from another test)")

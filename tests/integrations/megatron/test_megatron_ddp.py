@@ -236,7 +236,7 @@ def test_tensor_type_names_the_cuda_type_under_cpu_compat():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron warns that Apex / TE are missing
-        from chunk_offload.integrations.megatron import cpu_compat
+        from chunk_offload.devkit import cpu_compat
 
     t = torch.ones(2)
     with cpu_compat.megatron_on_cpu() as compat:

@@ -6,7 +6,7 @@ inside its ``DistributedDataParallel`` and ``Float16Module`` wrappers, stepped b
 ``get_megatron_optimizer``), once a handful of hard-wired CUDA calls are redirected. Everything
 that redirects them lives here, in one reversible object::
 
-    from chunk_offload.integrations.megatron import cpu_compat
+    from chunk_offload.devkit import cpu_compat
 
     with cpu_compat.megatron_on_cpu():          # or: compat = cpu_compat.enable(); ...; compat.disable()
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ...core.errors import ChunkOffloadError, internal_assert
+from ..core.errors import ChunkOffloadError, internal_assert
 
 try:
     import megatron.core.tensor_parallel.random as _mcore_random
@@ -69,7 +69,7 @@ try:
     import megatron.core.transformer.moe.token_dispatcher as _mcore_token_dispatcher
 except ImportError as e:
     raise ImportError(
-        "chunk_offload.integrations.megatron.cpu_compat needs megatron-core (tested with 0.16.1): "
+        "chunk_offload.devkit.cpu_compat needs megatron-core (tested with 0.16.1): "
         'pip install "chunk-offload[megatron]"'
     ) from e
 

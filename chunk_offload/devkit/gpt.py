@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from ...core.errors import ChunkOffloadError
+from ..core.errors import ChunkOffloadError
 
 __all__ = [
     "GPTShape",

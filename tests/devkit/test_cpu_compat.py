@@ -40,7 +40,7 @@ _MISSING = object()
 def cpu_compat():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron warns that Apex / TE are missing
-        from chunk_offload.integrations.megatron import cpu_compat as module
+        from chunk_offload.devkit import cpu_compat as module
     return module
 
 
@@ -279,7 +279,7 @@ def test_import_without_megatron_names_the_extra():
     code = (
         "import sys; sys.modules['megatron'] = None\n"
         "import chunk_offload.integrations.megatron  # the package itself stays importable\n"
-        "import chunk_offload.integrations.megatron.cpu_compat\n"
+        "import chunk_offload.devkit.cpu_compat\n"
     )
     repo_root = Path(__file__).resolve().parents[3]
     proc = subprocess.run(
