@@ -32,18 +32,8 @@ def new_manager(*, streams=None, schedule_policy: SchedulePolicy | None = None, 
 
 @pytest.fixture
 def make_manager():
-    """``make(**config)``: `new_manager` with ``min_offload_bytes=1`` unless given; closed after the test."""
-    managers: list[OffloadManager] = []
-
-    def make(**config) -> OffloadManager:
-        config.setdefault("min_offload_bytes", 1)
-        manager = new_manager(**config)
-        managers.append(manager)
-        return manager
-
-    yield make
-    for manager in managers:
-        manager.close()
+    """`new_manager`, for tests that take it as a fixture (the caller closes what it makes)."""
+    return new_manager
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ nothing may call `torch.Tensor.record_stream`. Run the module again under
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -78,7 +80,8 @@ def test_offload_on_cuda_streams_is_bit_identical(order_id, seed, on_cuda, make_
     kwargs = dict(order=order, model_chunks=model_chunks, iterations=ITERATIONS, layers=2, seed=seed)
     baseline = run_schedule(lambda: None, **kwargs)
     watch = _Watch()
-    result = run_schedule(lambda: watch.attach(make_manager()), kinds=MODULE_KINDS, after_iteration=watch, **kwargs)
+    # run_schedule closes the manager it gets.
+    result = run_schedule(lambda: watch.attach(make_manager(min_offload_bytes=1)), kinds=MODULE_KINDS, after_iteration=watch, **kwargs)
 
     assert_identical(baseline, result)
     assert all(g.is_cuda for g in result.grads[-1]), "the models did not run on the GPU"
@@ -95,10 +98,8 @@ def test_offload_on_cuda_streams_is_bit_identical(order_id, seed, on_cuda, make_
 
 
 def test_cuda_streams_pin_host_memory(make_manager) -> None:
-    manager = make_manager()
-    assert manager.streams.device.type == "cuda" and manager.streams.pin_memory
-    buf = manager.pool.acquire(4096)
-    try:
+    with contextlib.closing(make_manager()) as manager:
+        assert manager.streams.device.type == "cuda" and manager.streams.pin_memory
+        buf = manager.pool.acquire(4096)
         assert buf.tensor.is_pinned()
-    finally:
         manager.pool.release(buf, None)
