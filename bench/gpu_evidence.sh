@@ -27,7 +27,7 @@ declare -A LIMIT=([install]=60 [env]=30 [tests]=180 [sanitizer]=300 [replay]=330
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
-    [tests]='"$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/tests.xml"'
+    [tests]='"$PY" -m pytest -q -rsP -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/tests.xml"'
     [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/sanitizer.xml"'
     [replay]='replay_stage0'
     [bandwidth]='"$PY" bench/bandwidth.py --json "$OUT_DIR/bandwidth.json"'
