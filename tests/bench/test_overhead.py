@@ -25,7 +25,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
-    done = _run("--layers", "6", "--repeats", "3", "--hidden", "8", "--batch", "2")
+    done = _run("--layers", "12", "--repeats", "5", "--hidden", "8", "--batch", "2")
     assert done.returncode == 0, done.stderr
     rows = {}
     for mode in ("plain", "floor", "bookkeeping", "offload"):
