@@ -11,11 +11,11 @@ A stack of tiny layers (so that compute is negligible) runs forward + backward
   hooks, group start/commit functions, saved-tensor packing, accounting;
 - offload: the same with copies on (CPU worker-thread streams here, CUDA streams on a GPU).
 
-It prints, per mode, the median and the fastest time per iteration and the extra microseconds
-per group ((mode - plain) / groups) from both, then bookkeeping / floor and copies / floor
-(the offload mode's):
-the ratios of those extra costs. On a shared host the medians move with the load; the fastest
-iterations are the steadier estimate of the cost itself.
+The modes take turns, one iteration each, so that a change of the host's load hits all of
+them alike. It prints, per mode, the median and the fastest time per iteration and the extra
+microseconds per group ((mode - plain) / groups) from both, then bookkeeping / floor and
+copies / floor (copies: the offload mode), the ratios of those extra costs. On a shared host
+the medians move with the load; the fastest iterations are the steadier estimate of the cost.
 
     python bench/overhead.py [--layers 200] [--repeats 30] [--hidden 64] [--batch 4]
 """
@@ -26,8 +26,6 @@ import argparse
 import contextlib
 import statistics
 import time
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
@@ -79,29 +77,35 @@ def install_floor(model: nn.Sequential) -> None:
         layer.register_forward_hook(post)
 
 
-def time_mode(
-    model: nn.Sequential, x: torch.Tensor, manager: chunk_offload.OffloadManager | None, repeats: int
-) -> tuple[float, float]:
-    """(median, fastest) seconds per iteration over ``repeats`` iterations after the warm-up ones."""
+def one_iteration(model: nn.Sequential, x: torch.Tensor, manager: chunk_offload.OffloadManager | None) -> float:
+    """Seconds of one forward + backward (and the copies it issued)."""
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with manager.iteration() if manager else contextlib.nullcontext():
+        with manager.chunk(microbatch=0) if manager else contextlib.nullcontext():
+            loss = model(x).sum()
+        loss.backward()
     if manager is not None:
-        for layer in model:
-            manager.offload_module(layer, "layer")
-    samples = []
-    for i in range(repeats + WARMUP):
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with manager.iteration() if manager else contextlib.nullcontext():
-            with manager.chunk(microbatch=0) if manager else contextlib.nullcontext():
-                loss = model(x).sum()
-            loss.backward()
-        if manager is not None:
-            manager.streams.synchronize()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        if i >= WARMUP:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples), min(samples)
+        manager.streams.synchronize()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def time_modes(runs: dict[str, tuple[nn.Sequential, chunk_offload.OffloadManager | None]], x: torch.Tensor, repeats: int) -> dict[str, tuple[float, float]]:
+    """(median, fastest) seconds per iteration of each mode.
+
+    The modes take turns, one iteration each, so that a change of the host's load during the
+    run hits every mode alike; the first `WARMUP` turns are not timed.
+    """
+    samples: dict[str, list[float]] = {mode: [] for mode in runs}
+    for turn in range(repeats + WARMUP):
+        for mode, (model, manager) in runs.items():
+            seconds = one_iteration(model, x, manager)
+            if turn >= WARMUP:
+                samples[mode].append(seconds)
+    return {mode: (statistics.median(s), min(s)) for mode, s in samples.items()}
 
 
 def _positive(text: str) -> int:
@@ -128,13 +132,17 @@ def main(argv: list[str] | None = None) -> None:
     bookkeeping_mgr = chunk_offload.OffloadManager(min_offload_bytes=1, offload=False, measure_time=False)
     offload_mgr = chunk_offload.OffloadManager(min_offload_bytes=1, measure_time=False)
     managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr}
-    setups: dict[str, Callable[[nn.Sequential], None]] = {"floor": install_floor}
-    times = {}
+    runs = {}
+    for mode in MODES:
+        model = build(args.layers, args.hidden, device)
+        if mode == "floor":
+            install_floor(model)
+        elif managers[mode] is not None:
+            for layer in model:
+                managers[mode].offload_module(layer, "layer")
+        runs[mode] = (model, managers[mode])
     try:
-        for mode in MODES:
-            model = build(args.layers, args.hidden, device)
-            setups.get(mode, lambda m: None)(model)
-            times[mode] = time_mode(model, x, managers[mode], args.repeats)
+        times = time_modes(runs, x, args.repeats)
         saved = offload_mgr.stats().groups["layer"]
     finally:
         bookkeeping_mgr.close()
