@@ -191,7 +191,7 @@ main() {
         local wanted name
         IFS=, read -r -a wanted <<<"$only"
         for name in "${wanted[@]}"; do
-            [[ -n ${LIMIT[$name]+set} ]] || usage_error "--only: unknown step '$name'; steps: ${STEPS[*]}"
+            [[ -n $name && -n ${LIMIT[$name]+set} ]] || usage_error "--only: unknown step '$name'; steps: ${STEPS[*]}"
         done
         SELECTED=()
         for name in "${STEPS[@]}"; do
