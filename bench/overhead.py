@@ -1,18 +1,23 @@
-"""Host-side cost of the offload bookkeeping per group, against plain autograd.
+"""Host-side cost of the offload bookkeeping per group, against plain autograd and the floor.
 
 A stack of tiny layers (so that compute is negligible) runs forward + backward
-``--repeats`` times in three modes in one process:
+``--repeats`` times in four modes in one process:
 
 - plain: no manager;
+- floor: what any saved-tensor-hook design pays per group: each layer's call enters a
+  ``saved_tensors_hooks`` context with identity pack/unpack (a forward pre-hook) and leaves
+  it through one identity autograd Function on the layer's output (a forward hook);
 - bookkeeping: every layer is an offload group, copies switched off (``offload=False``):
   hooks, group start/commit functions, saved-tensor packing, accounting;
 - offload: the same with copies on (CPU worker-thread streams here, CUDA streams on a GPU).
 
-It prints, per mode, the median and the fastest time per iteration and the extra microseconds
-per group ((mode - plain) / groups) from both, as measured on this machine. On a shared host the
-medians move with the load; the fastest iterations are the steadier estimate of the cost itself.
+The modes take turns, one iteration each, so that a change of the host's load hits all of
+them alike. It prints, per mode, the median and the fastest time per iteration and the extra
+microseconds per group ((mode - plain) / groups) from both, then bookkeeping / floor and
+copies / floor (copies: the offload mode), the ratios of those extra costs. On a shared host
+the medians move with the load; the fastest iterations are the steadier estimate of the cost.
 
-    python bench/overhead.py [--layers 200] [--repeats 30] [--hidden 64]
+    python bench/overhead.py [--layers 200] [--repeats 30] [--hidden 64] [--batch 4]
 """
 
 from __future__ import annotations
@@ -21,11 +26,16 @@ import argparse
 import contextlib
 import statistics
 import time
-
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
 import chunk_offload
+
+__all__ = ["main"]
+
+MODES = ("plain", "floor", "bookkeeping", "offload")
+WARMUP = 3  # iterations before timing: pool allocation, autograd caches
 
 
 def build(layers: int, hidden: int, device: torch.device) -> nn.Sequential:
@@ -33,57 +43,122 @@ def build(layers: int, hidden: int, device: torch.device) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) for _ in range(layers)]).to(device)
 
 
-def time_mode(model: nn.Sequential, x: torch.Tensor, manager: chunk_offload.OffloadManager | None, repeats: int) -> tuple[float, float]:
-    """(median, fastest) seconds per iteration over ``repeats`` iterations after 3 warm-up ones."""
+class _Identity(torch.autograd.Function):
+    """The one autograd node per group that any design needs to act when backward reaches the group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def install_floor(model: nn.Sequential) -> None:
+    """Make each layer a floor group: identity saved-tensor hooks around it, an identity Function after it."""
+    for layer in model:
+        contexts: list[saved_tensors_hooks] = []
+
+        def pre(module, args, contexts=contexts):
+            hooks = saved_tensors_hooks(_identity, _identity)
+            hooks.__enter__()
+            contexts.append(hooks)
+
+        def post(module, args, output, contexts=contexts):
+            contexts.pop().__exit__(None, None, None)
+            return _Identity.apply(output)
+
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
+
+
+def one_iteration(model: nn.Sequential, x: torch.Tensor, manager: chunk_offload.OffloadManager | None) -> float:
+    """Seconds of one forward + backward (and the copies it issued)."""
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with manager.iteration() if manager else contextlib.nullcontext():
+        with manager.chunk(microbatch=0) if manager else contextlib.nullcontext():
+            loss = model(x).sum()
+        loss.backward()
     if manager is not None:
-        for layer in model:
-            manager.offload_module(layer, "layer")
-    samples = []
-    for i in range(repeats + 3):
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with manager.iteration() if manager else contextlib.nullcontext():
-            with manager.chunk(microbatch=0) if manager else contextlib.nullcontext():
-                loss = model(x).sum()
-            loss.backward()
-        if manager is not None:
-            manager.streams.synchronize()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        if i >= 3:  # warm-up: pool allocation, autograd caches
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples), min(samples)
+        manager.streams.synchronize()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="offload bookkeeping cost per group")
-    parser.add_argument("--layers", type=int, default=200)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
+def time_modes(runs: dict[str, tuple[nn.Sequential, chunk_offload.OffloadManager | None]], x: torch.Tensor, repeats: int) -> dict[str, tuple[float, float]]:
+    """(median, fastest) seconds per iteration of each mode.
+
+    The modes take turns, one iteration each, so that a change of the host's load during the
+    run hits every mode alike; the first `WARMUP` turns are not timed.
+    """
+    samples: dict[str, list[float]] = {mode: [] for mode in runs}
+    for turn in range(repeats + WARMUP):
+        for mode, (model, manager) in runs.items():
+            seconds = one_iteration(model, x, manager)
+            if turn >= WARMUP:
+                samples[mode].append(seconds)
+    return {mode: (statistics.median(s), min(s)) for mode, s in samples.items()}
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="offload bookkeeping cost per group, against plain autograd and the floor")
+    parser.add_argument("--layers", type=_positive, default=200, help="layers, one group each")
+    parser.add_argument("--hidden", type=_positive, default=64)
+    parser.add_argument("--batch", type=_positive, default=4)
+    parser.add_argument("--repeats", type=_positive, default=30, help="timed iterations per mode")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(1)
     x = torch.randn(args.batch, args.hidden, device=device)
-
-    plain = time_mode(build(args.layers, args.hidden, device), x, None, args.repeats)
     bookkeeping_mgr = chunk_offload.OffloadManager(min_offload_bytes=1, offload=False, measure_time=False)
-    bookkeeping = time_mode(build(args.layers, args.hidden, device), x, bookkeeping_mgr, args.repeats)
     offload_mgr = chunk_offload.OffloadManager(min_offload_bytes=1, measure_time=False)
-    offload = time_mode(build(args.layers, args.hidden, device), x, offload_mgr, args.repeats)
+    managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr}
+    runs = {}
+    for mode in MODES:
+        model = build(args.layers, args.hidden, device)
+        if mode == "floor":
+            install_floor(model)
+        elif managers[mode] is not None:
+            for layer in model:
+                managers[mode].offload_module(layer, "layer")
+        runs[mode] = (model, managers[mode])
+    try:
+        times = time_modes(runs, x, args.repeats)
+        saved = offload_mgr.stats().groups["layer"]
+    finally:
+        bookkeeping_mgr.close()
+        offload_mgr.close()
     groups = args.layers
-    saved = offload_mgr.stats().groups["layer"]
+    plain = times["plain"]
+    extra = {mode: tuple((t - p) / groups for t, p in zip(times[mode], plain)) for mode in MODES}
     print(f"device {device}, {groups} groups per iteration, {args.repeats} iterations per mode")
     print(f"tensors offloaded per group: {saved.tensors_offloaded / saved.groups:.1f}")
     print(f"{'mode':<12} {'median ms/iter':>15} {'us/group over plain':>20} {'fastest ms/iter':>16} {'us/group over plain':>20}")
-    for name, (median, fastest) in (("plain", plain), ("bookkeeping", bookkeeping), ("offload", offload)):
-        print(
-            f"{name:<12} {median * 1e3:>15.3f} {(median - plain[0]) / groups * 1e6:>20.2f} "
-            f"{fastest * 1e3:>16.3f} {(fastest - plain[1]) / groups * 1e6:>20.2f}"
-        )
-    bookkeeping_mgr.close()
-    offload_mgr.close()
+    for mode in MODES:
+        (median, fastest), (extra_median, extra_fastest) = times[mode], extra[mode]
+        print(f"{mode:<12} {median * 1e3:>15.3f} {extra_median * 1e6:>20.2f} {fastest * 1e3:>16.3f} {extra_fastest * 1e6:>20.2f}")
+    for mode, label in (("bookkeeping", "bookkeeping"), ("offload", "copies")):
+        ratios = [e / f if f > 0 else float("nan") for e, f in zip(extra[mode], extra["floor"])]
+        print(f"{label} / floor (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# GPU evidence in one command: environment, tests/gpu, tests/gpu under PyTorch's CUDA stream
+# sanitizer, the stage replay (stage 0 of PP=4 VPP=2, hidden 4096), the pinned-memcpy bandwidth
+# probe and the host-overhead bench. Every log and JSON goes under the output folder, in at most
+# 6 files: evidence.log (every step's output, in order), summary.txt (one line per step: status,
+# seconds, limit), tests.xml and sanitizer.xml (pytest JUnit), replay.json, bandwidth.json.
+#
+# Each step runs under its own time limit (the sum is under 20 minutes on an H100); a failing
+# step does not stop the others; the exit status is 1 if any step failed or timed out.
+# Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
+#
+# On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
+# git): every .whl/*.whl is installed to /tmp/site first. Prepare them on a host with network:
+#   bash bench/gpu_evidence.sh --fetch-wheels      # megatron-core 0.19.2, numpy, packaging, pytest + its deps (cp312)
+# A command there runs at most 10 minutes, so split the steps over two calls (~9 minutes each):
+#   bash bench/gpu_evidence.sh --out "$OUT" --only install,env,tests,sanitizer
+#   bash bench/gpu_evidence.sh --out "$OUT" --only install,replay,bandwidth,overhead
+# and commit what comes back under bench/results/<date>-<device>/ with the exact commands.
+#
+# Environment: PYTHON (default python3), OUT (default output folder when --out is not given),
+# REPLAY_SEQS (sequence lengths tried in turn when one does not fit; default "4096 2048 1024"),
+# REPLAY_MODULES (default core_attn,qkv_linear).
+set -u -o pipefail
+
+readonly STEPS=(install env tests sanitizer replay bandwidth overhead)
+declare -A LIMIT=([install]=60 [env]=30 [tests]=180 [sanitizer]=300 [replay]=330 [bandwidth]=60 [overhead]=120)
+declare -A CMD=(
+    [install]='install_wheels'
+    [env]='print_environment'
+    [tests]='"$PY" -m pytest -q -rsP -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/tests.xml"'
+    [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/sanitizer.xml"'
+    [replay]='replay_stage0'
+    [bandwidth]='"$PY" bench/bandwidth.py --json "$OUT_DIR/bandwidth.json"'
+    [overhead]='"$PY" bench/overhead.py'
+)
+# What the function steps run, for the plan that --dry-run prints.
+declare -A DESCRIBE=(
+    [install]='"$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl (when .whl/ has wheels)'
+    [env]='date, git rev-parse HEAD, nvidia-smi, python/torch/CUDA/device, megatron-core/numpy/pytest versions'
+    [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 [--attention sdpa if --help lists it] --json "$OUT_DIR/replay.json"'
+)
+readonly LOG_HALF_BYTES=$((1 << 20))  # a step's log above 2 MiB keeps its first and last MiB
+
+usage() {
+    cat <<EOF
+usage: bash bench/gpu_evidence.sh [--dry-run] [--out DIR] [--only STEP[,STEP...]] [--fetch-wheels] [--help]
+
+  --dry-run        print the steps and their commands, run nothing
+  --out DIR        where logs and JSON go (default: \$OUT, else ./out)
+  --only STEPS     run only these steps, in the usual order; steps: ${STEPS[*]}
+  --fetch-wheels   download the wheels to carry into .whl/ (needs network) and exit
+  --help           this text
+EOF
+}
+
+usage_error() {
+    echo "gpu_evidence.sh: $1" >&2
+    usage >&2
+    exit 2
+}
+
+install_wheels() {
+    shopt -s nullglob
+    local wheels=(.whl/*.whl)
+    if [[ ${#wheels[@]} -eq 0 ]]; then
+        echo "no wheels in .whl/: using what is installed"
+        return 0
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "${wheels[@]}" && printf 'installed %s\n' "${wheels[@]}"
+}
+
+print_environment() {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "command: $COMMAND_LINE"
+    echo "git commit: $(git rev-parse HEAD 2>/dev/null || echo '(no git metadata in this copy)')"
+    git status --short 2>/dev/null | head -20
+    nvidia-smi || echo "nvidia-smi failed"
+    "$PY" - <<'PY'
+import importlib.metadata as metadata
+import platform
+
+import torch
+
+print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs")
+for dist in ("megatron-core", "numpy", "pytest", "transformer-engine"):
+    try:
+        print(f"{dist} {metadata.version(dist)}")
+    except metadata.PackageNotFoundError:
+        print(f"{dist}: not installed")
+PY
+}
+
+replay_stage0() {
+    local extra=() seq rc help
+    help=$("$PY" -m chunk_offload.replay --help 2>/dev/null)
+    # Flash-style attention where the replay offers it (the local spec's s x s softmax is not what users run).
+    if [[ $help == *--attention* && $help == *sdpa* ]]; then
+        extra=(--attention sdpa)
+    fi
+    echo "attention option: ${extra[*]:-none (the replay has no --attention sdpa)}"
+    for seq in ${REPLAY_SEQS:-4096 2048 1024}; do
+        echo "+ seq $seq"
+        "$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 \
+            --seq "$seq" --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules "${REPLAY_MODULES:-core_attn,qkv_linear}" \
+            --iterations 3 --warmup 1 ${extra[@]+"${extra[@]}"} --json "$OUT_DIR/replay.json"
+        rc=$?
+        [[ $rc -ne 3 ]] && return "$rc"
+        echo "seq $seq does not fit on the device (exit 3: out of memory); trying a shorter one"
+    done
+    return 3
+}
+
+fetch_wheels() {
+    mkdir -p .whl
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore || echo '/.whl/' >>.git/info/exclude
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+        megatron-core==0.19.2 numpy packaging pytest pluggy iniconfig pygments pytest-timeout
+}
+
+# Append a step's log to evidence.log, keeping its first and last MiB when it is longer.
+append_log() {
+    local file=$1 size
+    size=$(wc -c <"$file")
+    if ((size > 2 * LOG_HALF_BYTES)); then
+        head -c "$LOG_HALF_BYTES" "$file"
+        printf '\n[... %d bytes left out ...]\n' $((size - 2 * LOG_HALF_BYTES))
+        tail -c "$LOG_HALF_BYTES" "$file"
+    else
+        cat "$file"
+    fi >>"$OUT_DIR/evidence.log"
+}
+
+run_step() {
+    local name=$1 limit=${LIMIT[$1]} log rc start seconds status
+    log=$(mktemp)
+    start=$(date +%s)
+    echo "=== $name (limit ${limit}s): ${CMD[$name]}"
+    timeout --kill-after=15 "$limit" bash -o pipefail -c "${CMD[$name]}" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    seconds=$(($(date +%s) - start))
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="timed out after ${limit}s" ;;
+        *) status="failed (exit $rc)" ;;
+    esac
+    {
+        echo "=== step $name: ${CMD[$name]}"
+        echo "=== limit ${limit}s, took ${seconds}s, $status"
+    } >>"$OUT_DIR/evidence.log"
+    append_log "$log"
+    rm -f "$log"
+    printf '%-10s %-28s %5ss of %ss\n' "$name" "$status" "$seconds" "$limit" >>"$OUT_DIR/summary.txt"
+    echo "=== $name: $status in ${seconds}s"
+    [[ $rc -eq 0 ]]
+}
+
+print_plan() {
+    echo "output folder: $OUT_DIR"
+    local name
+    for name in "${SELECTED[@]}"; do
+        printf '%-10s (limit %ss): %s\n' "$name" "${LIMIT[$name]}" "${DESCRIBE[$name]:-${CMD[$name]}}"
+    done
+}
+
+main() {
+    COMMAND_LINE="bash bench/gpu_evidence.sh $*"
+    local dry_run=0 fetch=0 only=""
+    OUT_DIR=${OUT:-out}
+    while [[ $# -gt 0 ]]; do
+        case $1 in
+            --dry-run) dry_run=1 ;;
+            --fetch-wheels) fetch=1 ;;
+            --out | --only)
+                [[ $# -ge 2 && -n $2 && $2 != --* ]] || usage_error "$1 needs a value"
+                if [[ $1 == --out ]]; then OUT_DIR=$2; else only=$2; fi
+                shift
+                ;;
+            --out=*) OUT_DIR=${1#--out=}; [[ -n $OUT_DIR ]] || usage_error "--out needs a value" ;;
+            --only=*) only=${1#--only=}; [[ -n $only ]] || usage_error "--only needs a value" ;;
+            -h | --help) usage; exit 0 ;;
+            *) usage_error "unknown argument '$1'" ;;
+        esac
+        shift
+    done
+    SELECTED=("${STEPS[@]}")
+    if [[ -n $only ]]; then
+        local wanted name
+        IFS=, read -r -a wanted <<<"$only"
+        for name in "${wanted[@]}"; do
+            [[ -n $name && -n ${LIMIT[$name]+set} ]] || usage_error "--only: unknown step '$name'; steps: ${STEPS[*]}"
+        done
+        SELECTED=()
+        for name in "${STEPS[@]}"; do
+            [[ ",$only," == *",$name,"* ]] && SELECTED+=("$name")
+        done
+    fi
+    [[ $OUT_DIR == /* ]] || OUT_DIR=$PWD/$OUT_DIR  # relative to where the script was called from
+    cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+    PY=${PYTHON:-python3}
+    export PY OUT_DIR COMMAND_LINE
+    export -f install_wheels print_environment replay_stage0
+    if ((fetch)); then
+        fetch_wheels
+        exit
+    fi
+    if ((dry_run)); then
+        echo "dry run: nothing is run"
+        print_plan
+        exit 0
+    fi
+    if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        echo "no CUDA device (or no torch for $PY): nothing is run; the steps would be:"
+        print_plan
+        exit 0
+    fi
+    mkdir -p "$OUT_DIR" || usage_error "--out: cannot create '$OUT_DIR'"
+    OUT_DIR=$(cd "$OUT_DIR" && pwd)
+    export OUT_DIR
+    # Wheels carried in .whl/ are installed to /tmp/site by the install step; later steps see them.
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "# $COMMAND_LINE" >>"$OUT_DIR/summary.txt"
+    local failed=0 name
+    for name in "${SELECTED[@]}"; do
+        run_step "$name" || failed=1
+    done
+    cat "$OUT_DIR/summary.txt"
+    exit "$failed"
+}
+
+main "$@"

@@ -1,0 +1,100 @@
+"""`bench/gpu_evidence.sh` on a CPU host: argument parsing, the dry run, and its step plumbing.
+
+The dry run (and a run without CUDA) prints every step with its time limit and writes nothing;
+bad arguments are usage errors (exit 2). The plumbing is checked with a stand-in Python that
+says CUDA is there and fails one step: the other steps still run, every step's output lands in
+evidence.log, summary.txt says which step failed, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_evidence.sh"
+STEPS = ("install", "env", "tests", "sanitizer", "replay", "bandwidth", "overhead")
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+
+
+def _run(*args: str, cwd: Path = ROOT, python: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": python or sys.executable}
+    env.pop("OUT", None)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
+
+
+def test_dry_run_lists_every_step_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "evidence"
+    done = _run("--dry-run", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "dry run: nothing is run" and lines[1] == f"output folder: {out}"
+    assert [line.split()[0] for line in lines[2:]] == list(STEPS)
+    assert "TORCH_CUDA_SANITIZER=1" in lines[2 + STEPS.index("sanitizer")]
+    assert "--pp 4 --vpp 2 --stage 0" in lines[2 + STEPS.index("replay")]
+    assert not out.exists()
+
+
+def test_without_cuda_it_prints_the_plan_and_exits_0(tmp_path: Path) -> None:
+    out = tmp_path / "evidence"
+    done = _run("--out", str(out), "--only", "tests,replay")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].startswith("no CUDA device")
+    assert [line.split()[0] for line in done.stdout.splitlines()[2:]] == ["tests", "replay"]
+    assert not out.exists()
+
+
+def test_relative_out_is_relative_to_the_caller(tmp_path: Path) -> None:
+    done = _run("--dry-run", "--out", "here", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"output folder: {tmp_path / 'here'}" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bogus"], "unknown argument '--bogus'"),
+        (["--out"], "--out needs a value"),
+        (["--out", "--dry-run"], "--out needs a value"),
+        (["--only", "tests,nope"], "--only: unknown step 'nope'"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
+    done = _run(*args)
+    assert done.returncode == 2
+    assert message in done.stderr and "usage: bash bench/gpu_evidence.sh" in done.stderr
+
+
+def test_help() -> None:
+    done = _run("--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: bash bench/gpu_evidence.sh")
+
+
+def test_a_failing_step_does_not_stop_the_others(tmp_path: Path) -> None:
+    """A stand-in Python: CUDA 'available', bench/bandwidth.py fails, the rest is the real Python."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ "$*" == *"torch.cuda.is_available"* ]]; then exit 0; fi\n'
+        'if [[ "$*" == *bench/bandwidth.py* ]]; then echo "bandwidth stand-in fails"; exit 7; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    out = tmp_path / "evidence"
+    done = _run("--out", str(out), "--only", "bandwidth,env", python=str(fake))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["evidence.log", "summary.txt"]
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0] == f"# bash bench/gpu_evidence.sh --out {out} --only bandwidth,env"
+    assert [row.split()[:2] for row in summary[1:]] == [["env", "ok"], ["bandwidth", "failed"]]
+    assert "(exit 7)" in summary[2]
+    log = (out / "evidence.log").read_text()
+    assert "=== step env: print_environment" in log and "command: bash bench/gpu_evidence.sh" in log
+    assert f"torch {__import__('torch').__version__}" in log
+    assert "bandwidth stand-in fails" in log and "=== limit 60s" in log

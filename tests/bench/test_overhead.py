@@ -1,0 +1,54 @@
+"""`bench/overhead.py` with tiny sizes: every mode timed, the ratios to the floor printed.
+
+The figures themselves depend on the host; the test checks that each mode ran (one row per
+mode, times > 0), that the floor costs something over plain autograd (it adds hooks and a
+node per group), and that each printed ratio is the quotient of the printed per-group costs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "overhead.py"
+_NUMBER = r"(-?[0-9.]+|nan|inf)"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
+    done = _run("--layers", "12", "--repeats", "5", "--hidden", "8", "--batch", "2")
+    assert done.returncode == 0, done.stderr
+    rows = {}
+    for mode in ("plain", "floor", "bookkeeping", "offload"):
+        match = re.search(rf"^{mode}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}$", done.stdout, re.M)
+        assert match, f"no row for {mode}:\n{done.stdout}"
+        rows[mode] = [float(v) for v in match.groups()]
+        assert rows[mode][0] > 0 and rows[mode][2] > 0, (mode, rows[mode])
+    assert rows["plain"][1] == rows["plain"][3] == 0.0
+    assert rows["floor"][3] > 0, f"the floor costs nothing over plain autograd:\n{done.stdout}"
+    for label, mode in (("bookkeeping", "bookkeeping"), ("copies", "offload")):
+        match = re.search(rf"^{label} / floor \(us/group over plain\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
+        assert match, f"no {label} / floor line:\n{done.stdout}"
+        fastest, median = (float(v) for v in match.groups())
+        # The printed ratio is the quotient of the printed per-group costs (2 decimals each).
+        expected = rows[mode][3] / rows["floor"][3]
+        assert abs(fastest - expected) <= 0.01 + 0.01 * expected, (label, fastest, expected)
+        if rows["floor"][1] > 0:
+            expected_median = rows[mode][1] / rows["floor"][1]
+            assert abs(median - expected_median) <= 0.01 + 0.01 * abs(expected_median), (label, median, expected_median)
+
+
+def test_bad_argument_is_a_usage_error() -> None:
+    done = _run("--layers", "0")
+    assert done.returncode == 2
+    assert "--layers: must be an integer >= 1, got '0'" in done.stderr
+    assert "Traceback" not in done.stderr

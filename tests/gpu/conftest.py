@@ -1,0 +1,59 @@
+"""What the GPU tests share: the one place they build an `OffloadManager`, and CUDA set-up.
+
+Importing this module does not touch CUDA: every test module of tests/gpu skips itself with
+``pytest.mark.skipif(not torch.cuda.is_available(), ...)`` and CUDA is first used inside a test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from chunk_offload import CudaStreams, OffloadManager, SchedulePolicy
+
+# cuBLAS reads this when it first starts (inside a test, never at import): with it, matrix
+# products are reproducible run to run, which `torch.use_deterministic_algorithms` needs.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+REQUIRES_CUDA_REASON = "needs a CUDA device (run on a GPU machine: bash bench/gpu_evidence.sh)"
+
+
+def new_manager(*, streams=None, schedule_policy: SchedulePolicy | None = None, **config) -> OffloadManager:
+    """An `OffloadManager` on real CUDA streams; ``config``: `OffloadConfig` fields.
+
+    The only constructor call of tests/gpu: when core's constructor becomes
+    ``OffloadManager(config=OffloadConfig(...), streams=..., schedule_policy=...)`` this line
+    changes, nothing else.
+    """
+    return OffloadManager(streams=streams if streams is not None else CudaStreams(), schedule_policy=schedule_policy, **config)
+
+
+@pytest.fixture
+def make_manager():
+    """`new_manager`, for tests that take it as a fixture (the caller closes what it makes)."""
+    return new_manager
+
+
+@pytest.fixture
+def deterministic():
+    """Deterministic kernels where torch has them (a warning where it does not), restored after."""
+    previous, previous_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(previous, warn_only=previous_warn)
+
+
+@pytest.fixture
+def no_record_stream(monkeypatch):
+    """Any call of `torch.Tensor.record_stream` during the test fails it (the engine must not use it)."""
+    calls: list[str] = []
+
+    def forbidden(self, stream):
+        calls.append(f"record_stream on a tensor of shape {list(self.shape)}")
+        raise AssertionError("torch.Tensor.record_stream was called; chunk_offload orders memory with events instead")
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", forbidden)
+    yield calls
+    assert calls == [], calls
