@@ -164,6 +164,9 @@ class ReplayResult:
             "theoretical_drop_bytes": self.theoretical_drop,
             "R": self.ratio,
             "bytes_offloaded": self.offload.bytes_offloaded,
+            # Saved bytes of each group of the first chunk's first forward, in forward order (each
+            # layer's offloaded modules in call order), for comparison with the planner's model.
+            "first_chunk_group_bytes": list(self.baseline.last.group_bytes.get((0, 0), [])),
             "offload_time_s": self.offload.offload_time_s,
             "wait_time_s": self.offload.wait_time_s,
             "host_bandwidth_bytes_per_s": self.host_bandwidth_bytes_per_s,
