@@ -6,7 +6,8 @@ arguments (it is a drop-in ``core_attention`` of ``SelfAttentionSubmodules``) an
 ``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal`` and ``enable_gqa``, so
 torch picks its flash or memory-efficient kernel on CUDA and its CPU flash kernel on CPU: what is
 saved for backward is query, key, value, the output and the fp32 log-sum-exp (see the planner's
-``chunk_offload/planner/attention.py``). Use `sdpa_layer_spec` to put it into a layer spec.
+``chunk_offload/planner/attention.py``). Use `sdpa_layer_spec` to put it into a layer spec, or
+`use_sdpa` to swap it into built model chunks (it has no parameters, so nothing else changes).
 
 Supported: causal self-attention (megatron's default ``AttnMaskType.causal``, any attention mask
 passed is then ignored, as Transformer Engine does), multi-head, grouped-query and multi-query
@@ -30,7 +31,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..core.errors import ChunkOffloadError
 
-__all__ = ["SDPAttention", "sdpa_layer_spec"]
+__all__ = ["SDPAttention", "sdpa_layer_spec", "use_sdpa"]
 
 
 class SDPAttention(MegatronModule):
@@ -111,3 +112,25 @@ def sdpa_layer_spec(layer_spec: Any) -> Any:
     attention = layer_spec.submodules.self_attention
     submodules = replace(attention.submodules, core_attention=SDPAttention)
     return replace(layer_spec, submodules=replace(layer_spec.submodules, self_attention=replace(attention, submodules=submodules)))
+
+
+def use_sdpa(chunks: list[torch.nn.Module]) -> int:
+    """Replace megatron's core attention by `SDPAttention` in every transformer layer of ``chunks``.
+
+    Call before attaching offload hooks or optimizers. Returns how many modules were replaced.
+    """
+    replaced = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            old = getattr(module, "core_attention", None)
+            if old is None or isinstance(old, SDPAttention):
+                continue
+            module.core_attention = SDPAttention(
+                config=old.config,
+                layer_number=old.layer_number,
+                attn_mask_type=old.attn_mask_type,
+                attention_type=old.attention_type,
+                pg_collection=getattr(old, "pg_collection", None),
+            ).to(next((p.device for p in module.parameters()), None))
+            replaced += 1
+    return replaced

@@ -138,13 +138,15 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
     if moved:
         assert result.measured_drop > 0
         assert result.ratio == 1.0
-    else:
-        assert result.measured_drop == 0
+    else:  # one definition of R (the StageReport's): None when the plan predicts no drop
+        assert result.measured_drop == 0 and result.ratio is None
+    assert (result.report.ratio, result.report.theoretical_drop) == (result.ratio, result.simulation.drop)
     if stage == 0:
         assert moved > 0
 
     table = result.format()
-    assert f"R = {result.ratio:.4f}" in table and "step time (ms)" in table
+    assert ("R = n/a (the plan predicts no drop)" if result.ratio is None else f"R = {result.ratio:.4f}") in table
+    assert "step time (ms)" in table
 
 
 def test_cli_prints_table_and_writes_json(tmp_path, capsys) -> None:
