@@ -1,8 +1,9 @@
 """`SDPAttention` against megatron-core's own core attention, in a real GPTModel on a gloo rank.
 
 The two compute the same function with different kernels, so losses and gradients agree to
-rounding (not bit for bit); what SDPA saves for backward holds no s x s tensor. Bit-exactness of
-offload with SDPA is checked by the example's test (tests/examples), whose default it is.
+rounding (not bit for bit); what SDPA saves for backward holds no s x s tensor. With SDPA,
+`attach` under megatron's interleaved schedule (PP=2, VPP=2) trains bit-identically to the run
+without offload (as the example does, tests/examples, whose default SDPA is).
 """
 
 from __future__ import annotations
@@ -89,3 +90,27 @@ def test_unknown_attention_is_refused():
 
     with pytest.raises(ChunkOffloadError, match=r"attention must be one of \['sdpa', 'local'\], got 'flash'"):
         GPTShape(attention="flash")
+
+
+def _sdpa(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    from chunk_offload.devkit.attention import use_sdpa
+
+    assert use_sdpa(chunks) == 2 * len(chunks)  # two layers per chunk
+    return chunks
+
+
+def test_attach_with_sdpa_is_bit_identical():
+    from tests.integrations.megatron._gpt import Hooks, Run, TinyGPTConfig, spawn_runs
+    from tests.planner._stage_hooks import RecordHooks
+
+    cfg = TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2, num_layers=8, num_microbatches=4, iterations=2)
+    offload = RecordHooks(("qkv_linear", "core_attn", "attn_proj"), options={"min_offload_bytes": 1}, attention="sdpa")
+    hooks = Hooks(wrap_model=offload.wrap_model, wrap_forward_backward=offload.wrap_forward_backward, after_step=offload.after_step)
+    baseline, offloaded = spawn_runs([Run(config=cfg, hooks=Hooks(wrap_model=_sdpa)), Run(config=cfg, hooks=hooks)], world_size=2, timeout_s=240)
+    for a, b in zip(baseline, offloaded, strict=True):
+        assert all(torch.equal(x, y) for la, lb in zip(a.losses, b.losses, strict=True) for x, y in zip(la, lb, strict=True))
+        assert a.params.keys() == b.params.keys() and a.grads.keys() == b.grads.keys()
+        assert all(torch.equal(a.params[k], b.params[k]) for k in a.params)
+        assert all(torch.equal(a.grads[k], b.grads[k]) for k in a.grads)
+    # Something was offloaded: stage 0 keeps no chunk under the interleaved plan.
+    assert any(step["bytes_offloaded"] > 0 for r in offloaded if r.rank == 0 for step in r.steps)
