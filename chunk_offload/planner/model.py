@@ -5,8 +5,8 @@ Every module is described as a list of `SavedTensor` (storage, offset, span, byt
 ``attention.py``, Transformer Engine's fused modules in ``te.py``; this file has the rest.
 
 NOTE [Byte model]: what each module saves, for megatron-core 0.16.1's local (non Transformer
-Engine) layer spec (Transformer Engine's: ``te.py``, from its source, unmeasured), dropout 0, no attention mask passed (megatron builds its causal mask), per
-tensor-parallel rank. T = seq_length x micro_batch_size tokens, d = bytes per element of the
+Engine) layer spec (Transformer Engine's: ``te.py``, from its source, unmeasured), dropout 0,
+no attention mask passed (megatron builds its causal mask), per tensor-parallel rank. T = seq_length x micro_batch_size tokens, d = bytes per element of the
 activations, np heads of hn = hidden / np channels, ng query groups, f the FFN size; with
 tensor parallel size tp each rank has np/tp heads, ng/tp groups and f/tp FFN channels, written
 np', ng', f' below. Under sequence parallelism the norms and the column-parallel linears see
@@ -37,7 +37,8 @@ T' = T/tp tokens, everything else the whole sequence; otherwise T' = T.
   Engine on CPU).
 
 Whole-layer saved bytes (`layer_saved_bytes`, for the memory budget) add what the layer saves
-outside the offload modules. Rotary embeddings: the cos and sin factors [s, 1, 1, hn] in d for
+outside the offload modules, once per storage (SDPA's output is also attn_proj's input, see
+``_attention_output_is_proj_input``). Rotary embeddings: the cos and sin factors [s, 1, 1, hn] in d for
 query and for key, 4*s*hn*d. A dense MLP with GELU: the GELU input and the fc2 input, [T, f']
 each (fused or not: megatron's bias-GELU saves its input and the bias, a parameter). SwiGLU
 (``gated_linear_unit`` with SiLU, fc1 [T, 2f'] wide): megatron's fused bias-SwiGLU
@@ -54,12 +55,14 @@ underestimate.
 
 Measured equal on CPU (``tests/planner/test_model.py``): every offload module but ``moe_act``,
 fp32 and bf16, LayerNorm and RMSNorm, GELU and SwiGLU (fused and unfused), learned and rotary
-positions, multi-head, grouped-query and multi-query attention, tensor parallel 2 with and
+positions, multi-head, grouped-query and multi-query attention, megatron's attention and torch's
+SDPA (one and two sequences per microbatch), tensor parallel 2 with and
 without sequence parallelism (per rank, on gloo ranks; the local spec takes Apex's norm under
 sequence parallelism, so there the measurement puts torch's in its place,
 ``devkit.gpt.SequenceParallelTorchNorm``), MoE with EP = 1 (expert_fc1 summed per
 layer; per expert when top-k = E), the threshold, the whole dense layer, and
-`layer_forward_flops` against torch's FlopCounterMode.
+`layer_forward_flops` against torch's FlopCounterMode (which does not count SDPA's CPU kernel;
+`core_attention_flops` is checked against torch's SDPA formulas instead).
 
 Not modelled: FP8 activations (Transformer Engine), Apex's memory-efficient norms (they save the
 output), context parallelism, MoE under tensor parallelism (refused), rotary_percent < 1,
