@@ -248,6 +248,7 @@ def _plan(args: argparse.Namespace) -> _Result:
     text = _format(dims, pipeline, hardware, planner, modules, stages, recommendations)
     data = {
         "model": asdict(dims),
+        "byte_model": _byte_model(dims),
         "pipeline": asdict(pipeline),
         "hardware": asdict(hardware),
         "modules": modules,

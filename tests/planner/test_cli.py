@@ -175,6 +175,7 @@ def test_transformer_engine_spec(capsys, tmp_path: Path):
     assert (status, err) == (0, "")
     data = json.loads(path.read_text())
     assert data["modules"] == ["qkv_linear", "core_attn", "attn_proj", "mlp_fc1"]  # the norms are fused in
+    assert data["byte_model"].endswith("from source, unmeasured; FP8 activations not modelled")
     assert "Transformer Engine's spec" in out and "from source, unmeasured; FP8 activations not modelled" in out
     status, out, err = _run(capsys, "--transformer-impl", "transformer_engine", "--modules", "attn_norm")
     assert status == 2 and "module(s) ['attn_norm'] not in this model" in err
