@@ -28,6 +28,12 @@ What each saves (T' = T/tp under sequence parallelism, else T; np', ng', hn as i
   (normalization.cpp:325, 448).
 - ``Linear`` (module/linear.py:619-621, ``saved_inputmat = inputmat``; line 372: "maybe
   sharded"): its input.
+- ``LayerNormMLP`` (module/layernorm_mlp.py:807-822: input, norm output, fc1 output with and
+  without bias, activation output, mu, rsigma; with ``checkpoint`` only the input, line 287) is
+  not what megatron's TE spec builds for a dense MLP (megatron-core's
+  ``get_mlp_module_spec_for_backend``: ``MLP`` of ``TELayerNormColumnParallelLinear`` and
+  ``TERowParallelLinear``; ``TEFusedMLP`` only with ``use_te_op_fuser``), so it is not modelled:
+  ``mlp_fc1`` is the LayerNormLinear above, the activation and fc2 save as in the local spec.
 - ``DotProductAttention``, flash-attn backend: megatron's sbhd query, key and value are copied to
   bshd (attention/dot_product_attention/backends.py:941-943, ``x.transpose(0, 1).contiguous()``;
   ``_PrepareQKVForFA`` at line 937 for hn = 128, also new tensors), and flash-attn's
