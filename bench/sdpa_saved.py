@@ -45,6 +45,8 @@ def saved_by_sdpa(*, s: int, b: int, heads: int, groups: int, hn: int, dtype: to
                 "nbytes": t.numel() * t.element_size(),
                 "views_linear_qkv_output": t.untyped_storage().data_ptr() == base,
                 "storage_offset_bytes": t.storage_offset() * t.element_size(),
+                # One past the view's last element: what the engine copies ends here.
+                "view_end_bytes": (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size(),
                 "storage_bytes": t.untyped_storage().nbytes(),
             }
         )

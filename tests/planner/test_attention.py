@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +131,22 @@ def test_the_issues_70b_like_job():
     assert sdpa.activation_peak_bytes < local.activation_peak_bytes / 10
     te = dataclasses.replace(GPTDims(**_JOB_70B), transformer_impl="transformer_engine")
     assert StagePlanner(te, pipeline, hardware=hardware).estimate(modules)[0].hides
+
+
+@pytest.mark.parametrize(("groups", "dtype"), [(4, torch.float32), (2, torch.bfloat16), (1, torch.bfloat16)])
+def test_bench_sdpa_saved_agrees_with_the_cpu_model(groups, dtype):
+    """``bench/sdpa_saved.py`` (the GPU session's probe) lists on CPU what the measured model predicts."""
+    spec = importlib.util.spec_from_file_location("sdpa_saved", Path(__file__).resolve().parents[2] / "bench" / "sdpa_saved.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.saved_by_sdpa(s=_S, b=_B, heads=_NP, groups=groups, hn=_HN, dtype=dtype, backend=None)
+    spans: dict[str, tuple[int, int]] = {}
+    for i, t in enumerate(result["saved"]):  # the engine's rule: one span per storage
+        key = "mixed" if t["views_linear_qkv_output"] else f"own{i}"
+        start = t["storage_offset_bytes"] // 16 * 16
+        end = t["view_end_bytes"]
+        low, high = spans.get(key, (start, end))
+        spans[key] = (min(low, start), max(high, end))
+    measured = sum(high - low for low, high in spans.values())
+    dims = _tiny(num_query_groups=groups, device="cpu", dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype])
+    assert measured == _bytes(dims, "core_attn")
