@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from chunk_offload.integrations.megatron import add_arguments, attach_from_args
 from chunk_offload.devkit.gpt import (
+    ATTENTIONS,
     GPTShape,
     average_data_parallel_grads,
     build_gpt_chunks,
@@ -59,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default="sdpa",
+        help="core attention: sdpa (torch's scaled_dot_product_attention, flash-style; default) or local "
+        "(megatron-core's DotProductAttention, which materialises the s x s softmax)",
+    )
     # --offload-modules, --offload-min-tensor-bytes, ... (also spelled --chunk-offload-*), exactly as
     # Megatron-LM gets them through extra_args_provider=add_arguments.
     add_arguments(p)
@@ -68,6 +76,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hang-timeout-s", type=float, default=0.0, help="print every thread's stack and exit after this long (0: off)"
     )
     args = p.parse_args(argv)
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "micro_batch_size",
+                 "num_microbatches", "pipeline_model_parallel_size", "expert_model_parallel_size", "moe_router_topk"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
+    if args.iterations < 1:
+        p.error(f"--iterations must be an integer >= 1, got {args.iterations}")
+    if args.num_experts is not None:
+        if args.num_experts < 1 or args.num_experts % args.expert_model_parallel_size:
+            p.error(
+                f"--num-experts must be a positive multiple of --expert-model-parallel-size "
+                f"({args.expert_model_parallel_size}), got {args.num_experts}"
+            )
+        if args.moe_router_topk > args.num_experts:
+            p.error(f"--moe-router-topk must be at most --num-experts ({args.num_experts}), got {args.moe_router_topk}")
+    elif args.expert_model_parallel_size != 1:
+        p.error(f"--expert-model-parallel-size {args.expert_model_parallel_size} needs --num-experts (accepted without: 1)")
+    if args.hidden_size % args.num_attention_heads:
+        p.error(
+            f"--hidden-size must be divisible by --num-attention-heads ({args.num_attention_heads}), got {args.hidden_size}"
+        )
+    if args.num_layers % args.pipeline_model_parallel_size:
+        p.error(
+            f"--num-layers must be divisible by --pipeline-model-parallel-size ({args.pipeline_model_parallel_size}), "
+            f"got {args.num_layers}"
+        )
     if args.chunk_offload_modules and not args.chunk_offload_baseline and args.iterations < 2:
         p.error(f"--offload-modules needs --iterations >= 2 (got {args.iterations}): the first iteration is the report's baseline without offload")
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -126,6 +159,7 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
         micro_batch_size=args.micro_batch_size,
         num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
+        attention=args.attention,
     )
     chunks = build_gpt_chunks(
         shape,
@@ -180,7 +214,7 @@ def print_summary(args: argparse.Namespace, gathered: list, reports: list | None
     modules = ",".join(args.chunk_offload_modules or []) or "none"
     print(
         f"PP={args.pipeline_model_parallel_size} VPP={args.virtual_pipeline_model_parallel_size or 1} "
-        f"EP={args.expert_model_parallel_size} experts={args.num_experts or 0} offload={modules}"
+        f"EP={args.expert_model_parallel_size} experts={args.num_experts or 0} attention={args.attention} offload={modules}"
     )
     for rank, losses in gathered:
         for iteration, loss in enumerate(losses):

@@ -1,7 +1,8 @@
 """Build the megatron-core GPTModel chunks of this pipeline rank, and feed them random tokens.
 
 Shared by the pretraining example, the test harness and (later) the stage replay, so that all
-of them train the very same model: local layer spec (no Transformer Engine), fused CUDA
+of them train the very same model: local layer spec (no Transformer Engine) with megatron's
+core attention or torch's scaled_dot_product_attention (``GPTShape.attention``), fused CUDA
 kernels off, dropout 0, deterministic on CPU. Model parallelism must be initialised first
 (``parallel_state.initialize_model_parallel``).
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from ..core.errors import ChunkOffloadError
 
 __all__ = [
+    "ATTENTIONS",
     "GPTShape",
     "SequenceParallelTorchNorm",
     "build_gpt_chunks",
@@ -32,6 +34,10 @@ __all__ = [
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+ATTENTIONS = ("sdpa", "local")
+"""Core attentions the builder puts into megatron's local layer spec: ``"sdpa"`` is
+`chunk_offload.devkit.attention.SDPAttention` (torch's flash-style kernels), ``"local"`` megatron's
+own ``DotProductAttention`` (materialises the s x s softmax)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -86,8 +92,13 @@ class GPTShape:
     position_embedding_type: str = "learned_absolute"
     """GPTModel's ``position_embedding_type``: ``"learned_absolute"`` or ``"rope"`` (unfused rotary
     embedding of query and key, ``rotary_percent`` 1)."""
+    attention: str = "local"
+    """Core attention, one of `ATTENTIONS`: ``"sdpa"`` (torch's scaled_dot_product_attention) or
+    ``"local"`` (megatron's DotProductAttention)."""
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ChunkOffloadError(f"attention must be one of {list(ATTENTIONS)}, got {self.attention!r}")
         if self.normalization not in _NORMALIZATIONS:
             raise ChunkOffloadError(f"normalization must be one of {list(_NORMALIZATIONS)}, got {self.normalization!r}")
         if self.position_embedding_type not in _POSITION_EMBEDDINGS:
@@ -199,6 +210,8 @@ def build_gpt_chunks(
             spec = get_gpt_layer_local_spec(
                 num_experts=shape.num_experts, moe_grouped_gemm=False, normalization=shape.normalization
             )
+        if shape.attention == "sdpa":
+            spec = _with_sdpa(spec)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -218,6 +231,17 @@ def _have_apex() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("apex") is not None
+
+
+def _with_sdpa(spec: Any) -> Any:
+    """A layer spec or block spec with `SDPAttention` as every layer's core attention."""
+    from dataclasses import replace
+
+    from .attention import sdpa_layer_spec
+
+    if hasattr(spec, "layer_specs"):
+        return replace(spec, layer_specs=[sdpa_layer_spec(layer) for layer in spec.layer_specs])
+    return sdpa_layer_spec(spec)
 
 
 def _with_norm(block_spec: Any, norm: type) -> Any:

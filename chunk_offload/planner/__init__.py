@@ -1,8 +1,10 @@
 """The analytic planner: activation bytes per offload module, per-stage drop, copy against compute.
 
-- `GPTDims`, `saved_tensors`, `group_bytes`, `layer_groups`, `layer_saved_bytes`,
-  `layer_forward_flops`: the byte and FLOP model of megatron-core GPT/MoE layers, per
-  tensor-parallel rank (`model.py`, NOTE [Byte model] says what is exact and what is estimated);
+- `GPTDims` (``dims.py``), `saved_tensors`, `group_bytes`, `layer_groups`, `layer_saved_bytes`,
+  `layer_forward_flops`, `layer_backward_flops`: the byte and FLOP model of megatron-core GPT/MoE
+  layers, per tensor-parallel rank (``model.py``, NOTE [Byte model] says what is exact and what is
+  estimated; core attention in ``attention.py``, Transformer Engine's spec in ``te.py``, from
+  its source and unmeasured);
 - `PipelineConfig`, `Hardware`, `StagePlanner`, `estimate_stages`, `StageEstimate`: per stage,
   the offload groups of a chunk, chunks in flight, the predicted peaks and drop (replayed on
   Megatron's schedule with `chunk_offload.schedule.simulate`) and copy against compute time;
@@ -14,31 +16,23 @@ Megatron is imported only to build plans (`chunk_offload.schedule.megatron_plan`
 """
 
 from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner, estimate_stages, stage_layers
-from .model import (
-    ALIASES,
-    DTYPE_BYTES,
-    MODULE_NAMES,
-    NORMALIZATIONS,
-    POSITION_EMBEDDINGS,
-    GPTDims,
-    SavedTensor,
-    canonical_modules,
-    expert_tokens,
-    group_bytes,
-    layer_forward_flops,
-    layer_groups,
-    layer_saved_bytes,
-    saved_tensors,
-)
+from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
+from .attention import AttentionFlops, core_attention_flops
+from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
+from .model import expert_tokens, layer_backward_flops, layer_forward_flops, layer_groups, layer_saved_bytes, saved_tensors
+from .saved import SavedTensor, group_bytes
 from .recommend import Recommendation, recommend
 
 __all__ = [
     "ALIASES",
+    "ATTENTIONS",
+    "ATTENTION_KERNELS",
+    "AttentionFlops",
     "DTYPE_BYTES",
     "GB",
     "GPTDims",
     "Hardware",
-    "MODULE_NAMES",
+    "OFFLOAD_MODULE_NAMES",
     "NORMALIZATIONS",
     "POSITION_EMBEDDINGS",
     "PipelineConfig",
@@ -46,10 +40,13 @@ __all__ = [
     "SavedTensor",
     "StageEstimate",
     "StagePlanner",
+    "TRANSFORMER_IMPLS",
     "canonical_modules",
+    "core_attention_flops",
     "estimate_stages",
     "expert_tokens",
     "group_bytes",
+    "layer_backward_flops",
     "layer_forward_flops",
     "layer_groups",
     "layer_saved_bytes",

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from dataclasses import asdict
 from typing import Sequence
 
 from ..core.errors import ChunkOffloadError
 from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner
-from .model import ALIASES, DTYPE_BYTES, MODULE_NAMES, NORMALIZATIONS, POSITION_EMBEDDINGS, GPTDims, canonical_modules
+from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
+from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
 from .recommend import Recommendation, recommend
 
 __all__ = ["build_parser", "main"]
@@ -69,6 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--rope", dest="position_embedding_type", action="store_const", const="rope", help="same as --position-embedding-type rope"
     )
+    model.add_argument(
+        "--attention",
+        choices=list(ATTENTIONS),
+        default="sdpa",
+        help="core attention of the local spec: sdpa (torch's scaled_dot_product_attention, flash-style; default) "
+        "or local (megatron's DotProductAttention, which saves the s x s softmax)",
+    )
+    model.add_argument(
+        "--transformer-impl",
+        choices=list(TRANSFORMER_IMPLS),
+        default="local",
+        help="megatron's layer spec: local (default) or transformer_engine (fused norm + linear, TE's "
+        "DotProductAttention; modelled from TE's source, unmeasured; FP8 activations are not modelled)",
+    )
+    model.add_argument(
+        "--attention-kernel",
+        choices=sorted({k for kernels in ATTENTION_KERNELS.values() for k in kernels}),
+        default="flash",
+        help="CUDA kernel of the flash-style attention: flash or efficient (torch SDPA), flash or fused "
+        "(TE: flash-attn or cuDNN); from source, unmeasured (default flash)",
+    )
     parallel = plan.add_argument_group("tensor parallel (bytes are per tensor-parallel rank)")
     parallel.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     parallel.add_argument("--sequence-parallel", action="store_true", help="megatron's sequence parallelism (needs --tp >= 2)")
@@ -81,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument(
         "--modules",
         default=None,
-        help=f"comma-separated offload modules from {list(MODULE_NAMES) + sorted(ALIASES)}; "
+        help=f"comma-separated offload modules from {list(OFFLOAD_MODULE_NAMES) + sorted(ALIASES)}; "
         "default every one the model has but moe_act",
     )
     off.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors smaller than this stay (default 1 MiB)")
@@ -111,7 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Invalid values print the reason to stderr and return 2; malformed flags exit through
     argparse (status 2 as well).
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     try:
         result = _plan(args)
     except ChunkOffloadError as e:
@@ -123,6 +149,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(result.data, f, indent=2)
             f.write("\n")
     return 0
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit status 2) found before anything is computed."""
+    numbers = (
+        ("--budget-gb", args.budget_gb),
+        ("--other-activation-gb", args.other_activation_gb),
+        ("--host-bandwidth-gbs", args.host_bandwidth_gbs),
+        ("--device-tflops", args.device_tflops),
+    )
+    for flag, value in numbers:
+        if value is not None and not math.isfinite(value):
+            parser.error(f"argument {flag}: must be a finite number, got {value}")
+    if args.json_path is not None:
+        folder = os.path.dirname(os.path.abspath(args.json_path))
+        if not os.path.isdir(folder):
+            parser.error(f"argument --json: folder {folder!r} of {args.json_path!r} does not exist")
+        if os.path.isdir(args.json_path):
+            parser.error(f"argument --json: {args.json_path!r} is a folder; give a file path")
+    kernels = ATTENTION_KERNELS[args.transformer_impl]
+    if args.attention_kernel not in kernels:
+        parser.error(
+            f"argument --attention-kernel: {args.attention_kernel!r} is not a kernel of --transformer-impl "
+            f"{args.transformer_impl}; choose from {list(kernels)}"
+        )
 
 
 class _Result:
@@ -163,6 +214,9 @@ def _plan(args: argparse.Namespace) -> _Result:
         position_embedding_type=args.position_embedding_type,
         tensor_parallel=args.tp,
         sequence_parallel=args.sequence_parallel,
+        attention=args.attention,
+        attention_kernel=args.attention_kernel,
+        transformer_impl=args.transformer_impl,
     )
     pipeline = PipelineConfig(
         pipeline_parallel=args.pp,
@@ -179,7 +233,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         policy=args.policy,
         other_activation_bytes=round(args.other_activation_gb * GB),
     )
-    present = [m for m in MODULE_NAMES if any(m in dims.modules_of(i) for i in range(dims.num_layers))]
+    present = [m for m in OFFLOAD_MODULE_NAMES if any(m in dims.modules_of(i) for i in range(dims.num_layers))]
     if args.modules is None:
         modules = [m for m in present if m != "moe_act"]
     else:
@@ -194,6 +248,7 @@ def _plan(args: argparse.Namespace) -> _Result:
     text = _format(dims, pipeline, hardware, planner, modules, stages, recommendations)
     data = {
         "model": asdict(dims),
+        "byte_model": _byte_model(dims),
         "pipeline": asdict(pipeline),
         "hardware": asdict(hardware),
         "modules": modules,
@@ -204,6 +259,19 @@ def _plan(args: argparse.Namespace) -> _Result:
         "recommendations": None if recommendations is None else [r.to_dict() for r in recommendations],
     }
     return _Result(text, data)
+
+
+def _byte_model(dims: GPTDims) -> str:
+    """Which layer spec the bytes are for, and how far they are measured."""
+    if dims.transformer_engine:
+        return (
+            f"Transformer Engine's spec (norms fused into qkv_linear / mlp_fc1, {dims.attention_kernel} attention): "
+            "from source, unmeasured; FP8 activations not modelled"
+        )
+    if dims.attention == "local":
+        return "megatron-core's local spec with its DotProductAttention (core_attn holds the s x s softmax); measured on CPU"
+    where = "measured on CPU" if dims.device == "cpu" else f"core_attn from source, unmeasured ({dims.attention_kernel} kernel)"
+    return f"megatron-core's local spec with torch's SDPA (core_attn: q, k, v, output, log-sum-exp); {where}"
 
 
 def _mb(nbytes: int | float) -> str:
@@ -239,7 +307,7 @@ def _format(
         f"schedule: {planner.plans[0].source}, PP={pipeline.pipeline_parallel} VPP={pipeline.vp_size}, "
         f"{pipeline.num_microbatches} microbatches; policy {planner.policy}; tensors < {planner.min_offload_bytes} B stay",
         f"offload: {', '.join(modules)}; host link {hardware.host_bandwidth_gbs:g} GB/s, device {hardware.device_tflops:g} TFLOP/s",
-        "byte model: megatron-core's local layer spec (no Transformer Engine; core_attn holds the s x s softmax)",
+        f"byte model: {_byte_model(dims)}",
         "",
         "saved bytes per layer and per chunk (MB, one microbatch):",
     ]
@@ -252,7 +320,7 @@ def _format(
                 + [f"{_mb(s.module_bytes_per_layer[m])}/{_mb(per[m])}" if m in per else "-" for m in modules]
             )
     lines += _table(["stage", "vp", "layers"] + [f"{m} layer/chunk" for m in modules], rows)
-    lines += ["", "per stage (GB; peaks of the offload modules' saved bytes; copy and compute per layer in ms):"]
+    lines += ["", "per stage (GB; peaks of the offload modules' saved bytes; copy, forward and backward compute per layer in ms):"]
     rows = []
     for s in stages:
         rows.append(
@@ -266,13 +334,14 @@ def _format(
                 _gb(s.bytes_offloaded),
                 f"{s.copy_seconds_per_layer * 1e3:.3f}",
                 f"{s.compute_seconds_per_layer * 1e3:.3f}",
+                f"{s.backward_compute_seconds_per_layer * 1e3:.3f}",
                 "yes" if s.hides else "NO",
                 _gb(s.peak_without_offload_bytes),
                 _gb(s.peak_with_offload_bytes),
             ]
         )
     lines += _table(
-        ["stage", "in flight", "kept", "peak w/o", "peak with", "drop", "copied/iter", "copy", "compute", "hides", "act w/o", "act with"],
+        ["stage", "in flight", "kept", "peak w/o", "peak with", "drop", "copied/iter", "copy", "fwd", "bwd", "hides", "act w/o", "act with"],
         rows,
     )
     lines += [

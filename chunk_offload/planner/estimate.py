@@ -30,7 +30,9 @@ from typing import Literal, Sequence
 
 from ..core.errors import ChunkOffloadError
 from ..schedule import Plan, PlanPolicy, Simulation, megatron_plan, simulate
-from .model import GPTDims, canonical_modules, layer_forward_flops, layer_groups, layer_saved_bytes
+from ..module_names import canonical_modules
+from .dims import GPTDims
+from .model import layer_backward_flops, layer_forward_flops, layer_groups, layer_saved_bytes
 
 __all__ = ["GB", "Hardware", "PipelineConfig", "StageEstimate", "StagePlanner", "estimate_stages", "stage_layers"]
 
@@ -148,7 +150,10 @@ class StageEstimate:
     copy_seconds_per_layer: float
     """Offload copy time of the stage's worst layer (highest copy / compute)."""
     compute_seconds_per_layer: float
-    """Forward compute time of that layer."""
+    """Forward compute time of that layer (the offload copies run under it)."""
+    backward_compute_seconds_per_layer: float
+    """Backward compute time of that layer (the reloads run under it; flash-style attention
+    counted with its recompute)."""
     worst_layer: int | None
     """Global index of that layer (None when the stage has no layer offloading anything)."""
 
@@ -210,6 +215,7 @@ class StageEstimate:
             "peak_with_offload_bytes": self.peak_with_offload_bytes,
             "copy_seconds_per_layer": self.copy_seconds_per_layer,
             "compute_seconds_per_layer": self.compute_seconds_per_layer,
+            "backward_compute_seconds_per_layer": self.backward_compute_seconds_per_layer,
             "worst_layer": self.worst_layer,
             "hides": self.hides,
         }
@@ -332,6 +338,9 @@ class StagePlanner:
             other_activation_bytes=self.other_activation_bytes,
             copy_seconds_per_layer=copy_s,
             compute_seconds_per_layer=compute_s,
+            backward_compute_seconds_per_layer=hardware.compute_seconds(
+                layer_backward_flops(dims, worst if worst is not None else layers[0][0])
+            ),
             worst_layer=worst,
         )
 

@@ -9,7 +9,7 @@
   forward compute (`Hardware`),
 
 the one that copies the fewest bytes per iteration (then the fewest modules, then the order of
-`MODULE_NAMES`). The empty set qualifies when the stage fits without offloading. When no set
+`OFFLOAD_MODULE_NAMES`). The empty set qualifies when the stage fits without offloading. When no set
 qualifies, the result says so and names the best achievable: the lowest peak among the sets
 whose copies hide, and the lowest peak of all.
 
@@ -24,7 +24,7 @@ from typing import Sequence
 
 from ..core.errors import ChunkOffloadError
 from .estimate import StageEstimate, StagePlanner
-from .model import MODULE_NAMES, canonical_modules
+from ..module_names import OFFLOAD_MODULE_NAMES, canonical_modules
 
 __all__ = ["Recommendation", "recommend"]
 
@@ -108,7 +108,7 @@ def recommend(planner: StagePlanner, *, budget_bytes: int, candidates: str | Seq
         raise ChunkOffloadError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
     if candidates is None:
         present = {m for layers in planner.layers for chunk in layers for layer in chunk for m in planner.dims.modules_of(layer)}
-        names = [m for m in MODULE_NAMES if m in present and m != "moe_act"]
+        names = [m for m in OFFLOAD_MODULE_NAMES if m in present and m != "moe_act"]
     else:
         names = canonical_modules(candidates)
     if len(names) > _MAX_CANDIDATES:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
 import torch
 
+from ..core.errors import ChunkOffloadError
 from ..core.streams import CpuStreams
-from ..devkit.gpt import GPTShape
+from ..devkit.gpt import ATTENTIONS, GPTShape
+from ..planner import PipelineConfig, canonical_modules
 from .run import replay
 from .stage import megatron_stage
 
@@ -48,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
     g.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
+    g.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default="sdpa",
+        help="core attention: sdpa (torch's scaled_dot_product_attention: flash / memory-efficient kernels on "
+        "CUDA; default) or local (megatron-core's DotProductAttention, which saves the s x s softmax)",
+    )
     g = p.add_argument_group("offload")
     g.add_argument("--modules", required=True, help="comma-separated offload module names, e.g. core_attn,qkv_linear")
     g.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors below this stay on device")
@@ -57,7 +67,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--warmup", type=int, default=1, help="warm-up iterations per mode")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit status 2) for values the replay, megatron or torch would fail on later."""
+    positive = [("--pp", args.pp), ("--vpp", args.vpp), ("--hidden", args.hidden), ("--seq", args.seq),
+                ("--micro-batch-size", args.micro_batch_size), ("--vocab", args.vocab), ("--iterations", args.iterations)]
+    optional = [("--microbatches", args.microbatches), ("--layers", args.layers), ("--ffn", args.ffn), ("--heads", args.heads)]
+    for flag, value in positive + [(f, v) for f, v in optional if v is not None]:
+        if value < 1:
+            p.error(f"{flag} must be an integer >= 1, got {value}")
+    for flag, value in (("--warmup", args.warmup), ("--min-offload-bytes", args.min_offload_bytes)):
+        if value < 0:
+            p.error(f"{flag} must be an integer >= 0, got {value}")
+    if args.link_gbps is not None and not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
+        p.error(f"--link-gbps must be a finite number > 0 (GB/s), got {args.link_gbps}")
+    if not 0 <= args.stage < args.pp:
+        p.error(f"--stage must be in 0..{args.pp - 1} (--pp {args.pp}), got {args.stage}")
+    layers = args.layers if args.layers is not None else 2 * args.pp * args.vpp
+    if layers % (args.pp * args.vpp):
+        p.error(f"--layers must be a multiple of --pp x --vpp ({args.pp} x {args.vpp}), got {layers}")
+    heads = args.heads if args.heads is not None else max(1, args.hidden // 128)
+    if args.hidden % heads:
+        p.error(f"--hidden must be divisible by the attention heads ({heads}), got {args.hidden}")
+    try:
+        canonical_modules(args.modules)
+        # megatron-core's own checks of the interleaved schedule (the planner's pipeline model).
+        PipelineConfig(
+            pipeline_parallel=args.pp,
+            virtual_pipeline=args.vpp,
+            num_microbatches=args.microbatches if args.microbatches is not None else 2 * args.pp,
+        )
+    except ChunkOffloadError as e:
+        flag = "--modules" if "module" in str(e) else "--microbatches"
+        p.error(f"{flag}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_length=args.seq,
         micro_batch_size=args.micro_batch_size,
         dtype=dtype,
+        attention=args.attention,
     )
     streams = None
     if args.link_gbps is not None:
@@ -96,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     except torch.OutOfMemoryError as e:
         print(f"out of device memory: {e}", file=sys.stderr)
         return EXIT_OUT_OF_MEMORY
-    print(f"model: {layers} layers, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch_size}, {dtype}")
+    print(
+        f"model: {layers} layers, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch_size}, {dtype}, "
+        f"{args.attention} attention"
+    )
     print(result.format())
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from ..core.schedule_policy import SchedulePolicy
 from ..core.stats import IterationRecord
 from ..core.streams import StreamBackend
 from ..integrations.megatron import MegatronOffloadManager, attach
+from ..report.stage import StageReport, stage_report
 from ..schedule import PlanPolicy, Simulation, simulate
 from ..schedule.plan import ActionKind, Plan
 from .stage import MegatronStage
@@ -111,16 +112,19 @@ class ReplayResult:
     simulation: Simulation = field(repr=False)
     """What `chunk_offload.schedule.simulate` predicts for the plan and policy, from the
     baseline's bytes per group."""
+    report: StageReport = field(repr=False)
+    """The stage's `chunk_offload.report.StageReport` from the measured iterations with the
+    highest peak of each mode: the one definition of the drops and of R, as in training."""
 
     @property
     def theoretical_drop(self) -> int:
-        """Peak saved bytes minus peak resident bytes that the simulation predicts."""
-        return self.simulation.drop
+        """The report's predicted drop (NOTE [Theoretical drop] in ``chunk_offload/report/stage.py``)."""
+        return self.report.theoretical_drop
 
     @property
     def measured_drop(self) -> int:
         """Peak without offload minus peak with it (device memory on CUDA, accounting on CPU)."""
-        return self.baseline.peak_bytes - self.offload.peak_bytes
+        return self.report.measured_drop
 
     @property
     def accounting_drop(self) -> int:
@@ -128,9 +132,9 @@ class ReplayResult:
         return max(r.peak_resident_bytes for r in self.baseline.records) - max(r.peak_resident_bytes for r in self.offload.records)
 
     @property
-    def ratio(self) -> float:
-        """R = measured drop / theoretical drop (NaN when nothing can be dropped)."""
-        return self.measured_drop / self.theoretical_drop if self.theoretical_drop else math.nan
+    def ratio(self) -> float | None:
+        """R = measured drop / theoretical drop, `StageReport.ratio`: None when the plan predicts no drop."""
+        return self.report.ratio
 
     @property
     def step_time_ratio(self) -> float:
@@ -164,6 +168,9 @@ class ReplayResult:
             "theoretical_drop_bytes": self.theoretical_drop,
             "R": self.ratio,
             "bytes_offloaded": self.offload.bytes_offloaded,
+            # Saved bytes of each group of the first chunk's first forward, in forward order (each
+            # layer's offloaded modules in call order), for comparison with the planner's model.
+            "first_chunk_group_bytes": list(self.baseline.last.group_bytes.get((0, 0), [])),
             "offload_time_s": self.offload.offload_time_s,
             "wait_time_s": self.offload.wait_time_s,
             "host_bandwidth_bytes_per_s": self.host_bandwidth_bytes_per_s,
@@ -183,7 +190,7 @@ class ReplayResult:
             f"{o.peak_bytes / b.peak_bytes if b.peak_bytes else math.nan:>10.3f}",
             f"{'resident saved peak (MiB)':<28}{b.last.peak_resident_bytes / _MIB:>14.2f}{o.last.peak_resident_bytes / _MIB:>14.2f}",
             f"drop: measured {self.measured_drop / _MIB:.2f} MiB, theoretical {self.theoretical_drop / _MIB:.2f} MiB, "
-            f"R = {self.ratio:.4f}",
+            "R = " + ("n/a (the plan predicts no drop)" if self.ratio is None else f"{self.ratio:.4f}"),
             f"offloaded {o.bytes_offloaded / _MIB:.2f} MiB per iteration in {o.offload_time_s * 1e3:.2f} ms of copies "
             f"({self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s); compute waited {o.wait_time_s * 1e3:.2f} ms",
         ]
@@ -248,6 +255,13 @@ def replay(
     baseline, offloaded = _merge(measured[False]), _merge(measured[True])
     group_bytes = baseline.last.group_bytes
     simulation = simulate(plan, lambda microbatch, vp_stage: group_bytes[(microbatch, vp_stage)], policy=schedule_policy)
+    report = stage_report(
+        baseline=max(baseline.records, key=lambda r: r.peak_bytes),
+        offloaded=max(offloaded.records, key=lambda r: r.peak_bytes),
+        plan=plan,
+        rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+        policy=schedule_policy,
+    )
     return ReplayResult(
         stage=f"stage {stage.pp_rank} of {stage.pp_size}" + (f" ({stage.vp_size} chunks)" if stage.vp_size > 1 else ""),
         plan=plan,
@@ -257,6 +271,7 @@ def replay(
         offload=offloaded,
         schedule_policy=schedule_policy,
         simulation=simulation,
+        report=report,
     )
 
 

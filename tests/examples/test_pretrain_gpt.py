@@ -57,6 +57,31 @@ def test_offload_needs_a_second_iteration_after_the_baseline(capsys):
     assert example.parse_args(["--offload-modules", "core_attn", "--offload-baseline", "--iterations", "1"]).iterations == 1
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--micro-batch-size", "0"], "--micro-batch-size must be an integer >= 1, got 0"),
+        (
+            ["--num-experts", "3", "--expert-model-parallel-size", "2"],
+            "--num-experts must be a positive multiple of --expert-model-parallel-size (2), got 3",
+        ),
+        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
+        (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "--num-layers must be divisible by --pipeline-model-parallel-size (2), got 3"),
+        (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(capsys, argv, message):
+    example = _load_example()
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_attention_defaults_to_sdpa():
+    assert _load_example().parse_args([]).attention == "sdpa"
+
+
 def _table_rows(stdout: str) -> list[list[str]]:
     lines = [line for line in stdout.splitlines() if line.startswith("|")]
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
@@ -103,9 +128,10 @@ def _losses(stdout: str) -> list[str]:
         (2, 2, 2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], "wrap"),
         # No pipeline: every backward follows its forward at once, so the plan keeps every chunk.
         # Iterations delimited by the manager itself, as under Megatron-LM's own training loop.
-        (2, 1, None, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2"], "auto"),
+        # megatron's own core attention (the s x s softmax) instead of the default SDPA.
+        (2, 1, None, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2", "--attention", "local"], "auto"),
     ],
-    ids=["pp2_vpp2", "ep2_moe_auto_iterations"],
+    ids=["pp2_vpp2_sdpa", "ep2_moe_auto_iterations_local"],
 )
 def test_example_with_and_without_offload_is_bit_identical(tmp_path, world, pipeline, virtual, parallel, iterations):
     modules = MODULES if "--num-experts" not in parallel else "core_attn,qkv_linear,expert_fc1"

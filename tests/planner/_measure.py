@@ -56,6 +56,7 @@ class ByteCase:
     position_embedding_type: str = "learned_absolute"
     tensor_parallel: int = 1
     sequence_parallel: bool = False
+    attention: str = "local"
     min_offload_bytes: int = 1
 
 
@@ -128,6 +129,7 @@ def _shape(case: ByteCase):
         swiglu=case.swiglu,
         bias_activation_fusion=case.bias_activation_fusion,
         position_embedding_type=case.position_embedding_type,
+        attention=case.attention,
     )
 
 

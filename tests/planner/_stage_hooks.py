@@ -14,7 +14,20 @@ __all__ = ["RecordHooks"]
 
 @dataclass
 class RecordHooks(OffloadHooks):
-    """`OffloadHooks` whose ``after_step`` returns the manager's record of the iteration just run."""
+    """`OffloadHooks` whose ``after_step`` returns the manager's record of the iteration just run.
+
+    ``attention="sdpa"``: the harness's chunks get torch's SDPA core attention
+    (`chunk_offload.devkit.attention.use_sdpa`) before the offload manager is attached.
+    """
+
+    attention: str = "local"
+
+    def wrap_model(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        if self.attention == "sdpa":
+            from chunk_offload.devkit.attention import use_sdpa
+
+            assert use_sdpa(chunks) > 0
+        return super().wrap_model(chunks)
 
     def after_step(self, chunks: list[torch.nn.Module], iteration: int) -> dict[str, Any]:
         record = self.manager.last_iteration

@@ -68,7 +68,12 @@ def test_json_equals_the_api(capsys, tmp_path: Path):
             f"{stage.peak_resident_bytes / 1e9:.3f}",
             f"{stage.drop / 1e9:.3f}",
         ]
-        assert cells[9] == ("yes" if stage.hides else "NO")
+        assert cells[7:10] == [
+            f"{stage.copy_seconds_per_layer * 1e3:.3f}",
+            f"{stage.compute_seconds_per_layer * 1e3:.3f}",
+            f"{stage.backward_compute_seconds_per_layer * 1e3:.3f}",
+        ]
+        assert cells[10] == ("yes" if stage.hides else "NO")
     per_layer = f"{stages[0].module_bytes_per_layer['core_attn'] / 1e6:.2f}/{stages[0].chunk_module_bytes[0]['core_attn'] / 1e6:.2f}"
     assert per_layer in out
 
@@ -122,6 +127,58 @@ def test_invalid_input_names_the_fix(capsys, extra, message):
     assert status == 2 and out == ""
     assert err.startswith("chunk-offload plan: error: chunk_offload: ")
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--budget-gb", "nan"], "argument --budget-gb: must be a finite number, got nan"),
+        (["--device-tflops", "inf"], "argument --device-tflops: must be a finite number, got inf"),
+        (["--json", "/missing/dir/x.json"], "argument --json: folder '/missing/dir' of '/missing/dir/x.json' does not exist"),
+        (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+        (["--attention-kernel", "fused"], "argument --attention-kernel: 'fused' is not a kernel of --transformer-impl local; choose from ['flash', 'efficient']"),
+        (["--transformer-impl", "transformer_engine", "--attention-kernel", "efficient"], "choose from ['flash', 'fused']"),
+    ],
+)
+def test_usage_errors_before_computing(capsys, monkeypatch, extra, message):
+    from chunk_offload.planner import cli
+
+    def must_not_run(args):
+        raise AssertionError("computed before checking the arguments")
+
+    monkeypatch.setattr(cli, "_plan", must_not_run)
+    with pytest.raises(SystemExit) as info:
+        main([*_ARGS, *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_attention_models(capsys, tmp_path: Path):
+    """--attention picks the core attention the bytes are for; sdpa is the default."""
+    path = tmp_path / "plan.json"
+    per_layer = {}
+    for attention in ("sdpa", "local"):
+        status, out, err = _run(capsys, "--attention", attention, "--modules", "core_attn", "--json", str(path))
+        assert (status, err) == (0, "")
+        dims = dataclasses.replace(_DIMS, attention=attention)
+        stages = StagePlanner(dims, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(["core_attn"])
+        assert json.loads(path.read_text())["stages"] == [json.loads(json.dumps(s.to_dict())) for s in stages]
+        per_layer[attention] = stages[0].module_bytes_per_layer["core_attn"]
+    assert "torch's SDPA (core_attn: q, k, v, output, log-sum-exp); core_attn from source, unmeasured" in _run(capsys)[1]
+    assert per_layer["sdpa"] < per_layer["local"]
+
+
+def test_transformer_engine_spec(capsys, tmp_path: Path):
+    path = tmp_path / "plan.json"
+    status, out, err = _run(capsys, "--transformer-impl", "transformer_engine", "--attention-kernel", "fused", "--json", str(path))
+    assert (status, err) == (0, "")
+    data = json.loads(path.read_text())
+    assert data["modules"] == ["qkv_linear", "core_attn", "attn_proj", "mlp_fc1"]  # the norms are fused in
+    assert data["byte_model"].endswith("from source, unmeasured; FP8 activations not modelled")
+    assert "Transformer Engine's spec" in out and "from source, unmeasured; FP8 activations not modelled" in out
+    status, out, err = _run(capsys, "--transformer-impl", "transformer_engine", "--modules", "attn_norm")
+    assert status == 2 and "module(s) ['attn_norm'] not in this model" in err
 
 
 def test_malformed_flags_exit_through_argparse(capsys):

@@ -1,8 +1,10 @@
 """Per-stage estimates: layer placement, chunks in flight, and the predicted drop against real runs.
 
-The drop test trains a tiny dense megatron-core GPT on CPU ranks under Megatron's own
-schedules (PP=2, PP=2 VPP=2, PP=4; harness ``_gpt.spawn_runs``) with every dense module
-offloaded, once with the plan policy and once offloading every chunk, and compares, per stage
+The drop test trains a tiny megatron-core GPT on CPU ranks under Megatron's own schedules
+(PP=2, PP=2 VPP=2, PP=4 and EP=2 MoE with torch's SDPA core attention, PP=2 with megatron's own;
+harness ``_gpt.spawn_runs``) with every dense module offloaded (the attention modules and the
+norm before the experts in the MoE model), once with the plan policy and once offloading every
+chunk, and compares, per stage
 and per iteration, the manager's record of the iteration with the planner's prediction: bytes
 of every group of every chunk, the peak of saved bytes without offload, the peak with offload,
 the host bytes at the saved peak and the bytes copied. All equal, so R = measured drop /
@@ -29,7 +31,7 @@ _DENSE = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_
 _POLICIES = {"plan": "plan", "all": None}  # planner policy -> attach's schedule_policy
 
 
-def _dims(cfg: TinyGPTConfig) -> GPTDims:
+def _dims(cfg: TinyGPTConfig, attention: str = "local") -> GPTDims:
     """The harness model's dimensions (fp32 on CPU, FFN 4 x hidden, multi-head attention)."""
     return GPTDims(
         num_layers=cfg.num_layers,
@@ -37,8 +39,12 @@ def _dims(cfg: TinyGPTConfig) -> GPTDims:
         num_attention_heads=cfg.num_attention_heads,
         seq_length=cfg.seq_length,
         micro_batch_size=cfg.micro_batch_size,
+        num_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        expert_parallel=cfg.expert_parallel,
         dtype="fp32",
         device="cpu",
+        attention=attention,
     )
 
 
@@ -52,19 +58,26 @@ def _pipeline(cfg: TinyGPTConfig) -> PipelineConfig:
 class _Case:
     config: TinyGPTConfig
     world_size: int
+    attention: str = "sdpa"
+    modules: tuple[str, ...] = _DENSE
 
 
+_MOE = TinyGPTConfig(expert_parallel=2, num_experts=4, num_layers=2, num_microbatches=2, iterations=2, add_bias_linear=False)
 _CASES = {
     "pp2": _Case(TinyGPTConfig(pipeline_parallel=2, num_microbatches=4, iterations=2), 2),
+    "pp2_local": _Case(TinyGPTConfig(pipeline_parallel=2, num_microbatches=4, iterations=2), 2, attention="local"),
     "pp2_vpp2": _Case(TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4, iterations=2), 2),
+    "ep2_moe": _Case(_MOE, 2, modules=_DENSE[:-1]),
     "pp4": _Case(TinyGPTConfig(pipeline_parallel=4, num_microbatches=6, iterations=2), 4),
 }
 
 
-def _runs(cfg: TinyGPTConfig) -> list[Run]:
+def _runs(case: _Case) -> list[Run]:
     runs = []
+    cfg = case.config
     for schedule_policy in _POLICIES.values():
-        hooks = RecordHooks(_DENSE, options={"min_offload_bytes": 1, "schedule_policy": schedule_policy})
+        options = {"min_offload_bytes": 1, "schedule_policy": schedule_policy}
+        hooks = RecordHooks(case.modules, options=options, attention=case.attention)
         runs.append(Run(config=cfg, hooks=Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, after_step=hooks.after_step)))
     return runs
 
@@ -79,7 +92,7 @@ def measured() -> dict[str, list]:
     out = {}
     for world_size in sorted({c.world_size for c in _CASES.values()}):
         names = [n for n, c in _CASES.items() if c.world_size == world_size]
-        runs = [run for n in names for run in _runs(_CASES[n].config)]
+        runs = [run for n in names for run in _runs(_CASES[n])]
         results = spawn_runs(runs, world_size=world_size, timeout_s=240.0)
         for i, name in enumerate(names):
             out[name] = results[i * len(_POLICIES) : (i + 1) * len(_POLICIES)]
@@ -88,9 +101,10 @@ def measured() -> dict[str, list]:
 
 @pytest.mark.parametrize("name", list(_CASES))
 def test_predicted_drop_equals_measured(measured, name: str):
-    cfg = _CASES[name].config
+    case = _CASES[name]
+    cfg = case.config
     for (policy, _), ranks in zip(_POLICIES.items(), measured[name], strict=True):
-        stages = StagePlanner(_dims(cfg), _pipeline(cfg), min_offload_bytes=1, policy=policy).estimate(_DENSE)
+        stages = StagePlanner(_dims(cfg, case.attention), _pipeline(cfg), min_offload_bytes=1, policy=policy).estimate(case.modules)
         for result in ranks:
             stage = stages[result.pipeline_rank]
             what = f"{name} policy={policy} stage {result.pipeline_rank}"
@@ -104,6 +118,7 @@ def test_predicted_drop_equals_measured(measured, name: str):
                 assert got == want, what
                 measured_drop = step["peak_saved_bytes"] - step["peak_resident_bytes"]
                 if policy == "plan" and result.pipeline_rank == cfg.pipeline_parallel - 1 and cfg.virtual_pipeline is None:
+                    # The last stage (or the only one) runs each backward right after its forward.
                     assert measured_drop == stage.drop == 0, what  # every chunk kept: see the test below
                 else:
                     assert stage.drop > 0, what

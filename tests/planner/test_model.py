@@ -8,6 +8,7 @@ the same order; the whole-layer bytes of dense layers and each layer's matmul FL
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -15,10 +16,11 @@ import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.planner import (
-    MODULE_NAMES,
+    OFFLOAD_MODULE_NAMES,
     GPTDims,
     SavedTensor,
     canonical_modules,
+    core_attention_flops,
     expert_tokens,
     group_bytes,
     layer_forward_flops,
@@ -72,7 +74,22 @@ _CASES = {
     "tp2_sp_layernorm_swiglu_rope": ByteCase(
         tensor_parallel=2, sequence_parallel=True, swiglu=True, position_embedding_type="rope"
     ),
+    # torch's SDPA core attention (the example's default): query, key, value, output, log-sum-exp.
+    "sdpa_dense": ByteCase(attention="sdpa"),
+    "sdpa_gqa": ByteCase(attention="sdpa", num_query_groups=2),
+    "sdpa_mqa": ByteCase(attention="sdpa", num_query_groups=1),
+    "sdpa_moe": ByteCase(attention="sdpa", num_experts=4, moe_router_topk=2, add_bias_linear=False),
+    "sdpa_llama": ByteCase(attention="sdpa", normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False),
+    # One sequence per microbatch: attn_proj's input is a view of SDPA's output.
+    "sdpa_one_sequence_rope_gqa": ByteCase(attention="sdpa", micro_batch_size=1, num_query_groups=2, position_embedding_type="rope"),
+    "sdpa_one_sequence": ByteCase(attention="sdpa", micro_batch_size=1),
+    # 300 bytes: the log-sum-exp (2 x 4 x 16 fp32 = 512 B) moves, LayerNorm's mean and rstd stay.
+    "sdpa_threshold": ByteCase(attention="sdpa", num_query_groups=2, min_offload_bytes=300),
+    "sdpa_tp2_rope": ByteCase(attention="sdpa", tensor_parallel=2, position_embedding_type="rope"),
+    "sdpa_tp2_gqa": ByteCase(attention="sdpa", tensor_parallel=2, num_query_groups=2),
 }
+# The same Llama-style bf16 cases (fused SwiGLU, GQA; RoPE, or TP=2 with SP) with SDPA.
+_CASES.update({f"sdpa_{n}": dataclasses.replace(_CASES[n], attention="sdpa") for n in ("llama_fused_gqa_bf16", "tp2_sp_llama_gqa_bf16")})
 
 
 def _dims(case: ByteCase) -> GPTDims:
@@ -95,6 +112,7 @@ def _dims(case: ByteCase) -> GPTDims:
         position_embedding_type=case.position_embedding_type,
         tensor_parallel=case.tensor_parallel,
         sequence_parallel=case.sequence_parallel,
+        attention=case.attention,
     )
 
 
@@ -122,6 +140,13 @@ def test_cases_cover_the_issue():
     assert any(d.rope and d.query_groups < d.num_attention_heads for d in dims.values())
     assert {(d.tensor_parallel, d.sequence_parallel) for d in dims.values()} == {(1, False), (2, False), (2, True)}
     assert any(d.swiglu and d.num_experts for d in dims.values())
+    # The SDPA core attention: dense, GQA, MQA, MoE, RoPE, bf16, TP=2 with and without SP, b = 1.
+    sdpa = [d for d in dims.values() if d.attention == "sdpa"]
+    assert {d.local_query_groups == d.local_heads for d in sdpa} == {True, False}
+    assert any(d.query_groups == 1 for d in sdpa) and any(d.num_experts for d in sdpa)
+    assert any(d.rope for d in sdpa) and any(d.dtype == "bf16" for d in sdpa)
+    assert {(d.tensor_parallel, d.sequence_parallel) for d in sdpa} == {(1, False), (2, False), (2, True)}
+    assert {d.micro_batch_size for d in sdpa} == {1, 2}
 
 
 @pytest.mark.parametrize("name", list(_CASES))
@@ -135,7 +160,7 @@ def test_every_group_in_order(measured: dict[str, CaseBytes], name: str):
     """Each group of the step: same module, same layer, same bytes, same order (experts: summed)."""
     case, got = _CASES[name], measured[name]
     dims = _dims(case)
-    modules = [m for m in MODULE_NAMES if m != "moe_act"]  # no module in the local spec
+    modules = [m for m in OFFLOAD_MODULE_NAMES if m != "moe_act"]  # no module in the local spec
     predicted = [
         (layer, group, nbytes)
         for layer in range(dims.num_layers)
@@ -175,9 +200,14 @@ def test_whole_layer_bytes(measured: dict[str, CaseBytes], name: str):
 
 @pytest.mark.parametrize("name", list(_CASES))
 def test_layer_flops(measured: dict[str, CaseBytes], name: str):
-    """Matmul FLOPs of every layer's forward, as torch's FlopCounterMode counts them."""
+    """Matmul FLOPs of every layer's forward, as torch's FlopCounterMode counts them.
+
+    FlopCounterMode has no formula for torch's CPU flash kernel (it counts SDPA's CUDA kernels,
+    see tests/planner/test_attention.py): with SDPA everything but the core attention is compared.
+    """
     dims = _dims(_CASES[name])
-    assert measured[name].layer_flops == [layer_forward_flops(dims, i) for i in range(dims.num_layers)], name
+    uncounted = core_attention_flops(dims).forward if dims.attention == "sdpa" else 0
+    assert measured[name].layer_flops == [layer_forward_flops(dims, i) - uncounted for i in range(dims.num_layers)], name
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +216,7 @@ def test_layer_flops(measured: dict[str, CaseBytes], name: str):
 
 
 def _tiny(**overrides) -> GPTDims:
-    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2, dtype="fp32")
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2, dtype="fp32", attention="local")
     return GPTDims(**{**fields, **overrides})
 
 
@@ -240,8 +270,8 @@ def test_rope_value_view_spans_the_rest_of_linear_qkv_output():
     """Multi-head attention with RoPE: rotated query and key copies, value a view from 2*hn on."""
     dims = _tiny(position_embedding_type="rope")  # hn = 8, fp32: value starts at byte 64
     one = dims.tokens * dims.hidden_size * 4
-    qkv = [x for x in saved_tensors(dims, "core_attn") if x.storage in ("query", "key", "mixed_qkv")]
-    assert qkv == [SavedTensor("query", 0, one, one), SavedTensor("key", 0, one, one), SavedTensor("mixed_qkv", 64, 3 * one - 64, one)]
+    qkv = [x for x in saved_tensors(dims, "core_attn") if x.storage in ("query", "key", "mixed")]
+    assert qkv == [SavedTensor("query", 0, one, one), SavedTensor("key", 0, one, one), SavedTensor("mixed", 64, 3 * one - 64, one)]
     # A threshold above one view keeps all three on device, though the value view spans ~3 of them.
     assert group_bytes(qkv, min_offload_bytes=one + 1) == 0
 

@@ -38,7 +38,10 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU accounting checks; on CUDA peaks are device memory"),
 ]
 
-_SHAPE = GPTShape(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, micro_batch_size=2)
+# torch's SDPA core attention, the replay's default.
+_SHAPE = GPTShape(
+    num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, micro_batch_size=2, attention="sdpa"
+)
 _MODULES = ("core_attn", "qkv_linear")
 _MICROBATCHES = 8
 
@@ -135,13 +138,15 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
     if moved:
         assert result.measured_drop > 0
         assert result.ratio == 1.0
-    else:
-        assert result.measured_drop == 0
+    else:  # one definition of R (the StageReport's): None when the plan predicts no drop
+        assert result.measured_drop == 0 and result.ratio is None
+    assert (result.report.ratio, result.report.theoretical_drop) == (result.ratio, result.simulation.drop)
     if stage == 0:
         assert moved > 0
 
     table = result.format()
-    assert f"R = {result.ratio:.4f}" in table and "step time (ms)" in table
+    assert ("R = n/a (the plan predicts no drop)" if result.ratio is None else f"R = {result.ratio:.4f}") in table
+    assert "step time (ms)" in table
 
 
 def test_cli_prints_table_and_writes_json(tmp_path, capsys) -> None:
@@ -159,6 +164,38 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys) -> None:
     assert summary["stage"] == "stage 0 of 2" and summary["modules"] == ["core_attn"]
     assert summary["R"] == 1.0 and summary["measured_drop_bytes"] > 0
     assert f"R = {summary['R']:.4f}" in printed
+    assert "sdpa attention" in printed and summary["args"]["attention"] == "sdpa"
+
+
+_CLI = ["--pp", "2", "--stage", "0", "--modules", "core_attn"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stage", "2"], "--stage must be in 0..1 (--pp 2), got 2"),
+        (["--pp", "0"], "--pp must be an integer >= 1, got 0"),
+        (["--layers", "3"], "--layers must be a multiple of --pp x --vpp (2 x 1), got 3"),
+        (["--microbatches", "0"], "--microbatches must be an integer >= 1, got 0"),
+        (["--link-gbps", "0"], "--link-gbps must be a finite number > 0 (GB/s), got 0.0"),
+        (["--link-gbps", "nan"], "--link-gbps must be a finite number > 0 (GB/s), got nan"),
+        (["--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
+        (["--seq", "0"], "--seq must be an integer >= 1, got 0"),
+        (["--hidden", "0"], "--hidden must be an integer >= 1, got 0"),
+        (["--hidden", "48", "--heads", "5"], "--hidden must be divisible by the attention heads (5), got 48"),
+        (["--vpp", "2", "--microbatches", "3"], "--microbatches: chunk_offload: the interleaved schedule needs num_microbatches (3)"),
+        (["--modules", "mlp_fc2"], "--modules: chunk_offload: unknown offload module 'mlp_fc2'"),
+        (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+    ],
+)
+def test_cli_usage_errors(capsys, argv: list[str], message: str) -> None:
+    from chunk_offload.replay.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*_CLI, *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

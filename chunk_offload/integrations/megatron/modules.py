@@ -13,12 +13,9 @@ from typing import Callable, Iterator
 from torch import nn
 
 from ...core.errors import ChunkOffloadError
-from ...planner.model import ALIASES, MODULE_NAMES, canonical_modules
+from ...module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
 
 __all__ = ["OFFLOAD_MODULE_NAMES", "ALIASES", "canonical_names", "resolve"]
-
-OFFLOAD_MODULE_NAMES = MODULE_NAMES
-"""Every module name `attach` accepts (plus the aliases in `ALIASES`); the planner models the same names."""
 
 
 def canonical_names(names: str | list[str] | tuple[str, ...]) -> list[str]:

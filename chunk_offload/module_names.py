@@ -1,0 +1,56 @@
+"""The offload-module names of a megatron-core transformer layer, in one place.
+
+Used by the Megatron integration (`chunk_offload.integrations.megatron.modules` resolves each name
+to submodules) and by the planner (`chunk_offload.planner` models what each saves). The names are
+the same under every layer spec; under Transformer Engine's spec two of them live inside fused
+modules (`TE_FUSED_INTO`). Importing this module imports neither megatron nor torch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .core.errors import ChunkOffloadError
+
+__all__ = ["ALIASES", "DESCRIPTIONS", "OFFLOAD_MODULE_NAMES", "TE_FUSED_INTO", "canonical_modules"]
+
+OFFLOAD_MODULE_NAMES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1", "expert_fc1", "moe_act")
+"""Every offload-module name, in the order a layer calls the modules."""
+
+ALIASES = {"router_fc1": "expert_fc1"}
+"""Other spellings of a name -> the name."""
+
+DESCRIPTIONS = {
+    "attn_norm": "the layer's input norm (input_layernorm)",
+    "qkv_linear": "the query/key/value projection (self_attention.linear_qkv)",
+    "core_attn": "the core attention (self_attention.core_attention): softmax(QK^T)V",
+    "attn_proj": "the attention output projection (self_attention.linear_proj)",
+    "mlp_norm": "the norm before the MLP (pre_mlp_layernorm)",
+    "mlp_fc1": "the dense MLP's first linear (mlp.linear_fc1)",
+    "expert_fc1": "each local expert's first linear (mlp.experts.local_experts[i].linear_fc1)",
+    "moe_act": "each local expert's activation, when it is a module (Transformer Engine's activation)",
+}
+"""What each name stands for in megatron-core's TransformerLayer."""
+
+TE_FUSED_INTO = {"attn_norm": "qkv_linear", "mlp_norm": "mlp_fc1"}
+"""Under Transformer Engine's layer spec the norms are fused into the next linear
+(``TELayerNormColumnParallelLinear``): the layer has no separate norm module, and what the norm
+saves is saved by the fused linear, offloaded under the linear's name."""
+
+
+def canonical_modules(names: str | Sequence[str]) -> list[str]:
+    """Validate module names (a list or comma-separated string), resolve aliases, keep order, drop repeats."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    out: list[str] = []
+    for name in names:
+        canonical = ALIASES.get(name, name)
+        if canonical not in OFFLOAD_MODULE_NAMES:
+            raise ChunkOffloadError(
+                f"unknown offload module {name!r}; valid names: {list(OFFLOAD_MODULE_NAMES) + sorted(ALIASES)}"
+            )
+        if canonical not in out:
+            out.append(canonical)
+    if not out:
+        raise ChunkOffloadError(f"no offload module given; choose from {list(OFFLOAD_MODULE_NAMES)}")
+    return out
