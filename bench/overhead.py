@@ -68,9 +68,9 @@ def main() -> None:
     x = torch.randn(args.batch, args.hidden, device=device)
 
     plain = time_mode(build(args.layers, args.hidden, device), x, None, args.repeats)
-    bookkeeping_mgr = chunk_offload.OffloadManager(min_offload_bytes=1, offload=False, measure_time=False)
+    bookkeeping_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, offload=False, measure_time=False))
     bookkeeping = time_mode(build(args.layers, args.hidden, device), x, bookkeeping_mgr, args.repeats)
-    offload_mgr = chunk_offload.OffloadManager(min_offload_bytes=1, measure_time=False)
+    offload_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False))
     offload = time_mode(build(args.layers, args.hidden, device), x, offload_mgr, args.repeats)
     groups = args.layers
     saved = offload_mgr.stats().groups["layer"]

@@ -1,8 +1,10 @@
 """One offload group: the tensors one call of one submodule saved, and their copies.
 
-A group moves through an explicit state machine (`GroupState`). Every operation checks the
-state it expects with `OffloadGroup._expect`, so a call out of order is an error naming the
-state, never a silent wrong result.
+A group moves through an explicit state machine (`GroupState`). Every change of state goes
+through `OffloadGroup._to`, which checks it against one table (`TRANSITIONS`), and every
+operation checks the state it expects (`OffloadGroup._expect`, or `internal_assert` for
+states only a bug of ours can produce), so a call out of order is an error naming the state,
+never a silent wrong result.
 
 Saved tensors that share one storage are copied once: the group copies the byte span of the
 storage that its views use and rebuilds each view (dtype, shape, stride, offset) on reload.
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ._torch_compat import storage_key
 from .errors import ChunkOffloadError, internal_assert
 from .host_pool import HostBuffer, HostPool
 from .streams import Event, Mark, StreamBackend
@@ -28,7 +31,7 @@ from .stats import ResidentBytes, StatsRecorder
 if TYPE_CHECKING:
     from .handler import ChunkOffloadHandler
 
-__all__ = ["GroupState", "OffloadGroup", "SavedRef", "EngineContext", "WAIT_NAMES", "version_probe", "check_version"]
+__all__ = ["EngineContext", "GroupState", "OffloadGroup", "SavedRef", "TRANSITIONS", "WAIT_NAMES", "check_version", "version_probe"]
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
@@ -73,6 +76,21 @@ class GroupState(enum.Enum):
     RESIDENT = "resident"  # on device and safe to use by compute
     RELEASED = "released"  # every saved tensor was consumed or freed by autograd
     DISCARDED = "discarded"  # its chunk or iteration raised; nothing may be unpacked
+
+
+_S = GroupState
+TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
+    _S.COLLECTING: frozenset({_S.KEPT, _S.OFFLOADING, _S.DISCARDED}),
+    _S.KEPT: frozenset({_S.RELEASED, _S.DISCARDED}),
+    # -> RESIDENT: backward reached the group before its device tensors were released (cancel)
+    _S.OFFLOADING: frozenset({_S.ON_HOST, _S.RESIDENT, _S.RELEASED, _S.DISCARDED}),
+    _S.ON_HOST: frozenset({_S.RELOADING, _S.RELEASED, _S.DISCARDED}),
+    _S.RELOADING: frozenset({_S.RESIDENT, _S.DISCARDED}),
+    _S.RESIDENT: frozenset({_S.RELEASED, _S.DISCARDED}),
+    _S.RELEASED: frozenset(),
+    _S.DISCARDED: frozenset(),
+}
+"""Every allowed change of a group's state; `OffloadGroup._to` refuses any other."""
 
 
 class _Storage:
@@ -164,6 +182,21 @@ class OffloadGroup:
         return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.handler.key}, state={self.state.value})"
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def is_empty(self) -> bool:
+        """Whether the committed group holds no storage (it saved nothing offloadable that is alive)."""
+        return not self._storages
+
+    def _to(self, state: GroupState) -> None:
+        """The one place a group changes state, checked against `TRANSITIONS`."""
+        internal_assert(state in TRANSITIONS[self.state], f"{self!r}: transition to {state.value!r} is not allowed")
+        self.state = state
+
+    def release_empty(self) -> None:
+        """A committed group kept on device that holds nothing is released at once."""
+        internal_assert(self.is_empty, f"release_empty of {self!r}, which holds storages")
+        self._to(GroupState.RELEASED)
+
     def _expect(self, allowed: tuple[GroupState, ...], action: str) -> None:
         if self.state not in allowed:
             if self.state is GroupState.DISCARDED:
@@ -187,8 +220,7 @@ class OffloadGroup:
     def save(self, tensor: torch.Tensor) -> SavedRef:
         """Register a saved tensor of this group (the pack hook)."""
         self._expect((GroupState.COLLECTING,), "save a tensor into")
-        storage_obj = tensor.untyped_storage()
-        key = storage_obj._cdata  # unique while we hold the tensor, hence the storage
+        key = storage_key(tensor)  # unique while we hold the tensor, hence the storage
         mark = self._ctx.streams.compute.tick()
         storage = self._storages.get(key)
         if storage is None:
@@ -208,7 +240,7 @@ class OffloadGroup:
         whole storage on device, so a copy would free nothing while counting its bytes as moved.
         """
         if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
-            self._kept_storages.add(tensor.untyped_storage()._cdata)
+            self._kept_storages.add(storage_key(tensor))
 
     def commit(self) -> None:
         """Close the group: fix each storage's span, account its bytes, start copies to host."""
@@ -239,13 +271,13 @@ class OffloadGroup:
         self._kept_storages = set()
         ctx.resident.saved(self.saved_bytes)  # one change: the mark sees the group as a whole
         if not self.handler.offload or all(storage.pinned for storage in self._storages.values()):
-            self.state = GroupState.KEPT
+            self._to(GroupState.KEPT)
             return
         try:
             self._offload()
         except BaseException:
             # The bytes are accounted as saved: as a kept group, discard() or autograd frees them.
-            self.state = GroupState.KEPT
+            self._to(GroupState.KEPT)
             raise
 
     def _offload(self) -> None:
@@ -274,12 +306,17 @@ class OffloadGroup:
             stats.bytes_offloaded += storage.nbytes
             stats.tensors_offloaded += len(refs)
         self._d2h_event = d2h.record_event()
-        self.state = GroupState.OFFLOADING
+        self._to(GroupState.OFFLOADING)
 
     def release_device(self) -> None:
-        """Drop the device tensors once compute waited on their offload (frees device memory)."""
-        if self.state is not GroupState.OFFLOADING:
+        """Drop the device tensors once compute waited on their offload (frees device memory).
+
+        No-op when backward already reached the group (its offload was cancelled: RESIDENT) or
+        autograd already freed all of it (RELEASED); any other state is a bug of ours.
+        """
+        if self.state in (GroupState.RESIDENT, GroupState.RELEASED):
             return
+        internal_assert(self.state is GroupState.OFFLOADING, f"release_device of {self!r}")
         compute = self._ctx.streams.compute
         self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
         compute.require(self._d2h_event.mark, rule="R2", what=f"release of offloaded tensors of {self.name!r}")
@@ -290,19 +327,20 @@ class OffloadGroup:
                 for ref in _alive(storage):
                     ref.drop_original()
                 self._ctx.resident.moved_to_host(storage.nbytes)
-        self.state = GroupState.ON_HOST
+        self._to(GroupState.ON_HOST)
 
     # ------------------------------------------------------------------ backward
     def reload(self) -> None:
-        """Start the copies back to device (idempotent; prefetch and on-demand share it)."""
+        """Start the copies back to device (idempotent; prefetch and on-demand share it).
+
+        No-op for a group already reloading or resident, kept on device, or released; an open
+        or discarded group raises.
+        """
         if self.state is GroupState.OFFLOADING:
             self._cancel_offload()
             return
         if self.state is not GroupState.ON_HOST:
-            self._expect(
-                (GroupState.ON_HOST, GroupState.RELOADING, GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED),
-                "reload",
-            )
+            self._expect((GroupState.RELOADING, GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED), "reload")
             return
         ctx = self._ctx
         streams = ctx.streams
@@ -337,7 +375,7 @@ class OffloadGroup:
         for storage in pending:
             ctx.pool.release(storage.host, self._h2d_event)
             storage.host = None
-        self.state = GroupState.RELOADING
+        self._to(GroupState.RELOADING)
 
     def _cancel_offload(self) -> None:
         """Backward reached the group before its device tensors were released: keep them."""
@@ -346,16 +384,22 @@ class OffloadGroup:
                 self._ctx.pool.release(storage.host, self._d2h_event)
                 storage.host = None
         self._offload_cancelled = True
-        self.state = GroupState.RESIDENT
+        self._to(GroupState.RESIDENT)
 
     def ensure_resident(self) -> None:
-        """Make compute wait for the group's reload, starting it if nobody prefetched it."""
+        """Make compute wait for the group's reload, starting it if nobody prefetched it.
+
+        No-op for a group resident, kept on device or released (it saved nothing alive); an
+        open or discarded group raises (its tensors cannot be used).
+        """
         if self.state in (GroupState.ON_HOST, GroupState.OFFLOADING):
             self.reload()
         if self.state is GroupState.RELOADING:
             compute = self._ctx.streams.compute
             self._wait(compute, self._h2d_event, "use_after_reload", "wait_time_s")
-            self.state = GroupState.RESIDENT
+            self._to(GroupState.RESIDENT)
+            return
+        self._expect((GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED), "unpack a tensor of")
 
     def unpack(self, ref: SavedRef) -> torch.Tensor:
         """Return the saved tensor for autograd (the unpack hook)."""
@@ -402,7 +446,7 @@ class OffloadGroup:
         ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:
-            self.state = GroupState.RELEASED
+            self._to(GroupState.RELEASED)
             self.handler._group_released(self)
 
     def discard(self) -> None:
@@ -420,7 +464,7 @@ class OffloadGroup:
             for ref in _alive(storage):
                 ref.tensor = None
             storage.refs = []
-        self.state = GroupState.DISCARDED
+        self._to(GroupState.DISCARDED)
 
 
 def version_probe(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chunk_offload
-from chunk_offload import OffloadManager
+from chunk_offload import OffloadConfig, OffloadManager
 from tests.core._models import (
     HEADS,
     HIDDEN,
@@ -99,7 +99,7 @@ def _run_with(order_id: str, kinds: Sequence[str], **options) -> tuple[RunResult
     order, model_chunks = ORDERS[order_id]
     recorder = Recorder()
     result = run_schedule(
-        lambda: OffloadManager(min_offload_bytes=1, **options),
+        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1), **options),
         order=order,
         model_chunks=model_chunks,
         iterations=ITERATIONS,
@@ -283,7 +283,7 @@ def _train_marked(manager: OffloadManager | None, *, protect: bool) -> RunResult
 @pytest.mark.parametrize("protect", [False, True], ids=["unprotected", "protected"])
 def test_parity_low_level_group_marks(protect: bool) -> None:
     reference = _train_marked(None, protect=False)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         result = _train_marked(manager, protect=protect)
         stats = manager.stats()
@@ -299,7 +299,7 @@ def test_parity_low_level_group_marks(protect: bool) -> None:
 
 
 def test_low_level_marks_outside_chunk_are_identity() -> None:
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         x = torch.randn(3, requires_grad=True)
         pair = (x, x * 2)
@@ -322,7 +322,7 @@ def test_low_level_marks_outside_chunk_are_identity() -> None:
 def _plain_and_registered(kinds=MODULE_KINDS):
     reference = make_stack(LAYERS, seed=0)
     model = make_stack(LAYERS, seed=0)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     register(manager, model, kinds)
     return reference, model, manager
 
@@ -397,7 +397,7 @@ def test_registered_module_outside_chunk_runs_without_offload() -> None:
 def test_unregistered_after_remove_runs_without_offload() -> None:
     reference = make_stack(1, seed=0)
     model = make_stack(1, seed=0)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         handles = [manager.offload_module(getattr(model[0], kind), kind) for kind in MODULE_KINDS]
         for handle in handles:

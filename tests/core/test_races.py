@@ -24,10 +24,11 @@ import pytest
 import torch
 
 import chunk_offload
-from chunk_offload import CpuStreams, HappensBeforeError, OffloadManager
+from chunk_offload import CpuStreams, HappensBeforeError, OffloadConfig, OffloadManager
 from chunk_offload.core import StreamBackend
 from chunk_offload.core.group import WAIT_NAMES, GroupState
 from tests.core._models import (
+    manager_skipping_waits,
     INTERLEAVED,
     MODULE_KINDS,
     ONE_F_ONE_B,
@@ -68,7 +69,7 @@ def run_offloaded(
     final: list[chunk_offload.OffloadStats] = []
 
     def factory() -> OffloadManager:
-        manager = OffloadManager(min_offload_bytes=1, streams=streams(), _test_skip_waits=tuple(skip))
+        manager = manager_skipping_waits(skip, streams=streams())
         managers.append(manager)
         return manager
 
@@ -164,7 +165,7 @@ def test_missing_wait_is_caught_in_schedule(wait: str) -> None:
 
 def test_unknown_wait_name_is_rejected() -> None:
     with pytest.raises(chunk_offload.ChunkOffloadError, match="unknown wait names"):
-        OffloadManager(_test_skip_waits=("no_such_wait",))
+        manager_skipping_waits(("no_such_wait",))
 
 
 def test_reuse_wait_is_implied_in_plain_1f1b() -> None:
@@ -268,9 +269,7 @@ def _train_backward_inside_chunk(manager: OffloadManager | None, iterations: int
 @pytest.mark.parametrize("seed", range(4))
 def test_backward_reaches_group_while_offloading(seed: int) -> None:
     reference = _train_backward_inside_chunk(None)
-    manager = OffloadManager(
-        min_offload_bytes=1, streams=CpuStreams(max_delay_s=2e-3, delay_on=("d2h",), seed=seed)
-    )
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams(max_delay_s=2e-3, delay_on=("d2h",), seed=seed))
     try:
         result = _train_backward_inside_chunk(manager)
         stats = manager.stats()

@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from chunk_offload import ChunkOffloadError
-from chunk_offload.schedule import Action, ActionKind, Plan, PlanPolicy, megatron_plan
-from chunk_offload.core import ChunkKey
+from chunk_offload.schedule import Plan, PlanPolicy, megatron_plan
+from chunk_offload.core import Action, ActionKind, ChunkKey
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None
 
