@@ -26,7 +26,7 @@ from .group import EngineContext
 from .handler import ChunkOffloadHandler
 from .host_pool import HostPool
 from .marks import GroupMarks, ModuleOffload
-from .policy import OffloadPolicy
+from .tensor_policy import OffloadPolicy
 from .records import IterationWindow
 from .schedule_policy import SchedulePolicy
 from .stats import IterationRecord, OffloadStats, ResidentBytes, StatsRecorder

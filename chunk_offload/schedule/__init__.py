@@ -8,7 +8,7 @@
 
 from .megatron import megatron_plan
 from .plan import Plan
-from .policy import PlanPolicy
+from .plan_policy import PlanPolicy
 from .simulate import Simulation, simulate
 
 __all__ = ["Plan", "PlanPolicy", "Simulation", "megatron_plan", "simulate"]

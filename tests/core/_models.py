@@ -9,6 +9,7 @@ and returns every loss and every parameter gradient, so tests compare them with
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -82,8 +83,24 @@ def no_saved_tensor_hooks() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+class Fn(nn.Module):
+    """A module whose forward is ``fn``; offloaded as one group."""
+
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def assert_clean(manager: chunk_offload.OffloadManager) -> None:
-    """Nothing left: no saved-tensor hook, no pool buffer in use, no bytes accounted, no live chunk."""
+    """Nothing left: no saved-tensor hook, no pool buffer in use, no bytes accounted, no live chunk.
+
+    Collects garbage first: several cases drop a graph, or keep one alive through an exception's
+    traceback, and its saved tensors are freed only then.
+    """
+    gc.collect()
     assert no_saved_tensor_hooks(), "saved-tensor hooks left installed"
     stats = manager.stats()
     assert stats.pool.in_use_bytes == 0

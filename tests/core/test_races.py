@@ -45,16 +45,14 @@ from tests.core._models import (
 ITERATIONS = 2
 LAYERS = 2
 
-_baselines: dict[tuple, RunResult] = {}
 
-
-def baseline(order: Sequence = ONE_F_ONE_B, model_chunks: int = 1) -> RunResult:
-    key = (tuple(order), model_chunks)
-    if key not in _baselines:
-        _baselines[key] = run_schedule(
+def baseline(cache: dict, order: Sequence = ONE_F_ONE_B, model_chunks: int = 1) -> RunResult:
+    key = ("races baseline", tuple(order), model_chunks)
+    if key not in cache:
+        cache[key] = run_schedule(
             lambda: None, order=order, model_chunks=model_chunks, iterations=ITERATIONS, layers=LAYERS
         )
-    return _baselines[key]
+    return cache[key]
 
 
 def run_offloaded(
@@ -118,24 +116,24 @@ SEEDS = range(20)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_parity_under_random_delays(seed: int) -> None:
+def test_parity_under_random_delays(run_cache, seed: int) -> None:
     delay_on = DELAY_PATTERNS[seed % len(DELAY_PATTERNS)]
     result, stats = run_offloaded(
         lambda: CpuStreams(max_delay_s=MAX_DELAY_S[delay_on], delay_on=delay_on, seed=seed)
     )
-    assert_identical(baseline(), result)
+    assert_identical(baseline(run_cache), result)
     assert_really_offloaded(stats)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_interleaved_parity_under_random_delays(seed: int) -> None:
+def test_interleaved_parity_under_random_delays(run_cache, seed: int) -> None:
     """The checker is not over-eager: with every wait present, the interleaved schedule raises nothing."""
     result, stats = run_offloaded(
         lambda: CpuStreams(max_delay_s=1e-4, delay_on=("d2h", "h2d", "compute"), seed=seed),
         order=INTERLEAVED,
         model_chunks=2,
     )
-    assert_identical(baseline(INTERLEAVED, 2), result)
+    assert_identical(baseline(run_cache, INTERLEAVED, 2), result)
     assert_really_offloaded(stats)
 
 
@@ -168,21 +166,21 @@ def test_unknown_wait_name_is_rejected() -> None:
         manager_skipping_waits(("no_such_wait",))
 
 
-def test_reuse_wait_is_implied_in_plain_1f1b() -> None:
+def test_reuse_wait_is_implied_in_plain_1f1b(run_cache) -> None:
     """In 1F1B compute waits on every reload before a later forward reuses its host buffer, so
     even without the reuse wait the offload is ordered after the reload (transitively) and
     nothing may fire; the numbers stay exact."""
     result, stats = run_offloaded(
         lambda: CpuStreams(max_delay_s=5e-4, delay_on=("d2h", "h2d"), seed=3), skip=("reuse_after_reload",)
     )
-    assert_identical(baseline(), result)
+    assert_identical(baseline(run_cache), result)
     assert_really_offloaded(stats)
 
 
-def test_missing_reload_wait_gives_wrong_numbers() -> None:
+def test_missing_reload_wait_gives_wrong_numbers(run_cache) -> None:
     """With the checker off, using reloaded tensors without waiting reads them before the delayed
     copy wrote them: the race is real, not only a checker finding."""
-    reference = baseline()
+    reference = baseline(run_cache)
     outcomes = []
     for seed in range(4):
         result, _ = run_offloaded(

@@ -46,7 +46,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import chunk_offload
-from chunk_offload import ChunkOffloadError, ChunkOffloadHandler, CpuStreams, OffloadConfig, OffloadManager
+from chunk_offload import ChunkOffloadError, CpuStreams, OffloadConfig, OffloadManager
+from chunk_offload.core import ChunkOffloadHandler
 from chunk_offload.core.group import GroupState
 from tests.core._models import RunResult, assert_identical, make_stack, microbatches
 

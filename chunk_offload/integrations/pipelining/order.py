@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...core.errors import ChunkOffloadError
+from ...core import ChunkOffloadError
 from ...core import Action, ActionKind
 from ...schedule import Plan
 
