@@ -6,11 +6,10 @@ operation checks the state it expects (`OffloadGroup._expect`, or `internal_asse
 states only a bug of ours can produce), so a call out of order is an error naming the state,
 never a silent wrong result.
 
-Saved tensors that share one storage are copied once: the group copies the byte span of the
-storage that its views use and rebuilds each view (dtype, shape, stride, offset) on reload.
-Each saved tensor is represented by a `SavedRef`, the object autograd keeps in its graph;
-when autograd drops the last `SavedRef` of a storage (after the backward node that used it,
-or when the graph is freed) the group frees that storage's device and host copies.
+Each saved tensor is represented by a `saved.SavedRef`, the object autograd keeps in its graph;
+views of one storage share a `saved.Storage` that is copied once. When autograd drops the last
+`SavedRef` of a storage (after the backward node that used it, or when the graph is freed) the
+group frees that storage's device and host copies.
 """
 
 from __future__ import annotations
@@ -24,14 +23,15 @@ import torch
 
 from ._torch_compat import storage_key
 from .errors import ChunkOffloadError, internal_assert
-from .host_pool import HostBuffer, HostPool
-from .streams import Event, Mark, StreamBackend
+from .host_pool import HostPool
+from .saved import SavedRef, Storage, alive, byte_view
 from .stats import ResidentBytes, StatsRecorder
+from .streams import Event, StreamBackend
 
 if TYPE_CHECKING:
     from .handler import ChunkOffloadHandler
 
-__all__ = ["EngineContext", "GroupState", "OffloadGroup", "SavedRef", "TRANSITIONS", "WAIT_NAMES", "check_version", "version_probe"]
+__all__ = ["EngineContext", "GroupState", "OffloadGroup", "TRANSITIONS", "WAIT_NAMES"]
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
@@ -93,72 +93,6 @@ TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
 """Every allowed change of a group's state; `OffloadGroup._to` refuses any other."""
 
 
-class _Storage:
-    """One device storage saved in a group (through one or more views) and its copies."""
-
-    __slots__ = ("key", "refs", "start", "nbytes", "device_bytes", "host", "on_host", "live", "save_mark", "pinned")
-
-    def __init__(self, key: int, save_mark: Mark | None) -> None:
-        self.key = key
-        self.refs: list[weakref.ref[SavedRef]] = []  # weak: autograd owns the SavedRefs
-        self.start = 0
-        self.nbytes = 0
-        self.device_bytes: torch.Tensor | None = None  # uint8 span on device (original or reloaded)
-        self.host: HostBuffer | None = None
-        self.on_host = False  # the host copy is the only one (counted in `ResidentBytes.host`)
-        self.live = 0  # SavedRefs autograd still holds
-        self.save_mark = save_mark  # last compute moment a view of it was saved (R1)
-        self.pinned = False  # another view of it stays on device in this group: copying frees nothing
-
-
-class SavedRef:
-    """What the saved-tensor hook hands autograd for one offloaded tensor."""
-
-    __slots__ = ("group", "storage", "tensor", "version", "probe", "dtype", "size", "stride", "offset_bytes", "__weakref__")
-
-    def __init__(self, group: "OffloadGroup", storage: _Storage, tensor: torch.Tensor) -> None:
-        self.group = group
-        self.storage = storage
-        # The original's memory, held until the device copy is released. A detached alias (same
-        # storage and version counter, no grad_fn): holding a saved *output* itself would make a
-        # cycle (tensor -> its node -> this ref -> tensor) that a retained graph (retain_graph,
-        # zero-bubble input-gradient steps) never frees by reference counting.
-        self.tensor: torch.Tensor | None = tensor.detach()
-        self.version = tensor._version
-        # Autograd's version counter is read through ``tensor`` while it is held, and through a
-        # storage-less probe made when the original is dropped (`drop_original`), so that groups
-        # kept on device never pay for one.
-        self.probe: torch.Tensor | None = None
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset_bytes = tensor.storage_offset() * tensor.element_size()
-
-    def drop_original(self) -> None:
-        """Stop holding the device original, keeping a probe of its version counter."""
-        if self.tensor is not None:
-            self.probe = version_probe(self.tensor)
-            self.tensor = None
-
-    def check_version(self, group_name: str) -> None:
-        """Raise autograd's error if the saved tensor changed in place since it was saved."""
-        counter = self.tensor if self.tensor is not None else self.probe
-        if counter is not None:  # neither: the group was discarded, and unpack says so
-            check_version(counter, self.version, self.size, group_name)
-
-    def span(self) -> tuple[int, int]:
-        """Bytes ``[start, end)`` of the storage this view touches."""
-        if self.tensor.numel() == 0:
-            return self.offset_bytes, self.offset_bytes
-        extent = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride))
-        return self.offset_bytes, self.offset_bytes + extent * self.tensor.element_size()
-
-    def __del__(self) -> None:
-        group = self.group
-        if group is not None:
-            group._ref_freed(self.storage)
-
-
 class OffloadGroup:
     """The saved tensors of one call of one named submodule within one chunk."""
 
@@ -170,7 +104,7 @@ class OffloadGroup:
         self.input_nodes: set = set()  # grad_fns of the group's inputs (set by group_start)
         self.activations: frozenset[int] = frozenset()  # storages of leaf inputs that are activations
         self._ctx: EngineContext = handler.ctx
-        self._storages: dict[int, _Storage] = {}
+        self._storages: dict[int, Storage] = {}
         self._live_storages = 0
         self._kept_storages: set[int] = set()  # storages of views the policy left on device
         self._d2h_event: Event | None = None
@@ -224,7 +158,7 @@ class OffloadGroup:
         mark = self._ctx.streams.compute.tick()
         storage = self._storages.get(key)
         if storage is None:
-            storage = self._storages[key] = _Storage(key, mark)
+            storage = self._storages[key] = Storage(key, mark)
             self._live_storages += 1
         else:
             storage.save_mark = mark
@@ -250,7 +184,7 @@ class OffloadGroup:
         stats.groups += 1
         dropped = []
         for key, storage in self._storages.items():
-            refs = _alive(storage)
+            refs = alive(storage)
             if not refs:  # autograd already dropped every view saved in this storage
                 dropped.append(key)
                 continue
@@ -296,8 +230,8 @@ class OffloadGroup:
                 d2h.require(buf.fence.mark, rule="R3", what=f"offload of {self.name!r} writing a reused host buffer")
             d2h.require(storage.save_mark, rule="R1", what=f"offload of {self.name!r} reading a saved tensor")
             storage.host = buf
-            refs = _alive(storage)
-            storage.device_bytes = _byte_view(refs[0].tensor, storage.start, storage.nbytes)
+            refs = alive(storage)
+            storage.device_bytes = byte_view(refs[0].tensor, storage.start, storage.nbytes)
             src, dst = storage.device_bytes, buf.view()
             _, timing = d2h.launch(
                 lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time, nbytes=storage.nbytes
@@ -324,7 +258,7 @@ class OffloadGroup:
             if storage.live and not storage.pinned:
                 storage.device_bytes = None
                 storage.on_host = True
-                for ref in _alive(storage):
+                for ref in alive(storage):
                     ref.drop_original()
                 self._ctx.resident.moved_to_host(storage.nbytes)
         self._to(GroupState.ON_HOST)
@@ -346,7 +280,7 @@ class OffloadGroup:
         streams = ctx.streams
         h2d = streams.h2d
         stats = ctx.stats.group(self.name)
-        pending: list[_Storage] = []
+        pending: list[Storage] = []
         for storage in self._storages.values():
             if not storage.live or storage.pinned:
                 continue
@@ -419,13 +353,13 @@ class OffloadGroup:
         )
 
     # ------------------------------------------------------------------ lifetime
-    def _ref_freed(self, storage: _Storage) -> None:
+    def _ref_freed(self, storage: Storage) -> None:
         storage.live -= 1
         if storage.live or self.state in (GroupState.DISCARDED, GroupState.COLLECTING):
             return
         self._free_storage(storage)
 
-    def _free_storage(self, storage: _Storage) -> None:
+    def _free_storage(self, storage: Storage) -> None:
         ctx = self._ctx
         if self.state is GroupState.RELOADING:
             # Autograd dropped a prefetched tensor without using it. The reload may still write
@@ -461,40 +395,7 @@ class OffloadGroup:
             if committed and storage.live:
                 self._ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
             storage.device_bytes = None
-            for ref in _alive(storage):
+            for ref in alive(storage):
                 ref.tensor = None
             storage.refs = []
         self._to(GroupState.DISCARDED)
-
-
-def version_probe(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor sharing ``tensor``'s version counter that holds none of its memory.
-
-    Autograd checks saved tensors for in-place changes only when no saved-tensor hooks are
-    installed, so the hooks must check themselves, also after the original tensor is gone.
-    """
-    probe = tensor.detach()  # shares the version counter
-    probe.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # keeps the counter, drops the storage
-    return probe
-
-
-def check_version(probe: torch.Tensor, version: int, size, group_name: str) -> None:
-    """Raise autograd's error if the tensor behind ``probe`` changed in place since it was saved."""
-    if probe._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: saved tensor of shape {list(size)} in offload group {group_name!r} is at "
-            f"version {probe._version}; expected version {version} instead."
-        )
-
-
-def _alive(storage: _Storage) -> list[SavedRef]:
-    return [ref for weak in storage.refs if (ref := weak()) is not None]
-
-
-def _byte_view(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over bytes ``[start, start + nbytes)`` of ``tensor``'s storage."""
-    with torch.no_grad():
-        return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-            tensor.untyped_storage(), start, (nbytes,), (1,)
-        )

@@ -26,7 +26,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .actions import ChunkKey
 from .errors import ChunkOffloadError
-from .group import EngineContext, GroupState, OffloadGroup, SavedRef, check_version
+from .group import EngineContext, GroupState, OffloadGroup
+from .saved import SavedRef, check_version
 from .ordering import prefetch_selection, reload_ahead_selection
 
 __all__ = ["ChunkOffloadHandler"]

@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from ..core.errors import ChunkOffloadError
-from ..core.actions import ChunkKey
-from ..core.group import GroupState
-from ..core.ordering import prefetch_selection, reload_ahead_selection
+from ..core import ChunkKey, GroupState, prefetch_selection, reload_ahead_selection
 from ..core.schedule_policy import SchedulePolicy
 from ..core.stats import ResidentBytes
 from ..core.actions import ActionKind
