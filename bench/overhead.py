@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(1)
     x = torch.randn(args.batch, args.hidden, device=device)
-    bookkeeping_mgr = chunk_offload.OffloadManager(min_offload_bytes=1, offload=False, measure_time=False)
-    offload_mgr = chunk_offload.OffloadManager(min_offload_bytes=1, measure_time=False)
+    bookkeeping_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, offload=False, measure_time=False))
+    offload_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False))
     managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr}
     runs = {}
     for mode in MODES:

@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     print("  " + " ".join(f"{k}{m}" for k, m in one_f_one_b(args.stage, args.stages, args.microbatches)))
 
     plan = Plan.from_order([(k, m, 0) for k, m in one_f_one_b(args.stage, args.stages, args.microbatches)], source="1F1B")
-    baseline_accounting = chunk_offload.OffloadManager(min_offload_bytes=args.min_offload_bytes, offload=False)
+    baseline_accounting = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=args.min_offload_bytes, offload=False))
     base_losses, base_grads, base_params = train(args, device, baseline_accounting)
-    offload = chunk_offload.OffloadManager(min_offload_bytes=args.min_offload_bytes, schedule_policy=PlanPolicy(plan))
+    offload = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=args.min_offload_bytes), schedule_policy=PlanPolicy(plan))
     losses, grads, params = train(args, device, offload)
 
     print("\nloss per microbatch (no offload | offload):")

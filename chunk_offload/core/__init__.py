@@ -1,45 +1,53 @@
-"""The offload engine in plain torch: streams, host pool, policy, groups, handlers, manager.
+"""The offload engine in plain torch: streams, host pool, policies, groups, handlers, manager.
 
-Nothing here imports megatron or transformer_engine; integrations build on top.
+Nothing here imports megatron or transformer_engine; integrations build on the names below
+(`OffloadManager` and its scopes, `Action`/`ChunkKey`, `SchedulePolicy`, ...). The handler
+(`ChunkOffloadHandler`) keeps Transformer Engine's offload-handler protocol; there is no
+Transformer Engine integration beyond that protocol.
 """
 
+from .actions import Action, ActionKind, ChunkKey, diff_actions, format_actions
+from .config import OffloadConfig
 from .errors import ChunkOffloadError, HappensBeforeError
-from .functions import GroupFunctions, build_group_functions
-from .group import GroupState, OffloadGroup
-from .handler import ChunkKey, ChunkOffloadHandler
-from .host_pool import HostBuffer, HostPool, HostPoolStats
-from .manager import ModuleOffload, OffloadConfig, OffloadManager
-from .policy import OffloadPolicy, is_marked_not_offloadable, mark_not_offloadable
+from .group import GroupState
+from .handler import ChunkOffloadHandler
+from .host_pool import HostPool, HostPoolStats
+from .manager import OffloadManager
+from .marks import ModuleOffload
+from .ordering import prefetch_selection, reload_ahead_selection
 from .schedule_policy import SchedulePolicy
 from .stats import GroupStats, IterationRecord, OffloadStats
 from .streams import CpuStreams, CudaStreams, Event, Stream, StreamBackend, default_streams
+from .tensor_policy import OffloadPolicy, is_marked_not_offloadable, mark_not_offloadable
 
 __all__ = [
+    "Action",
+    "ActionKind",
     "ChunkKey",
     "ChunkOffloadError",
     "ChunkOffloadHandler",
     "CpuStreams",
     "CudaStreams",
     "Event",
-    "GroupFunctions",
     "GroupState",
     "GroupStats",
     "HappensBeforeError",
-    "HostBuffer",
     "HostPool",
     "HostPoolStats",
     "IterationRecord",
     "ModuleOffload",
     "OffloadConfig",
-    "OffloadGroup",
     "OffloadManager",
     "OffloadPolicy",
     "OffloadStats",
     "SchedulePolicy",
     "Stream",
     "StreamBackend",
-    "build_group_functions",
     "default_streams",
+    "diff_actions",
+    "format_actions",
     "is_marked_not_offloadable",
     "mark_not_offloadable",
+    "prefetch_selection",
+    "reload_ahead_selection",
 ]

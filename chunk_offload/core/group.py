@@ -1,14 +1,15 @@
 """One offload group: the tensors one call of one submodule saved, and their copies.
 
-A group moves through an explicit state machine (`GroupState`). Every operation checks the
-state it expects with `OffloadGroup._expect`, so a call out of order is an error naming the
-state, never a silent wrong result.
+A group moves through an explicit state machine (`GroupState`). Every change of state goes
+through `OffloadGroup._to`, which checks it against one table (`TRANSITIONS`), and every
+operation checks the state it expects (`OffloadGroup._expect`, or `internal_assert` for
+states only a bug of ours can produce), so a call out of order is an error naming the state,
+never a silent wrong result.
 
-Saved tensors that share one storage are copied once: the group copies the byte span of the
-storage that its views use and rebuilds each view (dtype, shape, stride, offset) on reload.
-Each saved tensor is represented by a `SavedRef`, the object autograd keeps in its graph;
-when autograd drops the last `SavedRef` of a storage (after the backward node that used it,
-or when the graph is freed) the group frees that storage's device and host copies.
+Each saved tensor is represented by a `saved.SavedRef`, the object autograd keeps in its graph;
+views of one storage share a `saved.Storage` that is copied once. When autograd drops the last
+`SavedRef` of a storage (after the backward node that used it, or when the graph is freed) the
+group frees that storage's device and host copies.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ._torch_compat import storage_key
 from .errors import ChunkOffloadError, internal_assert
-from .host_pool import HostBuffer, HostPool
-from .streams import Event, Mark, StreamBackend
+from .host_pool import HostPool
+from .saved import SavedRef, Storage, alive, byte_view
 from .stats import ResidentBytes, StatsRecorder
+from .streams import Event, StreamBackend
 
 if TYPE_CHECKING:
     from .handler import ChunkOffloadHandler
 
-__all__ = ["GroupState", "OffloadGroup", "SavedRef", "EngineContext", "WAIT_NAMES", "version_probe", "check_version"]
+__all__ = ["EngineContext", "GroupState", "OffloadGroup", "TRANSITIONS", "WAIT_NAMES"]
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
@@ -75,70 +78,19 @@ class GroupState(enum.Enum):
     DISCARDED = "discarded"  # its chunk or iteration raised; nothing may be unpacked
 
 
-class _Storage:
-    """One device storage saved in a group (through one or more views) and its copies."""
-
-    __slots__ = ("key", "refs", "start", "nbytes", "device_bytes", "host", "on_host", "live", "save_mark", "pinned")
-
-    def __init__(self, key: int, save_mark: Mark | None) -> None:
-        self.key = key
-        self.refs: list[weakref.ref[SavedRef]] = []  # weak: autograd owns the SavedRefs
-        self.start = 0
-        self.nbytes = 0
-        self.device_bytes: torch.Tensor | None = None  # uint8 span on device (original or reloaded)
-        self.host: HostBuffer | None = None
-        self.on_host = False  # the host copy is the only one (counted in `ResidentBytes.host`)
-        self.live = 0  # SavedRefs autograd still holds
-        self.save_mark = save_mark  # last compute moment a view of it was saved (R1)
-        self.pinned = False  # another view of it stays on device in this group: copying frees nothing
-
-
-class SavedRef:
-    """What the saved-tensor hook hands autograd for one offloaded tensor."""
-
-    __slots__ = ("group", "storage", "tensor", "version", "probe", "dtype", "size", "stride", "offset_bytes", "__weakref__")
-
-    def __init__(self, group: "OffloadGroup", storage: _Storage, tensor: torch.Tensor) -> None:
-        self.group = group
-        self.storage = storage
-        # The original's memory, held until the device copy is released. A detached alias (same
-        # storage and version counter, no grad_fn): holding a saved *output* itself would make a
-        # cycle (tensor -> its node -> this ref -> tensor) that a retained graph (retain_graph,
-        # zero-bubble input-gradient steps) never frees by reference counting.
-        self.tensor: torch.Tensor | None = tensor.detach()
-        self.version = tensor._version
-        # Autograd's version counter is read through ``tensor`` while it is held, and through a
-        # storage-less probe made when the original is dropped (`drop_original`), so that groups
-        # kept on device never pay for one.
-        self.probe: torch.Tensor | None = None
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset_bytes = tensor.storage_offset() * tensor.element_size()
-
-    def drop_original(self) -> None:
-        """Stop holding the device original, keeping a probe of its version counter."""
-        if self.tensor is not None:
-            self.probe = version_probe(self.tensor)
-            self.tensor = None
-
-    def check_version(self, group_name: str) -> None:
-        """Raise autograd's error if the saved tensor changed in place since it was saved."""
-        counter = self.tensor if self.tensor is not None else self.probe
-        if counter is not None:  # neither: the group was discarded, and unpack says so
-            check_version(counter, self.version, self.size, group_name)
-
-    def span(self) -> tuple[int, int]:
-        """Bytes ``[start, end)`` of the storage this view touches."""
-        if self.tensor.numel() == 0:
-            return self.offset_bytes, self.offset_bytes
-        extent = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride))
-        return self.offset_bytes, self.offset_bytes + extent * self.tensor.element_size()
-
-    def __del__(self) -> None:
-        group = self.group
-        if group is not None:
-            group._ref_freed(self.storage)
+_S = GroupState
+TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
+    _S.COLLECTING: frozenset({_S.KEPT, _S.OFFLOADING, _S.DISCARDED}),
+    _S.KEPT: frozenset({_S.RELEASED, _S.DISCARDED}),
+    # -> RESIDENT: backward reached the group before its device tensors were released (cancel)
+    _S.OFFLOADING: frozenset({_S.ON_HOST, _S.RESIDENT, _S.RELEASED, _S.DISCARDED}),
+    _S.ON_HOST: frozenset({_S.RELOADING, _S.RELEASED, _S.DISCARDED}),
+    _S.RELOADING: frozenset({_S.RESIDENT, _S.DISCARDED}),
+    _S.RESIDENT: frozenset({_S.RELEASED, _S.DISCARDED}),
+    _S.RELEASED: frozenset(),
+    _S.DISCARDED: frozenset(),
+}
+"""Every allowed change of a group's state; `OffloadGroup._to` refuses any other."""
 
 
 class OffloadGroup:
@@ -152,7 +104,7 @@ class OffloadGroup:
         self.input_nodes: set = set()  # grad_fns of the group's inputs (set by group_start)
         self.activations: frozenset[int] = frozenset()  # storages of leaf inputs that are activations
         self._ctx: EngineContext = handler.ctx
-        self._storages: dict[int, _Storage] = {}
+        self._storages: dict[int, Storage] = {}
         self._live_storages = 0
         self._kept_storages: set[int] = set()  # storages of views the policy left on device
         self._d2h_event: Event | None = None
@@ -164,6 +116,21 @@ class OffloadGroup:
         return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.handler.key}, state={self.state.value})"
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def is_empty(self) -> bool:
+        """Whether the committed group holds no storage (it saved nothing offloadable that is alive)."""
+        return not self._storages
+
+    def _to(self, state: GroupState) -> None:
+        """The one place a group changes state, checked against `TRANSITIONS`."""
+        internal_assert(state in TRANSITIONS[self.state], f"{self!r}: transition to {state.value!r} is not allowed")
+        self.state = state
+
+    def release_empty(self) -> None:
+        """A committed group kept on device that holds nothing is released at once."""
+        internal_assert(self.is_empty, f"release_empty of {self!r}, which holds storages")
+        self._to(GroupState.RELEASED)
+
     def _expect(self, allowed: tuple[GroupState, ...], action: str) -> None:
         if self.state not in allowed:
             if self.state is GroupState.DISCARDED:
@@ -187,12 +154,11 @@ class OffloadGroup:
     def save(self, tensor: torch.Tensor) -> SavedRef:
         """Register a saved tensor of this group (the pack hook)."""
         self._expect((GroupState.COLLECTING,), "save a tensor into")
-        storage_obj = tensor.untyped_storage()
-        key = storage_obj._cdata  # unique while we hold the tensor, hence the storage
+        key = storage_key(tensor)  # unique while we hold the tensor, hence the storage
         mark = self._ctx.streams.compute.tick()
         storage = self._storages.get(key)
         if storage is None:
-            storage = self._storages[key] = _Storage(key, mark)
+            storage = self._storages[key] = Storage(key, mark)
             self._live_storages += 1
         else:
             storage.save_mark = mark
@@ -208,7 +174,7 @@ class OffloadGroup:
         whole storage on device, so a copy would free nothing while counting its bytes as moved.
         """
         if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
-            self._kept_storages.add(tensor.untyped_storage()._cdata)
+            self._kept_storages.add(storage_key(tensor))
 
     def commit(self) -> None:
         """Close the group: fix each storage's span, account its bytes, start copies to host."""
@@ -218,7 +184,7 @@ class OffloadGroup:
         stats.groups += 1
         dropped = []
         for key, storage in self._storages.items():
-            refs = _alive(storage)
+            refs = alive(storage)
             if not refs:  # autograd already dropped every view saved in this storage
                 dropped.append(key)
                 continue
@@ -239,13 +205,13 @@ class OffloadGroup:
         self._kept_storages = set()
         ctx.resident.saved(self.saved_bytes)  # one change: the mark sees the group as a whole
         if not self.handler.offload or all(storage.pinned for storage in self._storages.values()):
-            self.state = GroupState.KEPT
+            self._to(GroupState.KEPT)
             return
         try:
             self._offload()
         except BaseException:
             # The bytes are accounted as saved: as a kept group, discard() or autograd frees them.
-            self.state = GroupState.KEPT
+            self._to(GroupState.KEPT)
             raise
 
     def _offload(self) -> None:
@@ -264,8 +230,8 @@ class OffloadGroup:
                 d2h.require(buf.fence.mark, rule="R3", what=f"offload of {self.name!r} writing a reused host buffer")
             d2h.require(storage.save_mark, rule="R1", what=f"offload of {self.name!r} reading a saved tensor")
             storage.host = buf
-            refs = _alive(storage)
-            storage.device_bytes = _byte_view(refs[0].tensor, storage.start, storage.nbytes)
+            refs = alive(storage)
+            storage.device_bytes = byte_view(refs[0].tensor, storage.start, storage.nbytes)
             src, dst = storage.device_bytes, buf.view()
             _, timing = d2h.launch(
                 lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time, nbytes=storage.nbytes
@@ -274,12 +240,17 @@ class OffloadGroup:
             stats.bytes_offloaded += storage.nbytes
             stats.tensors_offloaded += len(refs)
         self._d2h_event = d2h.record_event()
-        self.state = GroupState.OFFLOADING
+        self._to(GroupState.OFFLOADING)
 
     def release_device(self) -> None:
-        """Drop the device tensors once compute waited on their offload (frees device memory)."""
-        if self.state is not GroupState.OFFLOADING:
+        """Drop the device tensors once compute waited on their offload (frees device memory).
+
+        No-op when backward already reached the group (its offload was cancelled: RESIDENT) or
+        autograd already freed all of it (RELEASED); any other state is a bug of ours.
+        """
+        if self.state in (GroupState.RESIDENT, GroupState.RELEASED):
             return
+        internal_assert(self.state is GroupState.OFFLOADING, f"release_device of {self!r}")
         compute = self._ctx.streams.compute
         self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
         compute.require(self._d2h_event.mark, rule="R2", what=f"release of offloaded tensors of {self.name!r}")
@@ -287,28 +258,29 @@ class OffloadGroup:
             if storage.live and not storage.pinned:
                 storage.device_bytes = None
                 storage.on_host = True
-                for ref in _alive(storage):
+                for ref in alive(storage):
                     ref.drop_original()
                 self._ctx.resident.moved_to_host(storage.nbytes)
-        self.state = GroupState.ON_HOST
+        self._to(GroupState.ON_HOST)
 
     # ------------------------------------------------------------------ backward
     def reload(self) -> None:
-        """Start the copies back to device (idempotent; prefetch and on-demand share it)."""
+        """Start the copies back to device (idempotent; prefetch and on-demand share it).
+
+        No-op for a group already reloading or resident, kept on device, or released; an open
+        or discarded group raises.
+        """
         if self.state is GroupState.OFFLOADING:
             self._cancel_offload()
             return
         if self.state is not GroupState.ON_HOST:
-            self._expect(
-                (GroupState.ON_HOST, GroupState.RELOADING, GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED),
-                "reload",
-            )
+            self._expect((GroupState.RELOADING, GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED), "reload")
             return
         ctx = self._ctx
         streams = ctx.streams
         h2d = streams.h2d
         stats = ctx.stats.group(self.name)
-        pending: list[_Storage] = []
+        pending: list[Storage] = []
         for storage in self._storages.values():
             if not storage.live or storage.pinned:
                 continue
@@ -337,7 +309,7 @@ class OffloadGroup:
         for storage in pending:
             ctx.pool.release(storage.host, self._h2d_event)
             storage.host = None
-        self.state = GroupState.RELOADING
+        self._to(GroupState.RELOADING)
 
     def _cancel_offload(self) -> None:
         """Backward reached the group before its device tensors were released: keep them."""
@@ -346,16 +318,22 @@ class OffloadGroup:
                 self._ctx.pool.release(storage.host, self._d2h_event)
                 storage.host = None
         self._offload_cancelled = True
-        self.state = GroupState.RESIDENT
+        self._to(GroupState.RESIDENT)
 
     def ensure_resident(self) -> None:
-        """Make compute wait for the group's reload, starting it if nobody prefetched it."""
+        """Make compute wait for the group's reload, starting it if nobody prefetched it.
+
+        No-op for a group resident, kept on device or released (it saved nothing alive); an
+        open or discarded group raises (its tensors cannot be used).
+        """
         if self.state in (GroupState.ON_HOST, GroupState.OFFLOADING):
             self.reload()
         if self.state is GroupState.RELOADING:
             compute = self._ctx.streams.compute
             self._wait(compute, self._h2d_event, "use_after_reload", "wait_time_s")
-            self.state = GroupState.RESIDENT
+            self._to(GroupState.RESIDENT)
+            return
+        self._expect((GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED), "unpack a tensor of")
 
     def unpack(self, ref: SavedRef) -> torch.Tensor:
         """Return the saved tensor for autograd (the unpack hook)."""
@@ -375,13 +353,13 @@ class OffloadGroup:
         )
 
     # ------------------------------------------------------------------ lifetime
-    def _ref_freed(self, storage: _Storage) -> None:
+    def _ref_freed(self, storage: Storage) -> None:
         storage.live -= 1
         if storage.live or self.state in (GroupState.DISCARDED, GroupState.COLLECTING):
             return
         self._free_storage(storage)
 
-    def _free_storage(self, storage: _Storage) -> None:
+    def _free_storage(self, storage: Storage) -> None:
         ctx = self._ctx
         if self.state is GroupState.RELOADING:
             # Autograd dropped a prefetched tensor without using it. The reload may still write
@@ -402,7 +380,7 @@ class OffloadGroup:
         ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:
-            self.state = GroupState.RELEASED
+            self._to(GroupState.RELEASED)
             self.handler._group_released(self)
 
     def discard(self) -> None:
@@ -417,40 +395,7 @@ class OffloadGroup:
             if committed and storage.live:
                 self._ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
             storage.device_bytes = None
-            for ref in _alive(storage):
+            for ref in alive(storage):
                 ref.tensor = None
             storage.refs = []
-        self.state = GroupState.DISCARDED
-
-
-def version_probe(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor sharing ``tensor``'s version counter that holds none of its memory.
-
-    Autograd checks saved tensors for in-place changes only when no saved-tensor hooks are
-    installed, so the hooks must check themselves, also after the original tensor is gone.
-    """
-    probe = tensor.detach()  # shares the version counter
-    probe.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # keeps the counter, drops the storage
-    return probe
-
-
-def check_version(probe: torch.Tensor, version: int, size, group_name: str) -> None:
-    """Raise autograd's error if the tensor behind ``probe`` changed in place since it was saved."""
-    if probe._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: saved tensor of shape {list(size)} in offload group {group_name!r} is at "
-            f"version {probe._version}; expected version {version} instead."
-        )
-
-
-def _alive(storage: _Storage) -> list[SavedRef]:
-    return [ref for weak in storage.refs if (ref := weak()) is not None]
-
-
-def _byte_view(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over bytes ``[start, start + nbytes)`` of ``tensor``'s storage."""
-    with torch.no_grad():
-        return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-            tensor.untyped_storage(), start, (nbytes,), (1,)
-        )
+        self._to(GroupState.DISCARDED)

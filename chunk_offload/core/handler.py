@@ -13,20 +13,24 @@ Backward runs groups in reverse: when group g's backward starts, compute waits f
 reload (issued now if nobody prefetched it) and the reload of g - 1 is issued, so it overlaps
 g's backward compute. A `SchedulePolicy` may start the reload of a chunk's last groups
 earlier, during the action before the chunk's backward (`prefetch`), or keep a chunk whose
-backward follows at once on device (``offload=False``).
+backward follows at once on device (``offload=False``). Which groups are reloaded early is
+decided in `ordering.py` (NOTE [Reload order]).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from .actions import ChunkKey
 from .errors import ChunkOffloadError
-from .group import EngineContext, GroupState, OffloadGroup, SavedRef, check_version
+from .group import EngineContext, GroupState, OffloadGroup
+from .saved import SavedRef, check_version
+from .ordering import prefetch_selection, reload_ahead_selection
 
-__all__ = ["ChunkKey", "ChunkOffloadHandler"]
+__all__ = ["ChunkOffloadHandler"]
 
 _TE_GROUP_NAME = "te_group"
 
@@ -40,16 +44,6 @@ class _KeptRef:
         self.tensor = tensor.detach()  # no grad_fn: see SavedRef.tensor
         self.version = tensor._version
         self.group_name = group_name
-
-
-class ChunkKey(NamedTuple):
-    """Which chunk: the microbatch and the virtual pipeline stage (model chunk) on this rank."""
-
-    microbatch: int
-    vp_stage: int
-
-    def __str__(self) -> str:
-        return f"(microbatch={self.microbatch}, vp_stage={self.vp_stage})"
 
 
 class ChunkOffloadHandler:
@@ -119,9 +113,9 @@ class ChunkOffloadHandler:
         self._release_held()
         if group.state is GroupState.OFFLOADING:
             self._holding.append(group)
-        if group.state is GroupState.KEPT and not group._storages:
+        if group.state is GroupState.KEPT and group.is_empty:
             self._group_released(group)
-            group.state = GroupState.RELEASED
+            group.release_empty()
         return group
 
     def finish_forward(self) -> None:
@@ -151,49 +145,23 @@ class ChunkOffloadHandler:
                 self.ctx.on_backward_start(self)
 
     def _reload_ahead(self, index: int) -> None:
-        """Backward reached group ``index``: start the reloads of the groups before it.
-
-        The group just before is always reloaded (its copy overlaps this group's backward).
-        With ``reload_ahead_bytes``, earlier groups follow while the bytes of the groups before
-        ``index`` that are reloading or resident still fit: a large group behind a small one
-        (a layer's core attention behind its projection) then starts its copy early enough.
-        """
-        if index == 0:
-            return
-        if self.reload_ahead_bytes is None:
-            previous = self.groups[index - 1]
-            if previous.state is GroupState.ON_HOST:
-                previous.reload()
-            return
-        earlier = self.groups[:index]
-        ahead = sum(g.saved_bytes for g in earlier if g.state in (GroupState.RELOADING, GroupState.RESIDENT))
-        for position, candidate in enumerate(reversed(earlier)):
-            if candidate.state is not GroupState.ON_HOST:
-                continue
-            if position > 0 and ahead + candidate.saved_bytes > self.reload_ahead_bytes:
-                break
-            candidate.reload()
-            ahead += candidate.saved_bytes
+        """Backward reached group ``index``: start the reloads NOTE [Reload order] picks."""
+        for i in reload_ahead_selection(self._group_states(), index, self.reload_ahead_bytes):
+            self.groups[i].reload()
 
     def prefetch(self, budget_bytes: int | None = None) -> int:
         """Start reloading the chunk's last groups ahead of its backward; returns the bytes issued.
 
-        Groups are taken from the last one down while their bytes fit in ``budget_bytes``
-        (stopping at the first that does not); None takes one group, the one backward needs
-        first (the engine reloads the group before it when that backward starts). Groups not
-        on host (kept, already reloading, empty) are skipped without counting.
+        Which groups: `chunk_offload.core.ordering.prefetch_selection` (NOTE [Reload order]).
         """
         issued = 0
-        for group in reversed(self.groups):
-            if group.state is not GroupState.ON_HOST:
-                continue
-            if budget_bytes is not None and issued + group.saved_bytes > budget_bytes:
-                break
-            group.reload()
-            issued += group.saved_bytes
-            if budget_bytes is None:
-                break
+        for i in prefetch_selection(self._group_states(), budget_bytes):
+            self.groups[i].reload()
+            issued += self.groups[i].saved_bytes
         return issued
+
+    def _group_states(self) -> list[tuple[GroupState, int]]:
+        return [(g.state, g.saved_bytes) for g in self.groups]
 
     def group_bytes(self) -> list[int]:
         """Saved bytes of each committed group, in forward order."""

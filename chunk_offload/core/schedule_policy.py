@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .handler import ChunkKey
+from .actions import ChunkKey
 
 __all__ = ["SchedulePolicy"]
 

@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .actions import Action
 from .host_pool import HostPoolStats
 from .streams import Timing
 
@@ -95,9 +96,9 @@ class IterationRecord:
     """(microbatch, vp_stage) -> saved bytes of each of the chunk's groups, in forward order."""
     groups: dict[str, GroupStats]
     """Counters of this iteration per group name (bytes, copy and wait seconds)."""
-    order: list[tuple[str, int, int]]
-    """("F" | "B", microbatch, vp_stage) as the engine saw the chunks start forward and backward
-    (backward: when it first reached one of the chunk's groups)."""
+    order: list[Action]
+    """The F and B `Action`s as the engine saw the chunks start forward and backward (backward:
+    when it first reached one of the chunk's groups)."""
     wall_time_s: float
     """Host wall time of the iteration (on CUDA with ``measure_time`` the device is synchronised at both ends)."""
 

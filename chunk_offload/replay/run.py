@@ -29,6 +29,7 @@ from typing import Any, Literal, Sequence
 
 import torch
 
+from ..core.config import OffloadConfig
 from ..core.errors import ChunkOffloadError, internal_assert
 from ..core.schedule_policy import SchedulePolicy
 from ..core.stats import IterationRecord
@@ -36,7 +37,8 @@ from ..core.streams import StreamBackend
 from ..integrations.megatron import MegatronOffloadManager, attach
 from ..report.stage import StageReport, stage_report
 from ..schedule import PlanPolicy, Simulation, simulate
-from ..schedule.plan import ActionKind, Plan
+from ..core.actions import ActionKind
+from ..schedule.plan import Plan
 from .stage import MegatronStage
 
 __all__ = ["ModeResult", "ReplayResult", "replay"]
@@ -239,7 +241,7 @@ def replay(
         )
     elif schedule_policy is None:
         schedule_policy = SchedulePolicy()
-    manager = attach(stage.chunks, modules, streams=streams, schedule_policy=schedule_policy, **options)
+    manager = attach(stage.chunks, modules, config=OffloadConfig(**options), streams=streams, schedule_policy=schedule_policy)
     try:
         runner = _Runner(stage, plan, manager, keep_tensors=keep_tensors)
         for _ in range(warmup):

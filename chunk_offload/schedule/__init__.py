@@ -1,14 +1,14 @@
 """The plan: each pipeline rank's ordered actions, and the decisions taken from it.
 
-- `Plan`, `Action`, `ActionKind`: the actions of one rank for one iteration, as data;
+- `Plan`: the actions (`chunk_offload.core.Action`) of one rank for one iteration, as data;
 - `megatron_plan`: Megatron's 1F1B and interleaved 1F1B plans, from Megatron's own tables;
 - `PlanPolicy`: offload by lifespan and prefetch the next backward chunk (a `SchedulePolicy`);
 - `simulate`: the saved-bytes accounting a plan gives, exact against the engine's.
 """
 
 from .megatron import megatron_plan
-from .plan import Action, ActionKind, Plan
-from .policy import PlanPolicy
+from .plan import Plan
+from .plan_policy import PlanPolicy
 from .simulate import Simulation, simulate
 
-__all__ = ["Action", "ActionKind", "Plan", "PlanPolicy", "Simulation", "megatron_plan", "simulate"]
+__all__ = ["Plan", "PlanPolicy", "Simulation", "megatron_plan", "simulate"]

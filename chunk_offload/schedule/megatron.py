@@ -13,7 +13,8 @@ import warnings
 from types import SimpleNamespace
 
 from ..core.errors import ChunkOffloadError
-from .plan import Action, ActionKind, Plan
+from ..core.actions import Action, ActionKind
+from .plan import Plan
 
 __all__ = ["megatron_plan"]
 

@@ -1,59 +1,19 @@
 """The plan: one pipeline rank's ordered actions for one iteration, as data.
 
-An `Action` is one forward (``F``), backward (``B``; under zero-bubble schedules only the
-input-gradient part) or weight-gradient step (``W``) of one (microbatch, virtual stage) chunk.
-Its compact form is ``<vp_stage><kind><microbatch>``, e.g. ``1F0`` or ``0B3``, as in
-torch.distributed.pipelining's action strings.
+Each `chunk_offload.core.Action` is one forward (``F``), backward (``B``; under zero-bubble
+schedules only the input-gradient part) or weight-gradient step (``W``) of one (microbatch,
+virtual stage) chunk.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Sequence
 
+from ..core.actions import Action, ActionKind, diff_actions, format_actions
 from ..core.errors import ChunkOffloadError
 
-__all__ = ["Action", "ActionKind", "Plan"]
-
-
-class ActionKind(str, enum.Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-    """The whole backward, or its input-gradient part when a W step follows."""
-    WEIGHT = "W"
-    """Zero-bubble weight-gradient step: the saved tensors it needs live until it ran."""
-
-
-class Action(NamedTuple):
-    """One step of a rank: ``kind`` of chunk (``microbatch``, ``vp_stage``)."""
-
-    kind: ActionKind
-    microbatch: int
-    vp_stage: int
-
-    @property
-    def chunk(self) -> tuple[int, int]:
-        return (self.microbatch, self.vp_stage)
-
-    def __str__(self) -> str:
-        return f"{self.vp_stage}{self.kind.value}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        """``"1F0"`` -> Action(F, microbatch=0, vp_stage=1)."""
-        for kind in ActionKind:
-            vp, sep, mb = text.partition(kind.value)
-            if sep and vp.isdigit() and mb.isdigit():
-                return cls(kind, int(mb), int(vp))
-        raise ChunkOffloadError(f"cannot parse action {text!r}; expected <vp_stage><F|B|W><microbatch>, e.g. '1F0'")
-
-
-def _as_action(item: Action | tuple | str) -> Action:
-    if isinstance(item, str):
-        return Action.parse(item)
-    kind, microbatch, vp_stage = item
-    return Action(ActionKind(kind), int(microbatch), int(vp_stage))
+__all__ = ["Plan"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +32,7 @@ class Plan:
     """Where the plan came from (``"megatron 1F1B"``, ``"observed"``, ...), for messages."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "actions", tuple(_as_action(a) for a in self.actions))
+        object.__setattr__(self, "actions", tuple(Action.of(a) for a in self.actions))
         self.validate()
 
     @classmethod
@@ -145,27 +105,13 @@ class Plan:
 
     def diff(self, observed: Sequence[Action | tuple | str]) -> str | None:
         """None when ``observed`` is this plan; else a description of the first difference."""
-        got = [_as_action(a) for a in observed]
-        for step, (want, have) in enumerate(zip(self.actions, got)):
-            if want != have:
-                return f"step {step}: {self._name} says {want}, observed {have}\n" + self._side_by_side(got, step)
-        if len(got) != len(self.actions):
-            return f"{self._name} has {len(self.actions)} actions, observed {len(got)}\n" + self._side_by_side(
-                got, min(len(got), len(self.actions))
-            )
-        return None
+        return diff_actions(self.actions, [Action.of(a) for a in observed], name=self._name)
 
     # ------------------------------------------------------------------ display
     def format(self, *, mark: int | None = None) -> str:
         """The actions in one line, ``[...]`` around step ``mark``."""
-        return " ".join(f"[{a}]" if i == mark else str(a) for i, a in enumerate(self.actions))
+        return format_actions(self.actions, mark=mark)
 
-    def _side_by_side(self, observed: list[Action], mark: int) -> str:
-        return f"  plan:     {self.format(mark=mark)}\n  observed: {Plan.format_actions(observed, mark=mark)}"
-
-    @staticmethod
-    def format_actions(actions: Sequence[Action], *, mark: int | None = None) -> str:
-        return " ".join(f"[{a}]" if i == mark else str(a) for i, a in enumerate(actions))
 
     def __str__(self) -> str:
         return f"Plan({self.source}, pp_rank={self.pp_rank}/{self.pp_size}, vp={self.vp_size}: {self.format()})"

@@ -8,8 +8,9 @@ measured peaks to the byte:
 - forward of a chunk: the policy's prefetches for this action; then per group in forward
   order: its bytes are saved, then the groups committed before it are moved to host (the
   group itself is held until the next commit); at the end of the chunk the last group moves;
-- backward of a chunk, per group from the last: the group is reloaded if on host, the group
-  before it is reloaded (one ahead; more while the policy's ``reload_ahead_bytes`` allow), on
+- backward of a chunk, per group from the last: the group is reloaded if on host, the groups
+  `chunk_offload.core.ordering.reload_ahead_selection` picks are reloaded (the same function
+  the engine calls: one ahead; more while the policy's ``reload_ahead_bytes`` allow), on
   the first group the policy's prefetches for this action are issued, then autograd frees the
   group's bytes;
 - zero-bubble plans (``W`` actions): a chunk's ``B`` reloads its groups and its ``W`` frees
@@ -25,16 +26,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from ..core.errors import ChunkOffloadError
-from ..core.handler import ChunkKey
+from ..core import ChunkKey, GroupState, prefetch_selection, reload_ahead_selection
 from ..core.schedule_policy import SchedulePolicy
 from ..core.stats import ResidentBytes
-from .plan import ActionKind, Plan
+from ..core.actions import ActionKind
+from .plan import Plan
 
 __all__ = ["Simulation", "simulate"]
 
 GroupBytes = Mapping[int, Sequence[int]] | Mapping[tuple[int, int], Sequence[int]] | Callable[[int, int], Sequence[int]]
 
-_HELD, _HOST, _RESIDENT, _FREED = "held", "host", "resident", "freed"
 
 
 @dataclass
@@ -113,7 +114,7 @@ class _Run:
         self.timeline: list[tuple[int, int]] = []
         self.step = 0
         self.bytes: dict[tuple[int, int], list[int]] = {}
-        self.state: dict[tuple[int, int], list[str]] = {}
+        self.state: dict[tuple[int, int], list[GroupState]] = {}
         self.kept: list[tuple[int, int]] = []
         self.bytes_offloaded = 0
         self.weight_steps = {a.chunk for a in plan.actions if a.kind is ActionKind.WEIGHT}
@@ -144,7 +145,7 @@ class _Run:
         held: list[int] = []
         for g, nbytes in enumerate(sizes):
             if nbytes == 0:  # a group that saved nothing offloadable is released at commit
-                states.append(_FREED)
+                states.append(GroupState.RELEASED)
                 continue
             self.resident.saved(nbytes)
             self._note()
@@ -152,21 +153,25 @@ class _Run:
                 self.bytes_offloaded += nbytes
                 self._move_to_host(chunk, held)
                 held = [g]
-                states.append(_HELD)
+                states.append(GroupState.OFFLOADING)
             else:
-                states.append(_RESIDENT)
+                states.append(GroupState.KEPT)
         self._move_to_host(chunk, held)
 
     def _move_to_host(self, chunk: tuple[int, int], groups: list[int]) -> None:
         for g in groups:
             self.resident.moved_to_host(self.bytes[chunk][g])
-            self.state[chunk][g] = _HOST
+            self.state[chunk][g] = GroupState.ON_HOST
             self._note()
 
+    def _groups(self, chunk: tuple[int, int]) -> list[tuple[GroupState, int]]:
+        return list(zip(self.state[chunk], self.bytes[chunk]))
+
     def _reload(self, chunk: tuple[int, int], g: int) -> None:
-        if self.state[chunk][g] == _HOST:
+        """A reload; reloading and resident are one state here (RESIDENT: no copy takes time)."""
+        if self.state[chunk][g] is GroupState.ON_HOST:
             self.resident.moved_to_device(self.bytes[chunk][g])
-            self.state[chunk][g] = _RESIDENT
+            self.state[chunk][g] = GroupState.RESIDENT
             self._note()
 
     def _backward(self, chunk: tuple[int, int], *, free: bool) -> None:
@@ -181,26 +186,13 @@ class _Run:
                 self._free(chunk, g)
 
     def _reload_ahead(self, chunk: tuple[int, int], g: int, budget: int | None) -> None:
-        """As `ChunkOffloadHandler._reload_ahead` (reloading and resident are one state here)."""
-        if g == 0:
-            return
-        if budget is None:
-            self._reload(chunk, g - 1)
-            return
-        sizes, states = self.bytes[chunk], self.state[chunk]
-        ahead = sum(sizes[i] for i in range(g) if states[i] == _RESIDENT)
-        for position, i in enumerate(reversed(range(g))):
-            if states[i] != _HOST:
-                continue
-            if position > 0 and ahead + sizes[i] > budget:
-                break
+        for i in reload_ahead_selection(self._groups(chunk), g, budget):  # as the engine (NOTE [Reload order])
             self._reload(chunk, i)
-            ahead += sizes[i]
 
     def _free(self, chunk: tuple[int, int], g: int) -> None:
-        if self.state[chunk][g] == _RESIDENT:
+        if self.state[chunk][g] in (GroupState.RESIDENT, GroupState.KEPT):
             self.resident.freed(self.bytes[chunk][g], on_host=False)
-            self.state[chunk][g] = _FREED
+            self.state[chunk][g] = GroupState.RELEASED
             self._note()
 
     def _free_all(self, chunk: tuple[int, int]) -> None:
@@ -210,16 +202,7 @@ class _Run:
     def _prefetch(self, requests) -> None:
         for key, budget in requests:
             chunk = tuple(key)
-            states = self.state.get(chunk)
-            if states is None:
+            if chunk not in self.state:
                 continue  # not run forward yet: the engine skips it too
-            issued = 0
-            for g in reversed(range(len(states))):  # as ChunkOffloadHandler.prefetch
-                if states[g] != _HOST:
-                    continue
-                if budget is not None and issued + self.bytes[chunk][g] > budget:
-                    break
+            for g in prefetch_selection(self._groups(chunk), budget):  # as the engine (NOTE [Reload order])
                 self._reload(chunk, g)
-                issued += self.bytes[chunk][g]
-                if budget is None:
-                    break

@@ -9,6 +9,7 @@ and returns every loss and every parameter gradient, so tests compare them with
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chunk_offload
+from chunk_offload.core.group import WAIT_NAMES
 
 HIDDEN = 32
 HEADS = 4
@@ -81,8 +83,24 @@ def no_saved_tensor_hooks() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+class Fn(nn.Module):
+    """A module whose forward is ``fn``; offloaded as one group."""
+
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def assert_clean(manager: chunk_offload.OffloadManager) -> None:
-    """Nothing left: no saved-tensor hook, no pool buffer in use, no bytes accounted, no live chunk."""
+    """Nothing left: no saved-tensor hook, no pool buffer in use, no bytes accounted, no live chunk.
+
+    Collects garbage first: several cases drop a graph, or keep one alive through an exception's
+    traceback, and its saved tensors are freed only then.
+    """
+    gc.collect()
     assert no_saved_tensor_hooks(), "saved-tensor hooks left installed"
     stats = manager.stats()
     assert stats.pool.in_use_bytes == 0
@@ -91,6 +109,20 @@ def assert_clean(manager: chunk_offload.OffloadManager) -> None:
     assert stats.host_bytes == 0
     assert manager.live_chunks() == []
     assert manager.current_handler is None
+
+
+def manager_skipping_waits(
+    skip: Sequence[str], *, streams: chunk_offload.StreamBackend | None = None
+) -> chunk_offload.OffloadManager:
+    """Test-only: an `OffloadManager` (``min_offload_bytes=1``) whose engine leaves out the waits
+    named in ``skip`` (`chunk_offload.core.group.WAIT_NAMES`), to prove the happens-before
+    checker catches each missing one. Not a public constructor option."""
+    bad = sorted(set(skip) - set(WAIT_NAMES))
+    if bad:
+        raise chunk_offload.ChunkOffloadError(f"unknown wait names {bad}; valid: {list(WAIT_NAMES)}")
+    manager = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1), streams=streams)
+    manager._ctx.skip_waits = frozenset(skip)
+    return manager
 
 
 def make_stack(layers: int = 2, seed: int = 0) -> nn.Sequential:
@@ -229,7 +261,7 @@ def reuse_during_reload(streams, *, skip: Sequence[str] = (), hold_reload: bool 
     ref_a.backward()
     ref_grads_a = [p.grad.clone() for p in reference.parameters()]
 
-    manager = chunk_offload.OffloadManager(min_offload_bytes=1, streams=streams, _test_skip_waits=tuple(skip))
+    manager = manager_skipping_waits(skip, streams=streams)
     pending_at_reuse: list[bool] = []
     held = threading.Event()
     original_acquire = manager.pool.acquire

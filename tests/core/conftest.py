@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from chunk_offload import OffloadManager
+from chunk_offload import OffloadConfig, OffloadManager
 
 
 @pytest.fixture
 def make_manager():
-    """``make(**options)``: an `OffloadManager` (``min_offload_bytes=1`` unless given), closed after the test."""
+    """``make(**fields)``: an `OffloadManager` of ``OffloadConfig(**fields)`` (``min_offload_bytes=1``
+    unless given), closed after the test."""
     managers: list[OffloadManager] = []
 
-    def make(**options) -> OffloadManager:
-        options.setdefault("min_offload_bytes", 1)
-        manager = OffloadManager(**options)
+    def make(**fields) -> OffloadManager:
+        fields.setdefault("min_offload_bytes", 1)
+        manager = OffloadManager(OffloadConfig(**fields))
         managers.append(manager)
         return manager
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from chunk_offload import OffloadManager, OffloadStats
+from chunk_offload import OffloadConfig, OffloadManager, OffloadStats
 from tests.core._models import (
     BATCH,
     HIDDEN,
@@ -57,7 +57,7 @@ def _per_iteration_peaks(*, offload: bool, **schedule) -> tuple[list[Peaks], lis
         stats.append(s)
         manager.reset_stats()
 
-    run_schedule(lambda: OffloadManager(min_offload_bytes=1, offload=offload), after_iteration=after, **schedule)
+    run_schedule(lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload)), after_iteration=after, **schedule)
     return peaks, stats
 
 
@@ -138,7 +138,7 @@ def test_peak_drop_equals_host_bytes_at_peak_when_the_peak_chunk_is_unique():
     seqs = {0: SEQ, 1: SEQ, 2: 2 * SEQ, 3: SEQ}
     results = {}
     for offload in (False, True):
-        manager = OffloadManager(min_offload_bytes=1, offload=offload)
+        manager = OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload))
         try:
             _run_variable_lengths(manager, ONE_F_ONE_B, seqs, layers)
             results[offload] = _peaks(manager.stats())
@@ -209,7 +209,7 @@ def test_bytes_return_to_zero_and_groups_count_calls(order, model_chunks, offloa
                 assert stats.groups[kind].tensors_offloaded == 3 * calls, kind
 
     run_schedule(
-        lambda: OffloadManager(min_offload_bytes=1, offload=offload),
+        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload)),
         order=order,
         model_chunks=model_chunks,
         layers=layers,
@@ -226,7 +226,7 @@ def test_bytes_return_to_zero_and_groups_count_calls(order, model_chunks, offloa
 
 
 def test_stats_are_counted_per_group_name():
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         model = make_stack(2, seed=0)
         register(manager, model, ("mlp_fc1",))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from chunk_offload import OffloadManager
+from chunk_offload import OffloadConfig, OffloadManager
 from tests.core._models import HIDDEN, MODULE_KINDS, Block, RunResult, assert_identical, microbatches
 
 ORDER = ("F0", "F1", "B0", "B1")
@@ -177,7 +177,7 @@ PLACEMENTS = ("inside", "around_block", "around_attn")
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_checkpoint_composes_with_offload(placement: str, reentrant: bool) -> None:
     reference, _ = train(placement, reentrant, None)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         result, log = train(placement, reentrant, manager)
         stats = manager.stats()
@@ -202,7 +202,7 @@ def test_checkpoint_composes_with_offload(placement: str, reentrant: bool) -> No
 def test_checkpoint_inside_offloaded_module_saves_checkpoint_inputs_in_group() -> None:
     """The inputs a non-reentrant checkpoint keeps belong to the enclosing module's group: offloaded."""
     model = make_model("inside", reentrant=False)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         manager.offload_module(model[1].mlp, "mlp")
         x = microbatches(1)[0]

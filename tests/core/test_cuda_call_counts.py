@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from chunk_offload import CpuStreams, OffloadManager
+from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.core import Stream, StreamBackend
 
 HIDDEN = 48  # divisible by 3: the three views are equal thirds
@@ -132,7 +132,7 @@ ITERATION_OPS = _counts(synchronize__d2h=2, synchronize__h2d=2)
 
 def _run(streams: CountingStreams, groups: int, iterations: int, *, measure_time: bool) -> list[dict[str, Counter]]:
     """Train ``groups`` chained ThreeViews groups in one chunk; the ops of each phase per iteration."""
-    manager = OffloadManager(min_offload_bytes=1, streams=streams, measure_time=measure_time)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1, measure_time=measure_time), streams=streams)
     model = nn.Sequential(*[ThreeViews() for _ in range(groups)])
     for i, layer in enumerate(model):
         manager.offload_module(layer, f"g{i}")

@@ -24,7 +24,7 @@ import traceback
 import pytest
 import torch
 
-from chunk_offload import OffloadManager
+from chunk_offload import OffloadConfig, OffloadManager
 from tests._spawn import run_ranks
 from tests.core._models import MODULE_KINDS, make_stack, microbatches, register
 
@@ -59,7 +59,7 @@ def _train(wrapper: str, offload: bool, rank: int) -> dict:
         wrapped = model
     manager = None
     if offload:
-        manager = OffloadManager(min_offload_bytes=1)
+        manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
         register(manager, model)  # after wrapping, as a training script would
     params = list(wrapped.parameters())
     optimizer = torch.optim.SGD(params, lr=0.05)
@@ -140,7 +140,7 @@ def ranks() -> list[dict]:
 def _activation_bytes_per_call() -> dict[str, int]:
     """What one call of each module kind offloads in the unwrapped stack (same shapes, one chunk)."""
     model = make_stack(LAYERS, seed=0)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         register(manager, model)
         with manager.iteration():

@@ -19,28 +19,11 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadManager
-from tests.core._models import HIDDEN, make_stack, microbatches, register
-from tests.core._models import assert_clean as assert_nothing_left
+from tests.core._models import HIDDEN, Fn, assert_clean, make_stack, microbatches, register
 
 B, T, H = 2, 8, 32
 N = B * T
 F32 = 4
-
-
-def assert_clean(mgr: OffloadManager) -> None:
-    gc.collect()  # several cases drop a graph, or keep one alive through an exception's traceback
-    assert_nothing_left(mgr)
-
-
-class Fn(nn.Module):
-    """A module whose forward is ``fn``; offloaded as one group."""
-
-    def __init__(self, fn: Callable) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _iteration(mgr: OffloadManager | None):

@@ -16,15 +16,15 @@ import pytest
 import torch
 from torch import nn
 
-from chunk_offload import ChunkOffloadError, OffloadManager
-from tests.core._models import HIDDEN, assert_clean, make_stack, microbatches, register
+from chunk_offload import ChunkOffloadError, OffloadConfig, OffloadManager
+from tests.core._models import HIDDEN, assert_clean, make_stack, manager_skipping_waits, microbatches, register
 
 CHUNK0 = re.escape("(microbatch=0, vp_stage=0)")
 
 
 @pytest.fixture
 def manager():
-    mgr = OffloadManager(min_offload_bytes=1)
+    mgr = OffloadManager(OffloadConfig(min_offload_bytes=1))
     yield mgr
     mgr.close()
 
@@ -199,7 +199,7 @@ def _worker_threads() -> set[threading.Thread]:
 def test_bogus_on_exhausted_lists_choices():
     before = _worker_threads()
     with pytest.raises(ChunkOffloadError, match=r"on_exhausted='bogus' is not valid; choose one of \('fallback', 'error'\)"):
-        OffloadManager(on_exhausted="bogus")
+        OffloadManager(OffloadConfig(on_exhausted="bogus"))
     gc.collect()
     for thread in _worker_threads() - before:  # a failed constructor must not leave workers behind
         thread.join(10)
@@ -207,21 +207,23 @@ def test_bogus_on_exhausted_lists_choices():
 
 
 def test_unknown_option_lists_valid_options():
+    with pytest.raises(TypeError, match="min_ofload_bytes"):
+        OffloadConfig(min_ofload_bytes=1)
     with pytest.raises(ChunkOffloadError) as info:
-        OffloadManager(min_ofload_bytes=1, pool_size=3)
+        OffloadManager({"min_ofload_bytes": 1, "pool_size": 3})
     message = str(info.value)
-    assert "unknown OffloadManager options ['min_ofload_bytes', 'pool_size']" in message
+    assert "config must be an OffloadConfig" in message and "got dict {'min_ofload_bytes': 1, 'pool_size': 3}" in message
     for name in ("host_pool_bytes", "measure_time", "min_offload_bytes", "offload", "on_exhausted"):
         assert repr(name) in message
 
 
 def test_invalid_option_values():
     with pytest.raises(ChunkOffloadError, match=r"min_offload_bytes must be an int >= 0, got -1"):
-        OffloadManager(min_offload_bytes=-1)
-    with pytest.raises(ChunkOffloadError, match=r"capacity_bytes must be >= 0 or None, got -5"):
-        OffloadManager(host_pool_bytes=-5)
+        OffloadManager(OffloadConfig(min_offload_bytes=-1))
+    with pytest.raises(ChunkOffloadError, match=r"host_pool_bytes must be an int >= 0 or None, got -5"):
+        OffloadManager(OffloadConfig(host_pool_bytes=-5))
     with pytest.raises(ChunkOffloadError, match=r"unknown wait names \['nope'\]; valid: \['offload_after_compute'"):
-        OffloadManager(_test_skip_waits=("nope",))
+        manager_skipping_waits(("nope",))
 
 
 def test_offload_module_arguments(manager):
@@ -283,7 +285,7 @@ def test_chunk_arguments(manager, kwargs, fragment):
 
 def test_messages_carry_the_prefix():
     with pytest.raises(ChunkOffloadError, match=r"^chunk_offload: "):
-        OffloadManager(bad=1)
+        OffloadManager({"bad": 1})
 
 
 # ----------------------------------------------------------------------------- exceptions

@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from chunk_offload import ChunkOffloadError, HostPool, HostPoolStats
+from chunk_offload import ChunkOffloadError, HostPoolStats
+from chunk_offload.core import HostPool
 from chunk_offload.core import Event
 
 

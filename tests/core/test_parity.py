@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chunk_offload
-from chunk_offload import OffloadManager
+from chunk_offload import OffloadConfig, OffloadManager
 from tests.core._models import (
     HEADS,
     HIDDEN,
@@ -48,17 +48,16 @@ KIND_SETS = {
     "all": MODULE_KINDS,
 }
 
-_baselines: dict[tuple, RunResult] = {}
 
-
-def baseline(order_id: str) -> RunResult:
+def baseline(cache: dict, order_id: str) -> RunResult:
     """The same training without any manager (cached per order)."""
-    if order_id not in _baselines:
+    key = ("parity baseline", order_id)
+    if key not in cache:
         order, model_chunks = ORDERS[order_id]
-        _baselines[order_id] = run_schedule(
+        cache[key] = run_schedule(
             lambda: None, order=order, model_chunks=model_chunks, iterations=ITERATIONS, layers=LAYERS
         )
-    return _baselines[order_id]
+    return cache[key]
 
 
 def groups_per_kind(order_id: str) -> int:
@@ -84,22 +83,19 @@ class Recorder:
         return self.stats[-1]
 
 
-_runs: dict[tuple, tuple[RunResult, Recorder]] = {}
-
-
-def run_with(order_id: str, kinds: Sequence[str], **options) -> tuple[RunResult, Recorder]:
+def run_with(cache: dict, order_id: str, kinds: Sequence[str], **options) -> tuple[RunResult, Recorder]:
     """Train with offload of ``kinds`` (cached: several tests check one run; none mutates it)."""
-    key = (order_id, tuple(kinds), tuple(sorted(options.items())))
-    if key not in _runs:
-        _runs[key] = _run_with(order_id, kinds, **options)
-    return _runs[key]
+    key = ("parity run", order_id, tuple(kinds), tuple(sorted(options.items())))
+    if key not in cache:
+        cache[key] = _run_with(order_id, kinds, **options)
+    return cache[key]
 
 
 def _run_with(order_id: str, kinds: Sequence[str], **options) -> tuple[RunResult, Recorder]:
     order, model_chunks = ORDERS[order_id]
     recorder = Recorder()
     result = run_schedule(
-        lambda: OffloadManager(min_offload_bytes=1, **options),
+        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1), **options),
         order=order,
         model_chunks=model_chunks,
         iterations=ITERATIONS,
@@ -140,18 +136,18 @@ def assert_offloaded(stats: chunk_offload.OffloadStats, kinds: Sequence[str], or
 
 @pytest.mark.parametrize("kind_set", list(KIND_SETS))
 @pytest.mark.parametrize("order_id", list(ORDERS))
-def test_parity_with_offload(order_id: str, kind_set: str) -> None:
+def test_parity_with_offload(run_cache, order_id: str, kind_set: str) -> None:
     kinds = KIND_SETS[kind_set]
-    result, recorder = run_with(order_id, kinds)
-    assert_identical(baseline(order_id), result)
+    result, recorder = run_with(run_cache, order_id, kinds)
+    assert_identical(baseline(run_cache, order_id), result)
     assert_offloaded(recorder.final, kinds, order_id)
     assert_drained(recorder)
 
 
 @pytest.mark.parametrize("order_id", list(ORDERS))
-def test_host_pool_is_reused_across_iterations(order_id: str) -> None:
-    result, recorder = run_with(order_id, MODULE_KINDS)
-    assert_identical(baseline(order_id), result)
+def test_host_pool_is_reused_across_iterations(run_cache, order_id: str) -> None:
+    result, recorder = run_with(run_cache, order_id, MODULE_KINDS)
+    assert_identical(baseline(run_cache, order_id), result)
     first = recorder.stats[0].pool
     assert first.allocations > 0 and first.allocated_bytes > 0
     for it, stats in enumerate(recorder.stats):
@@ -167,10 +163,10 @@ def test_host_pool_is_reused_across_iterations(order_id: str) -> None:
 
 
 @pytest.mark.parametrize("order_id", list(ORDERS))
-def test_parity_accounting_only(order_id: str) -> None:
+def test_parity_accounting_only(run_cache, order_id: str) -> None:
     """offload=False tracks groups and saved bytes but copies nothing; numbers unchanged."""
-    result, recorder = run_with(order_id, MODULE_KINDS, offload=False)
-    assert_identical(baseline(order_id), result)
+    result, recorder = run_with(run_cache, order_id, MODULE_KINDS, offload=False)
+    assert_identical(baseline(run_cache, order_id), result)
     stats = recorder.final
     assert set(stats.groups) == set(MODULE_KINDS)
     for kind, g in stats.groups.items():
@@ -184,9 +180,9 @@ def test_parity_accounting_only(order_id: str) -> None:
 
 
 @pytest.mark.parametrize("order_id", list(ORDERS))
-def test_parity_without_timing(order_id: str) -> None:
-    result, recorder = run_with(order_id, MODULE_KINDS, measure_time=False)
-    assert_identical(baseline(order_id), result)
+def test_parity_without_timing(run_cache, order_id: str) -> None:
+    result, recorder = run_with(run_cache, order_id, MODULE_KINDS, measure_time=False)
+    assert_identical(baseline(run_cache, order_id), result)
     stats = recorder.final
     assert_offloaded(stats, MODULE_KINDS, order_id)
     for kind, g in stats.groups.items():
@@ -194,10 +190,10 @@ def test_parity_without_timing(order_id: str) -> None:
     assert_drained(recorder)
 
 
-def test_offloaded_bytes_match_between_schedules_per_chunk() -> None:
+def test_offloaded_bytes_match_between_schedules_per_chunk(run_cache) -> None:
     """1F1B and interleaved offload the same bytes per (layer, microbatch): chunking changes only the order."""
-    _, r1 = run_with("1f1b", MODULE_KINDS)
-    _, r2 = run_with("interleaved", MODULE_KINDS)
+    _, r1 = run_with(run_cache, "1f1b", MODULE_KINDS)
+    _, r2 = run_with(run_cache, "interleaved", MODULE_KINDS)
     for kind in MODULE_KINDS:
         one, two = r1.final.groups[kind], r2.final.groups[kind]
         # Interleaved runs two model chunks of LAYERS layers each: twice the groups and bytes.
@@ -283,7 +279,7 @@ def _train_marked(manager: OffloadManager | None, *, protect: bool) -> RunResult
 @pytest.mark.parametrize("protect", [False, True], ids=["unprotected", "protected"])
 def test_parity_low_level_group_marks(protect: bool) -> None:
     reference = _train_marked(None, protect=False)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         result = _train_marked(manager, protect=protect)
         stats = manager.stats()
@@ -299,7 +295,7 @@ def test_parity_low_level_group_marks(protect: bool) -> None:
 
 
 def test_low_level_marks_outside_chunk_are_identity() -> None:
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         x = torch.randn(3, requires_grad=True)
         pair = (x, x * 2)
@@ -322,7 +318,7 @@ def test_low_level_marks_outside_chunk_are_identity() -> None:
 def _plain_and_registered(kinds=MODULE_KINDS):
     reference = make_stack(LAYERS, seed=0)
     model = make_stack(LAYERS, seed=0)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     register(manager, model, kinds)
     return reference, model, manager
 
@@ -397,7 +393,7 @@ def test_registered_module_outside_chunk_runs_without_offload() -> None:
 def test_unregistered_after_remove_runs_without_offload() -> None:
     reference = make_stack(1, seed=0)
     model = make_stack(1, seed=0)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         handles = [manager.offload_module(getattr(model[0], kind), kind) for kind in MODULE_KINDS]
         for handle in handles:

@@ -39,7 +39,7 @@ import threading
 import pytest
 import torch
 
-from chunk_offload import CpuStreams, OffloadManager
+from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.core.group import GroupState
 from chunk_offload.schedule import Plan, PlanPolicy
 from tests.core._models import (
@@ -124,7 +124,7 @@ def _sweep(side: str, seed: int, *, schedule_policy: PlanPolicy | None) -> None:
 
     def factory() -> OffloadManager:
         streams = CpuStreams(max_delay_s=MAX_DELAY_S, delay_on=(side,), seed=seed)
-        managers.append(OffloadManager(min_offload_bytes=1, streams=streams, schedule_policy=schedule_policy))
+        managers.append(OffloadManager(OffloadConfig(min_offload_bytes=1), streams=streams, schedule_policy=schedule_policy))
         return managers[-1]
 
     def check(manager: OffloadManager, it: int) -> None:
@@ -231,7 +231,7 @@ def _assert_meets_offload_stats(manager: OffloadManager) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_backward_meets_in_flight_offload(seed: int) -> None:
     streams = CpuStreams(max_delay_s=MEETS_MAX_DELAY_S, delay_on=("d2h",), seed=seed)
-    manager = OffloadManager(min_offload_bytes=1, streams=streams)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=streams)
     try:
         result = _train_backward_meets_offload(manager)
         _assert_meets_offload_stats(manager)
@@ -267,7 +267,7 @@ def test_backward_meets_offload_held_by_gate(monkeypatch: pytest.MonkeyPatch) ->
     before that group's offload is issued."""
     from chunk_offload.core import group as group_module
 
-    manager = OffloadManager(min_offload_bytes=1, streams=CpuStreams(max_delay_s=MAX_DELAY_S, delay_on=("d2h",), seed=0))
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams(max_delay_s=MAX_DELAY_S, delay_on=("d2h",), seed=0))
     gate = _D2HGate(manager)
     reached_pending: list[bool] = []
     original_offload = group_module.OffloadGroup._offload

@@ -24,10 +24,11 @@ import pytest
 import torch
 
 import chunk_offload
-from chunk_offload import CpuStreams, HappensBeforeError, OffloadManager
+from chunk_offload import CpuStreams, HappensBeforeError, OffloadConfig, OffloadManager
 from chunk_offload.core import StreamBackend
 from chunk_offload.core.group import WAIT_NAMES, GroupState
 from tests.core._models import (
+    manager_skipping_waits,
     INTERLEAVED,
     MODULE_KINDS,
     ONE_F_ONE_B,
@@ -44,16 +45,14 @@ from tests.core._models import (
 ITERATIONS = 2
 LAYERS = 2
 
-_baselines: dict[tuple, RunResult] = {}
 
-
-def baseline(order: Sequence = ONE_F_ONE_B, model_chunks: int = 1) -> RunResult:
-    key = (tuple(order), model_chunks)
-    if key not in _baselines:
-        _baselines[key] = run_schedule(
+def baseline(cache: dict, order: Sequence = ONE_F_ONE_B, model_chunks: int = 1) -> RunResult:
+    key = ("races baseline", tuple(order), model_chunks)
+    if key not in cache:
+        cache[key] = run_schedule(
             lambda: None, order=order, model_chunks=model_chunks, iterations=ITERATIONS, layers=LAYERS
         )
-    return _baselines[key]
+    return cache[key]
 
 
 def run_offloaded(
@@ -68,7 +67,7 @@ def run_offloaded(
     final: list[chunk_offload.OffloadStats] = []
 
     def factory() -> OffloadManager:
-        manager = OffloadManager(min_offload_bytes=1, streams=streams(), _test_skip_waits=tuple(skip))
+        manager = manager_skipping_waits(skip, streams=streams())
         managers.append(manager)
         return manager
 
@@ -117,24 +116,24 @@ SEEDS = range(20)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_parity_under_random_delays(seed: int) -> None:
+def test_parity_under_random_delays(run_cache, seed: int) -> None:
     delay_on = DELAY_PATTERNS[seed % len(DELAY_PATTERNS)]
     result, stats = run_offloaded(
         lambda: CpuStreams(max_delay_s=MAX_DELAY_S[delay_on], delay_on=delay_on, seed=seed)
     )
-    assert_identical(baseline(), result)
+    assert_identical(baseline(run_cache), result)
     assert_really_offloaded(stats)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_interleaved_parity_under_random_delays(seed: int) -> None:
+def test_interleaved_parity_under_random_delays(run_cache, seed: int) -> None:
     """The checker is not over-eager: with every wait present, the interleaved schedule raises nothing."""
     result, stats = run_offloaded(
         lambda: CpuStreams(max_delay_s=1e-4, delay_on=("d2h", "h2d", "compute"), seed=seed),
         order=INTERLEAVED,
         model_chunks=2,
     )
-    assert_identical(baseline(INTERLEAVED, 2), result)
+    assert_identical(baseline(run_cache, INTERLEAVED, 2), result)
     assert_really_offloaded(stats)
 
 
@@ -164,24 +163,24 @@ def test_missing_wait_is_caught_in_schedule(wait: str) -> None:
 
 def test_unknown_wait_name_is_rejected() -> None:
     with pytest.raises(chunk_offload.ChunkOffloadError, match="unknown wait names"):
-        OffloadManager(_test_skip_waits=("no_such_wait",))
+        manager_skipping_waits(("no_such_wait",))
 
 
-def test_reuse_wait_is_implied_in_plain_1f1b() -> None:
+def test_reuse_wait_is_implied_in_plain_1f1b(run_cache) -> None:
     """In 1F1B compute waits on every reload before a later forward reuses its host buffer, so
     even without the reuse wait the offload is ordered after the reload (transitively) and
     nothing may fire; the numbers stay exact."""
     result, stats = run_offloaded(
         lambda: CpuStreams(max_delay_s=5e-4, delay_on=("d2h", "h2d"), seed=3), skip=("reuse_after_reload",)
     )
-    assert_identical(baseline(), result)
+    assert_identical(baseline(run_cache), result)
     assert_really_offloaded(stats)
 
 
-def test_missing_reload_wait_gives_wrong_numbers() -> None:
+def test_missing_reload_wait_gives_wrong_numbers(run_cache) -> None:
     """With the checker off, using reloaded tensors without waiting reads them before the delayed
     copy wrote them: the race is real, not only a checker finding."""
-    reference = baseline()
+    reference = baseline(run_cache)
     outcomes = []
     for seed in range(4):
         result, _ = run_offloaded(
@@ -268,9 +267,7 @@ def _train_backward_inside_chunk(manager: OffloadManager | None, iterations: int
 @pytest.mark.parametrize("seed", range(4))
 def test_backward_reaches_group_while_offloading(seed: int) -> None:
     reference = _train_backward_inside_chunk(None)
-    manager = OffloadManager(
-        min_offload_bytes=1, streams=CpuStreams(max_delay_s=2e-3, delay_on=("d2h",), seed=seed)
-    )
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams(max_delay_s=2e-3, delay_on=("d2h",), seed=seed))
     try:
         result = _train_backward_inside_chunk(manager)
         stats = manager.stats()

@@ -46,7 +46,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import chunk_offload
-from chunk_offload import ChunkOffloadError, ChunkOffloadHandler, CpuStreams, OffloadManager
+from chunk_offload import ChunkOffloadError, CpuStreams, OffloadConfig, OffloadManager
+from chunk_offload.core import ChunkOffloadHandler
 from chunk_offload.core.group import GroupState
 from tests.core._models import RunResult, assert_identical, make_stack, microbatches
 
@@ -421,7 +422,7 @@ def train(manager: OffloadManager | None, *, backward_inside_chunk: bool = False
 def test_te_driven_training_is_bit_identical(seed: int) -> None:
     reference, _ = train(None)
     streams = CpuStreams(max_delay_s=5e-4, delay_on=("d2h", "h2d"), seed=seed) if seed else CpuStreams()
-    manager = OffloadManager(min_offload_bytes=1, streams=streams)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=streams)
     try:
         result, stats = train(manager)
     finally:
@@ -440,7 +441,7 @@ def test_te_driven_training_is_bit_identical(seed: int) -> None:
 def test_te_driven_backward_inside_the_chunk() -> None:
     """``with mgr.iteration(), mgr.chunk(microbatch=0) as handler:`` around forward and backward."""
     reference, _ = train(None, backward_inside_chunk=True)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         result, stats = train(manager, backward_inside_chunk=True)
     finally:
@@ -458,7 +459,7 @@ def test_commit_backward_prefetches_the_previous_group() -> None:
     model = make_stack(LAYERS, seed=0)
     (x,) = microbatches(1)
     ObservedGroupCommit.log = []
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         with manager.iteration():
             with manager.chunk(microbatch=0) as handler:
@@ -484,7 +485,7 @@ def test_bulk_reload_and_offload_by_group_id() -> None:
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=0.05)
     result = RunResult(losses=[], grads=[], params=[])
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         for _ in range(ITERATIONS):
             optimizer.zero_grad(set_to_none=True)
@@ -515,7 +516,7 @@ def test_bulk_reload_and_offload_by_group_id() -> None:
 def test_protocol_misuse_raises() -> None:
     model = make_stack(1, seed=0)
     (x,) = microbatches(1)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         with manager.iteration(), manager.chunk(microbatch=0) as handler:
             with te_offload_hook(handler):
@@ -540,7 +541,7 @@ def test_protocol_misuse_raises() -> None:
 def test_handler_refuses_groups_after_its_chunk_ended() -> None:
     model = make_stack(2, seed=0)
     (x,) = microbatches(1)
-    manager = OffloadManager(min_offload_bytes=1)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         with manager.iteration():
             with manager.chunk(microbatch=0) as handler:

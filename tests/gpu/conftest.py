@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from chunk_offload import CudaStreams, OffloadManager, SchedulePolicy
+from chunk_offload import CudaStreams, OffloadConfig, OffloadManager, SchedulePolicy
 
 # cuBLAS reads this when it first starts (inside a test, never at import): with it, matrix
 # products are reproducible run to run, which `torch.use_deterministic_algorithms` needs.
@@ -23,11 +23,9 @@ REQUIRES_CUDA_REASON = "needs a CUDA device (run on a GPU machine: bash bench/gp
 def new_manager(*, streams=None, schedule_policy: SchedulePolicy | None = None, **config) -> OffloadManager:
     """An `OffloadManager` on real CUDA streams; ``config``: `OffloadConfig` fields.
 
-    The only constructor call of tests/gpu: when core's constructor becomes
-    ``OffloadManager(config=OffloadConfig(...), streams=..., schedule_policy=...)`` this line
-    changes, nothing else.
+    The only constructor call of tests/gpu.
     """
-    return OffloadManager(streams=streams if streams is not None else CudaStreams(), schedule_policy=schedule_policy, **config)
+    return OffloadManager(OffloadConfig(**config), streams=streams if streams is not None else CudaStreams(), schedule_policy=schedule_policy)
 
 
 @pytest.fixture

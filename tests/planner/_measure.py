@@ -171,7 +171,7 @@ def _measure_case(case: ByteCase) -> CaseBytes:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from chunk_offload.core.manager import OffloadManager
+    from chunk_offload.core import OffloadConfig, OffloadManager
     from chunk_offload.integrations.megatron import OFFLOAD_MODULE_NAMES, attach
     from chunk_offload.integrations.megatron.modules import resolve, transformer_layers
 
@@ -182,7 +182,7 @@ def _measure_case(case: ByteCase) -> CaseBytes:
         names = [n for n in OFFLOAD_MODULE_NAMES if resolve(chunks[0], n)]
         # schedule_policy=None: offload every chunk (the plan policy keeps a chunk whose backward
         # follows at once, as here with one microbatch).
-        manager = attach(chunks, names, min_offload_bytes=case.min_offload_bytes, schedule_policy=None)
+        manager = attach(chunks, names, config=OffloadConfig(min_offload_bytes=case.min_offload_bytes), schedule_policy=None)
         layer_now = [-1]
         called: list[tuple[int, str]] = []
 
@@ -213,7 +213,7 @@ def _measure_case(case: ByteCase) -> CaseBytes:
     # Run 2: each whole layer as one group.
     chunks = _build(case)
     try:
-        manager = OffloadManager(min_offload_bytes=case.min_offload_bytes)
+        manager = OffloadManager(OffloadConfig(min_offload_bytes=case.min_offload_bytes))
         manager.protect_module(chunks[0])
         layers = transformer_layers(chunks[0])
         for i, layer in enumerate(layers):

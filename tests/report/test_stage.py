@@ -99,7 +99,7 @@ def _records(batch_sizes=(2, 2)):
     from tests.core._models import HIDDEN, SEQ, make_stack, register
 
     model = make_stack(layers=2)
-    manager = chunk_offload.OffloadManager(streams=chunk_offload.CpuStreams(), min_offload_bytes=1, trace=True)
+    manager = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, trace=True), streams=chunk_offload.CpuStreams())
     register(manager, model)
     records = []
     try:

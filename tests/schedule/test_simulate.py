@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from chunk_offload import CpuStreams, OffloadManager
+from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.schedule import Plan, PlanPolicy, megatron_plan, simulate
 from tests.core._models import MODULE_KINDS, assert_identical, run_schedule
 
@@ -43,12 +43,7 @@ def _train(plan: Plan, *, offload: bool | None, policy_name: str = "group_start"
     def factory():
         if offload is None:
             return None
-        return OffloadManager(
-            min_offload_bytes=1,
-            offload=offload,
-            streams=CpuStreams(max_delay_s=1e-4, seed=7),
-            schedule_policy=POLICIES[policy_name](plan),
-        )
+        return OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload), streams=CpuStreams(max_delay_s=1e-4, seed=7), schedule_policy=POLICIES[policy_name](plan))
 
     def after(manager, iteration):
         if manager is not None:

@@ -1,6 +1,6 @@
 """Megatron-core integration: offload chosen submodules of GPTModel chunks under Megatron's schedules.
 
-    manager = attach(model_chunks, ["core_attn", "qkv_linear"], min_offload_bytes=1 << 20)
+    manager = attach(model_chunks, ["core_attn", "qkv_linear"], config=OffloadConfig(min_offload_bytes=1 << 20))
     forward_backward = manager.wrap(get_forward_backward_func())
 
 or, where the training loop calls ``get_forward_backward_func()`` itself (Megatron-LM's
@@ -11,7 +11,8 @@ explicitly, it is not imported here because importing megatron-core is slow.
 """
 
 from .args import add_arguments, attach_from_args
-from .attach import ITERATION_MODES, MegatronOffloadManager, attach
+from .attach import MegatronOffloadManager, attach
+from .auto import ITERATION_MODES
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
 __all__ = [

@@ -63,9 +63,9 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from ...core.errors import ChunkOffloadError
-from ...core.manager import OffloadConfig
-from .attach import ITERATION_MODES, MegatronOffloadManager, attach
+from ...core import ChunkOffloadError, OffloadConfig, StreamBackend
+from .attach import MegatronOffloadManager, attach
+from .auto import ITERATION_MODES
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
 __all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args"]
@@ -278,7 +278,15 @@ def _check_megatron_offloading(args: argparse.Namespace, modules: Sequence[str] 
         )
 
 
-def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Namespace, **options: Any) -> MegatronOffloadManager | None:
+def attach_from_args(
+    model: nn.Module | Sequence[nn.Module],
+    args: argparse.Namespace,
+    *,
+    streams: StreamBackend | None = None,
+    baseline_iterations: int | None = None,
+    trace: bool | None = None,
+    measure_time: bool | None = None,
+) -> MegatronOffloadManager | None:
     """`attach` with the options parsed by `add_arguments`; None when no module was given.
 
     With ``--chunk-offload-report`` the manager runs its first training iteration as a baseline
@@ -289,7 +297,8 @@ def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Name
     Args:
         model: the rank's model chunks (one per virtual stage) or a single chunk.
         args: the namespace parsed with `add_arguments` (Megatron-LM's ``get_args()``).
-        **options: further `attach` options (e.g. ``streams``), applied over those from ``args``.
+        streams: the engine's stream backend (None: the default).
+        baseline_iterations, trace, measure_time: applied over what ``args`` sets (None: from ``args``).
 
     Raises `ChunkOffloadError` when ``args`` was not parsed with `add_arguments`, or when it
     also asks for Megatron-LM's own activation offloading (NOTE [Flag names]).
@@ -304,18 +313,26 @@ def attach_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Name
     _check_megatron_offloading(args, modules)
     if not modules:
         return None
-    config: dict[str, Any] = {
-        "min_offload_bytes": getattr(args, _DESTS["min-tensor-bytes"]),
-        "host_pool_bytes": getattr(args, _DESTS["host-pool-bytes"]),
-        "on_exhausted": getattr(args, _DESTS["on-exhausted"]),
-        "offload": not getattr(args, _DESTS["baseline"]),
-        "schedule_policy": "plan" if getattr(args, _DESTS["schedule"]) == "plan" else None,
-        "prefetch_bytes": getattr(args, _DESTS["prefetch-bytes"]),
-        "reload_ahead_bytes": getattr(args, _DESTS["reload-ahead-bytes"]),
-        "iterations": getattr(args, _DESTS["iterations"]),
-    }
-    if getattr(args, _DESTS["report"]):
-        config["baseline_iterations"] = 1  # the report's peak without offload
-        config["trace"] = True  # the report's plot of memory over one iteration
-    config.update(options)
-    return attach(model, modules, **config)
+    report = bool(getattr(args, _DESTS["report"]))
+    config = OffloadConfig(
+        min_offload_bytes=getattr(args, _DESTS["min-tensor-bytes"]),
+        host_pool_bytes=getattr(args, _DESTS["host-pool-bytes"]),
+        on_exhausted=getattr(args, _DESTS["on-exhausted"]),
+        offload=not getattr(args, _DESTS["baseline"]),
+        trace=report if trace is None else trace,  # the report's plot of memory over one iteration
+    )
+    if measure_time is not None:
+        config.measure_time = measure_time
+    if baseline_iterations is None:
+        baseline_iterations = 1 if report else 0  # the report's peak without offload
+    return attach(
+        model,
+        modules,
+        config=config,
+        streams=streams,
+        schedule_policy="plan" if getattr(args, _DESTS["schedule"]) == "plan" else None,
+        prefetch_bytes=getattr(args, _DESTS["prefetch-bytes"]),
+        reload_ahead_bytes=getattr(args, _DESTS["reload-ahead-bytes"]),
+        baseline_iterations=baseline_iterations,
+        iterations=getattr(args, _DESTS["iterations"]),
+    )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from ...core.errors import ChunkOffloadError
+from ...core import ChunkOffloadError
 from ...report.stage import StageReport, stage_report
 
 if TYPE_CHECKING:

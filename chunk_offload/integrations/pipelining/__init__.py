@@ -1,6 +1,6 @@
 """torch.distributed.pipelining integration: offload submodules of pipeline stages under torch's schedules.
 
-    manager = attach(schedule, {"attn": "layers.*.attention", "mlp_fc1": "layers.*.mlp.fc1"}, min_offload_bytes=1 << 20)
+    manager = attach(schedule, {"attn": "layers.*.attention", "mlp_fc1": "layers.*.mlp.fc1"}, config=OffloadConfig(min_offload_bytes=1 << 20))
     schedule.step(x, target=y, losses=losses)   # each training step is one offload iteration
     manager.plan                                # this rank's order, checked against what ran
 

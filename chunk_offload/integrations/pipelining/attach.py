@@ -36,11 +36,10 @@ from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 from torch import nn
 
-from ...core.errors import ChunkOffloadError
-from ...core.manager import OffloadManager
-from ...core.schedule_policy import SchedulePolicy
-from ...schedule.plan import Action, ActionKind, Plan
-from ...schedule.policy import PlanPolicy
+from ...core import Action, ActionKind, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend, diff_actions
+from ...schedule import Plan
+from ..attached import AttachedManager
+from ..plan_tracking import PlanTracking
 from . import order
 
 __all__ = ["ModuleSelector", "PipelineOffloadManager", "attach"]
@@ -57,19 +56,8 @@ _MAX_LISTED_NAMES = 40
 _MISSING = object()  # no instance attribute of that name before `_patch`
 
 
-def _first_difference(listed: list[Action], observed: list[Action]) -> str:
-    """Where two action lists first differ, with both drawn side by side."""
-    step = next((i for i, (a, b) in enumerate(zip(listed, observed)) if a != b), min(len(listed), len(observed)))
-    want = listed[step] if step < len(listed) else "nothing"
-    have = observed[step] if step < len(observed) else "nothing"
-    return (
-        f"step {step}: listed {want}, observed {have}\n"
-        f"  listed:   {Plan.format_actions(listed, mark=step)}\n  observed: {Plan.format_actions(observed, mark=step)}"
-    )
-
-
-class PipelineOffloadManager(OffloadManager):
-    """An `OffloadManager` bound to the stages of one rank of a pipelining schedule.
+class PipelineOffloadManager(AttachedManager):
+    """An offload engine (``engine``, an `OffloadManager`) bound to the stages of one rank of a pipelining schedule.
 
     Attributes:
         schedule: the schedule it is attached to.
@@ -88,15 +76,13 @@ class PipelineOffloadManager(OffloadManager):
         schedule: Any,
         offload_modules: Sequence[str] | Mapping[str, ModuleSelector],
         *,
+        config: OffloadConfig | None = None,
+        streams: StreamBackend | None = None,
         schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
         prefetch_bytes: int | None = None,
         reload_ahead_bytes: int | None = None,
-        **options: Any,
     ) -> None:
-        if not (schedule_policy is None or schedule_policy == "plan" or isinstance(schedule_policy, SchedulePolicy)):
-            raise ChunkOffloadError(
-                f"schedule_policy must be 'plan', None (reload at group start) or a SchedulePolicy, got {schedule_policy!r}"
-            )
+        PlanTracking(schedule_policy, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
         if not order.is_schedule(schedule):
             raise ChunkOffloadError(
                 f"attach expects a torch.distributed.pipelining schedule (Schedule1F1B, ScheduleInterleaved1F1B, ...), "
@@ -115,36 +101,34 @@ class PipelineOffloadManager(OffloadManager):
             listed = order.listed_plan(schedule)
         except ChunkOffloadError as e:
             listed_error = str(e).removeprefix("chunk_offload: ").split("\n")[0]
-        self._plan_policy = isinstance(schedule_policy, str)
-        self._plan_options = PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
-        super().__init__(schedule_policy=None if self._plan_policy else schedule_policy, **options)
+        super().__init__(
+            config=config,
+            streams=streams,
+            schedule_policy=schedule_policy,
+            prefetch_bytes=prefetch_bytes,
+            reload_ahead_bytes=reload_ahead_bytes,
+        )
         self.schedule = schedule
         self.stages = stages
         self.listed_actions: list[Action] | None = listed_actions
         self.listed_plan: Plan | None = listed
         self.listed_error: str | None = listed_error
-        self.plan: Plan | None = listed
         self.plan_mismatch: str | None = None
         self.observed_order: list[Action] = []
         self.registered: dict[str, list[list[str]]] = {name: [] for name in selectors}
         self._checked = False
         self._patched: list[tuple[Any, str, Any]] = []
         for vp_stage, stage in enumerate(stages):
-            self.protect_module(stage.submod)
+            self.engine.protect_module(stage.submod)
             for name in selectors:
                 self.registered[name].append([qualified for qualified, _ in matches[vp_stage][name]])
                 for _, module in matches[vp_stage][name]:
-                    self.offload_module(module, name)
+                    self.engine.offload_module(module, name)
             self._patch(stage, "forward_one_chunk", self._wrap_forward(stage.forward_one_chunk, vp_stage))
             for method, kind in (("backward_one_chunk", ActionKind.BACKWARD), ("backward_weight_one_chunk", ActionKind.WEIGHT)):
                 self._patch(stage, method, self._wrap_record(getattr(stage, method), kind, vp_stage))
         self._patch(schedule, "step", self._wrap_step(schedule.step))
-        self._use_plan(listed)
-
-    def _use_plan(self, plan: Plan | None) -> None:
-        """With the default ``schedule_policy="plan"``: decisions from ``plan`` (none without one)."""
-        if self._plan_policy:
-            self.schedule_policy = PlanPolicy(plan, **self._plan_options) if plan is not None else SchedulePolicy()
+        self.tracking.use(listed)
 
     # ------------------------------------------------------------------ wrappers
     def _patch(self, obj: Any, name: str, wrapper: Callable) -> None:
@@ -154,10 +138,10 @@ class PipelineOffloadManager(OffloadManager):
 
     def _wrap_step(self, step: Callable) -> Callable:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if self._in_iteration or not order.schedule_has_backward(self.schedule):
+            if self.engine.in_iteration or not order.schedule_has_backward(self.schedule):
                 return step(*args, **kwargs)  # eval(): forward only, nothing to offload
             self.observed_order = []
-            with self.iteration():
+            with self.engine.iteration():
                 result = step(*args, **kwargs)
             self._check_order()
             return result
@@ -168,10 +152,10 @@ class PipelineOffloadManager(OffloadManager):
 
     def _wrap_forward(self, forward_one_chunk: Callable, vp_stage: int) -> Callable:
         def wrapped(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            if not self._in_iteration:
+            if not self.engine.in_iteration:
                 return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             self.observed_order.append(Action(ActionKind.FORWARD, fwd_chunk_id, vp_stage))
-            with self.chunk(microbatch=fwd_chunk_id, vp_stage=vp_stage):
+            with self.engine.chunk(microbatch=fwd_chunk_id, vp_stage=vp_stage):
                 return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
         wrapped.__wrapped__ = forward_one_chunk
@@ -179,7 +163,7 @@ class PipelineOffloadManager(OffloadManager):
 
     def _wrap_record(self, method: Callable, kind: ActionKind, vp_stage: int) -> Callable:
         def wrapped(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            if self._in_iteration:
+            if self.engine.in_iteration:
                 self.observed_order.append(Action(kind, bwd_chunk_id, vp_stage))
             return method(bwd_chunk_id, *args, **kwargs)
 
@@ -194,16 +178,11 @@ class PipelineOffloadManager(OffloadManager):
         self._checked = True
         name, rank = type(self.schedule).__name__, order.schedule_rank(self.schedule)
         try:
-            observed = Plan(
-                tuple(self.observed_order),
-                pp_rank=rank,
-                pp_size=int(self.stages[0].group_size),
-                vp_size=len(self.stages),
-                source="observed",
+            observed = PlanTracking.observed_plan(
+                self.observed_order, pp_rank=rank, pp_size=int(self.stages[0].group_size), vp_size=len(self.stages)
             )
         except ChunkOffloadError as e:
-            self.plan = None
-            self._use_plan(None)
+            self.tracking.use(None)
             message = f"the order {name} ran on rank {rank} is not a plan chunk_offload can use, so no plan is set: {e}"
             warnings.warn(f"chunk_offload: {message}", stacklevel=3)
             return
@@ -211,12 +190,10 @@ class PipelineOffloadManager(OffloadManager):
         if self.plan_mismatch is not None:
             message = f"{name} on rank {rank} did not run the order it lists; using the observed order. {self.plan_mismatch}"
             warnings.warn(f"chunk_offload: {message}", stacklevel=3)
-            self.plan = observed
-            self._use_plan(observed)
+            self.tracking.use(observed)
         elif self.listed_plan is None:
             logger.info("chunk_offload: %s lists no order; using the observed one: %s", name, observed)
-            self.plan = observed
-            self._use_plan(observed)
+            self.tracking.use(observed)
         # else: the listed plan is what ran; it stays (with its source).
 
     def _difference(self, observed: Plan) -> str | None:
@@ -227,7 +204,7 @@ class PipelineOffloadManager(OffloadManager):
             return None
         if self.listed_actions is None:
             return f"its list cannot be read ({self.listed_error}); observed: {observed.format()}"
-        difference = _first_difference(self.listed_actions, list(observed.actions))
+        difference = diff_actions(self.listed_actions, observed.actions, name="listed")
         return f"its list is not a valid plan ({self.listed_error}); {difference}"
 
     # ------------------------------------------------------------------ teardown
@@ -239,9 +216,7 @@ class PipelineOffloadManager(OffloadManager):
             else:
                 setattr(obj, name, previous)
         self._patched = []
-        for registration in self._registrations:
-            registration.remove()
-        self._registrations.clear()
+        self._remove_module_offloads()
 
 
 def _selectors(offload_modules: Sequence[str] | Mapping[str, ModuleSelector]) -> dict[str, list[str | type[nn.Module]]]:
@@ -328,14 +303,29 @@ def _check_disjoint(stage: Any, found: dict[str, list[tuple[str, nn.Module]]]) -
 
 
 def attach(
-    schedule: Any, offload_modules: Sequence[str] | Mapping[str, ModuleSelector], **options: Any
+    schedule: Any,
+    offload_modules: Sequence[str] | Mapping[str, ModuleSelector],
+    *,
+    config: OffloadConfig | None = None,
+    streams: StreamBackend | None = None,
+    schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
+    prefetch_bytes: int | None = None,
+    reload_ahead_bytes: int | None = None,
 ) -> PipelineOffloadManager:
     """Offload ``offload_modules`` of this rank's stages under ``schedule`` (a pipelining schedule).
 
     ``offload_modules``: fnmatch patterns over qualified submodule names of each stage's
     ``submod`` (each pattern is its own group name), or a mapping group name -> pattern(s) and/or
     nn.Module classes, e.g. ``{"attn": "layers.*.attention", "norm": nn.LayerNorm}``.
-    ``options``: `OffloadManager` keyword arguments (``streams`` and `OffloadConfig` fields).
+    ``config``: the engine's `OffloadConfig`; the other keywords are `PipelineOffloadManager`'s.
     Then call ``schedule.step(...)`` as usual; `PipelineOffloadManager.detach` undoes it.
     """
-    return PipelineOffloadManager(schedule, offload_modules, **options)
+    return PipelineOffloadManager(
+        schedule,
+        offload_modules,
+        config=config,
+        streams=streams,
+        schedule_policy=schedule_policy,
+        prefetch_bytes=prefetch_bytes,
+        reload_ahead_bytes=reload_ahead_bytes,
+    )

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...core.errors import ChunkOffloadError
-from ...schedule.plan import Action, ActionKind, Plan
+from ...core import ChunkOffloadError
+from ...core import Action, ActionKind
+from ...schedule import Plan
 
 try:
     from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineSchedule

@@ -8,6 +8,16 @@ from typing import Any
 import torch
 
 
+def attach_with(chunks: Any, modules: Any, **options: Any) -> Any:
+    """`attach` from one dict of test options: `OffloadConfig` fields go into ``config``, the rest
+    are `attach` keywords (the test parametrisations keep both in one dict)."""
+    from chunk_offload import OffloadConfig
+    from chunk_offload.integrations.megatron import attach
+
+    fields = {name: options.pop(name) for name in list(options) if name in OffloadConfig.field_names()}
+    return attach(chunks, modules, config=OffloadConfig(**fields), **options)
+
+
 @dataclass
 class OffloadHooks:
     """``wrap_model`` attaches a manager; ``wrap_forward_backward`` wraps Megatron's schedule with it.
@@ -38,14 +48,12 @@ class OffloadHooks:
     evaluation_forwards: int = 0
 
     def wrap_model(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        from chunk_offload.integrations.megatron import attach
-
         for chunk in chunks:
             chunk.register_forward_pre_hook(self._count_evaluation_forward)
             for name, module in chunk.named_modules():
                 if ".experts.local_experts." in name and name.endswith(".linear_fc1"):
                     module.register_forward_pre_hook(self._count_expert_input)
-        self.manager = attach(chunks, list(self.modules), **self.options)
+        self.manager = attach_with(chunks, list(self.modules), **self.options)
         return chunks
 
     def _count_evaluation_forward(self, module: torch.nn.Module, args: tuple) -> None:

@@ -45,7 +45,7 @@ from chunk_offload.integrations.megatron import MegatronOffloadManager, attach
 from tests.core._models import assert_clean
 
 from ._gpt import RankResult, Run, TinyGPTConfig, spawn_runs
-from ._offload_hooks import OffloadHooks
+from ._offload_hooks import OffloadHooks, attach_with
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 pytestmark = pytest.mark.skipif(_NO_MEGATRON, reason='megatron-core is not installed (pip install "chunk-offload[megatron]")')
@@ -287,7 +287,7 @@ def managed(pipeline_of_one) -> Iterator[Any]:
         torch.manual_seed(0)
         chunk = _Chunk()
         options = {"min_offload_bytes": 1, "schedule_policy": None, **options}
-        made.append(attach(chunk, "qkv_linear", **options))
+        made.append(attach_with(chunk, "qkv_linear", **options))
         return chunk, made[-1]
 
     yield make

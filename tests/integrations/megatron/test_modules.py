@@ -15,6 +15,7 @@ import pytest
 from torch import nn
 
 import chunk_offload
+from chunk_offload import OffloadConfig
 from chunk_offload.integrations.megatron import attach
 from chunk_offload.integrations.megatron.modules import resolve, transformer_layers
 
@@ -79,7 +80,7 @@ def test_te_layout_resolves_fused_norms_to_nothing():
 def test_attach_warns_about_a_fused_norm_and_offloads_the_rest(caplog):
     model = _model(_te_layer(), _te_layer())
     with caplog.at_level(logging.WARNING, logger="chunk_offload.integrations.megatron.attach"):
-        manager = attach([model], ["attn_norm", "qkv_linear"], min_offload_bytes=1)
+        manager = attach([model], ["attn_norm", "qkv_linear"], config=OffloadConfig(min_offload_bytes=1))
     try:
         assert manager.registered == {"qkv_linear": 2}
         assert any("'attn_norm' matches no submodule" in r.getMessage() and "offload qkv_linear" in r.getMessage() for r in caplog.records)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import chunk_offload
-from chunk_offload.pipelining import attach
+from chunk_offload import OffloadConfig
+from chunk_offload.integrations.pipelining import attach
 
 from ..._spawn import run_ranks
 from ...core._models import BATCH, HIDDEN, SEQ, Block
@@ -145,7 +146,7 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
     run = "offload" if offload else "baseline"
     if offload:
         streams = chunk_offload.CpuStreams(max_delay_s=case.max_delay_s, seed=case.seed)
-        manager = attach(schedule, OFFLOAD_MODULES, min_offload_bytes=0, streams=streams)
+        manager = attach(schedule, OFFLOAD_MODULES, config=OffloadConfig(min_offload_bytes=0), streams=streams)
         result.registered = {name: sum(len(q) for q in per_stage) for name, per_stage in manager.registered.items()}
         result.registered_per_stage = {name: [len(q) for q in per_stage] for name, per_stage in manager.registered.items()}
         result.listed = None if manager.listed_plan is None else [str(a) for a in manager.listed_plan.actions]

@@ -14,7 +14,8 @@ import torch
 from torch.distributed import pipelining
 
 from chunk_offload.schedule.megatron import megatron_plan
-from chunk_offload.schedule import Action, ActionKind, Plan, PlanPolicy, simulate
+from chunk_offload.core import Action, ActionKind
+from chunk_offload.schedule import Plan, PlanPolicy, simulate
 
 from ...core._models import BATCH, HIDDEN, SEQ
 from ._pipe import ITERATIONS, MICROBATCHES, Case, CaseResult, spawn_cases
@@ -119,7 +120,7 @@ def test_schedule_1f1b_lists_a_wrong_order_for_its_last_rank(results):
     assert len(last.warnings) == 1
     warning = last.warnings[0]
     assert "Schedule1F1B on rank 1 did not run the order it lists; using the observed order" in warning
-    assert "step 0: listed 0F1, observed 0F0" in warning
+    assert "step 0: listed says 0F1, observed 0F0" in warning
     assert f"listed:   [0F1] 0B0 0F2 0B1 0F3 0B2 0F{MICROBATCHES} 0B3" in warning
 
 

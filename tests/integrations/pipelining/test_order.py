@@ -15,11 +15,11 @@ from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.pipelining.stage import PipelineStage
 
-from chunk_offload import ChunkOffloadError
+from chunk_offload import ChunkOffloadError, OffloadConfig
 from chunk_offload.integrations.pipelining import order
-from chunk_offload.pipelining import PipelineOffloadManager, attach, listed_plan
+from chunk_offload.integrations.pipelining import PipelineOffloadManager, attach, listed_plan
 from chunk_offload.schedule.megatron import megatron_plan
-from chunk_offload.schedule.plan import Action, ActionKind
+from chunk_offload.core import Action, ActionKind
 
 from ...core._models import Block
 
@@ -151,7 +151,7 @@ def test_selectors_by_pattern_and_class_and_detach_restores_everything():
     submods = [nn.Sequential(Block()), nn.Sequential(Block())]
     schedule = _schedule("ScheduleInterleaved1F1B", 0, submods)
     stages = order.schedule_stages(schedule)
-    manager = attach(schedule, {"norm": nn.LayerNorm, "attn": ["*.core_attn", "*.qkv_linear"]}, min_offload_bytes=0)
+    manager = attach(schedule, {"norm": nn.LayerNorm, "attn": ["*.core_attn", "*.qkv_linear"]}, config=OffloadConfig(min_offload_bytes=0))
     try:
         assert isinstance(manager, PipelineOffloadManager)
         assert manager.registered == {

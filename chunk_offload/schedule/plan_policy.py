@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..core.errors import ChunkOffloadError
-from ..core.handler import ChunkKey
+from ..core.actions import ChunkKey
 from ..core.schedule_policy import SchedulePolicy
-from .plan import Action, ActionKind, Plan
+from ..core.actions import Action, ActionKind
+from .plan import Plan
 
 __all__ = ["PlanPolicy"]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ._torch_compat import is_wrapper_subclass, storage_key, view_base
 
 __all__ = ["OffloadPolicy", "mark_not_offloadable", "is_marked_not_offloadable"]
 
@@ -45,7 +46,7 @@ def is_marked_not_offloadable(tensor: torch.Tensor) -> bool:
 def _marked(tensor: torch.Tensor, storage: torch.UntypedStorage | None) -> bool:
     if _carries_keep_mark(tensor):
         return True
-    base = tensor._base
+    base = view_base(tensor)
     if base is not None and _carries_keep_mark(base):
         return True
     return storage is not None and bool(getattr(storage, _KEEP_ATTR, False))
@@ -55,7 +56,7 @@ def _plain_tensors(tensor: torch.Tensor):
     """The plain tensors holding the data of ``tensor``: itself, or for a wrapper subclass such as
     DTensor (FSDP2's sharded parameters) its inner tensors, whose storages are the real ones
     (a wrapper's own ``untyped_storage()`` raises)."""
-    if is_traceable_wrapper_subclass(tensor):
+    if is_wrapper_subclass(tensor):
         attrs, _ = tensor.__tensor_flatten__()
         for attr in attrs:
             inner = getattr(tensor, attr)
@@ -79,7 +80,7 @@ class OffloadPolicy:
         self.device_type = device_type
         self._modules: list[nn.Module] = []
         self._module_ids: set[int] = set()
-        # data pointer -> the storage itself: holding it keeps the address from being reused by
+        # storage key -> the storage itself: holding it keeps the key from being reused by
         # another allocation while it is in the set (a buffer that a module replaces in forward
         # would otherwise free its address, and a new activation there would look protected).
         self._protected: dict[int, torch.UntypedStorage] = {}
@@ -115,8 +116,7 @@ class OffloadPolicy:
                     continue
                 for plain in _plain_tensors(tensor):
                     if plain.layout == torch.strided and plain.numel() > 0 and plain.device.type != "meta":
-                        storage = plain.untyped_storage()
-                        self._protected[storage.data_ptr()] = storage
+                        self._protected[storage_key(plain)] = plain.untyped_storage()
 
     def should_offload(self, tensor: torch.Tensor, activations: frozenset[int] = frozenset()) -> bool:
         """True for a large strided activation on the offload device that is not protected.
@@ -135,11 +135,11 @@ class OffloadPolicy:
         if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
             return False
         storage_obj = tensor.untyped_storage()
-        storage = storage_obj.data_ptr()
+        storage = storage_key(tensor)
         if storage in self._protected:
             return False
         if storage not in activations:
-            base = tensor._base
+            base = view_base(tensor)
             if base is None and tensor.is_leaf and tensor.requires_grad:
                 return False  # a leaf that requires grad is a parameter in all but type
             # (a view made without grad mode, e.g. in a custom Function's forward, also reports

@@ -17,23 +17,12 @@ from torch import nn
 import chunk_offload
 from chunk_offload import OffloadManager, mark_not_offloadable
 from chunk_offload.core import OffloadPolicy, is_marked_not_offloadable
-from tests.core._models import CoreAttention
+from tests.core._models import CoreAttention, Fn
 
 B, T, H = 2, 8, 32
 N = B * T
 F32 = 4
 SPAN_ALIGN = 16  # the group code aligns a copied span's start down to 16 bytes
-
-
-class Fn(nn.Module):
-    """A module whose forward is ``fn``; offloaded as one group."""
-
-    def __init__(self, fn: Callable) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _scope(manager: OffloadManager | None, cm: str):
@@ -630,7 +619,7 @@ def test_public_mark_api():
     ids=["transformer_engine", "megatron_core"],
 )
 def test_marks_of_transformer_engine_and_megatron_are_honoured(attribute, value):
-    from chunk_offload.core.policy import OffloadPolicy
+    from chunk_offload.core.tensor_policy import OffloadPolicy
 
     policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
     x = torch.randn(8, 8) * 2
@@ -651,7 +640,7 @@ def test_a_replaced_buffer_keeps_its_address_until_the_next_refresh():
     import gc
     import weakref
 
-    from chunk_offload.core.policy import OffloadPolicy
+    from chunk_offload.core.tensor_policy import OffloadPolicy
 
     module = nn.Module()
     module.register_buffer("counts", torch.zeros(64))

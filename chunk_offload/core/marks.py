@@ -1,0 +1,159 @@
+"""Group marks: what opens and commits an offload group inside a chunk's forward.
+
+`GroupMarks` implements `OffloadManager.group_start` / `group_commit` (the low-level marks a
+model calls itself); `ModuleOffload` calls them from a module's forward hooks
+(`OffloadManager.offload_module`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from ._torch_compat import storage_key, top_saved_tensors_hooks, view_base
+from .errors import ChunkOffloadError
+from .functions import build_group_functions
+from .handler import ChunkOffloadHandler
+
+if TYPE_CHECKING:
+    from .manager import OffloadManager
+
+__all__ = ["GroupMarks", "ModuleOffload"]
+
+
+class GroupMarks:
+    """Opens and commits the groups of the running chunk; owns the saved-tensor hooks it pushed."""
+
+    def __init__(self) -> None:
+        self._functions = build_group_functions()
+        self._hooks_pushed: list[saved_tensors_hooks] = []
+
+    def start(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str) -> Any:
+        """`OffloadManager.group_start` on the running chunk's ``handler``."""
+        if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
+            return tensors
+        flat, _ = _flatten(tensors)
+        # A plain call, no autograd node on the inputs: see NOTE [No node on group inputs].
+        group = handler.open_group(name)
+        group.input_nodes = {node for t in flat if (node := t.grad_fn) is not None}
+        group.activations = _leaf_activation_storages(flat)
+        hooks = handler.saved_tensors_hooks
+        hooks.__enter__()
+        self._hooks_pushed.append(hooks)
+        return tensors
+
+    def commit(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str) -> Any:
+        """`OffloadManager.group_commit` on the running chunk's ``handler``."""
+        if handler is None or not torch.is_grad_enabled():
+            return tensors
+        if handler.current is None and foreign_saved_tensors_hooks(handler):
+            return tensors  # group_start skipped it: another saved-tensor hook owns this region
+        if handler.current is None or handler.current.name != name:
+            handler.commit_group(name)  # raises the precise error
+        self._hooks_pushed.pop().__exit__(None, None, None)
+        flat, rebuild = _flatten(tensors)
+        # Only outputs the group created pass through GroupCommit: a leaf (a parameter returned
+        # as a bias) or an input handed back unchanged would have its gradient contributions
+        # summed in another order (NOTE [No node on group inputs] in functions.py).
+        inputs, handler.current.input_nodes = handler.current.input_nodes, set()  # no graph refs kept
+        marked = [i for i, t in enumerate(flat) if t.grad_fn is not None and t.grad_fn not in inputs]
+        out = list(flat)
+        aliases = self._functions.commit.apply(handler, name, *(flat[i] for i in marked))
+        for i, alias in zip(marked, aliases):
+            out[i] = alias
+        return rebuild(out)
+
+    def pop_all(self) -> None:
+        """Leave every saved-tensor hook still pushed (the chunk ends)."""
+        while self._hooks_pushed:
+            self._hooks_pushed.pop().__exit__(None, None, None)
+
+
+class ModuleOffload:
+    """The forward hooks that make each call of one module an offload group."""
+
+    def __init__(self, manager: "OffloadManager", module: nn.Module, name: str, on_remove: Callable[["ModuleOffload"], None]) -> None:
+        self.manager = manager
+        self.module = module
+        self.name = name
+        self._on_remove = on_remove
+        self._opened: list[bool] = []  # per nested call: did the pre-hook open a group?
+        self._handles = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post, with_kwargs=True, always_call=True),
+        ]
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        manager = self.manager
+        handler = manager.current_handler
+        if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
+            self._opened.append(False)
+            return None
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        try:
+            manager.group_start(inputs, self.name)
+        except BaseException:
+            self._opened.append(False)  # the always_call post hook runs next and must not commit
+            raise
+        self._opened.append(True)
+        return None
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._opened.pop():
+            return None
+        return self.manager.group_commit(output, self.name)
+
+    def remove(self) -> None:
+        """Remove the hooks; later calls of the module are not offloaded (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        if self._handles:
+            self._on_remove(self)
+        self._handles = []
+
+
+def _leaf_activation_storages(tensors: list[torch.Tensor]) -> frozenset[int]:
+    """Storages of group inputs that are plain leaves requiring grad (or views of one).
+
+    Such an input is an activation handed to the group (a pipeline stage's received input, a
+    detached chunk input), not a parameter, so the policy's leaf rule must not keep it.
+    """
+    storages = set()
+    for t in tensors:
+        base = view_base(t)
+        root = base if base is not None else t
+        if type(root) is torch.Tensor and root.is_leaf and root.requires_grad and t.layout == torch.strided:
+            storages.add(storage_key(t))
+    return frozenset(storages)
+
+
+def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
+    """Whether saved-tensor hooks other than ``handler``'s own are active (a non-reentrant
+    checkpoint region, ``save_on_cpu``, ...): a group opened there would take their tensors.
+    ``handler``'s own hooks (a group still open) fall through to the nesting error."""
+    top = top_saved_tensors_hooks()
+    return top is not None and getattr(top[0], "__self__", None) is not handler
+
+
+def _flatten(tensors: Any):
+    """Tensors at the top level of ``tensors`` and a function that puts replacements back."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors], lambda out: out[0]
+    if isinstance(tensors, (tuple, list)):
+        positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor)]
+
+        def rebuild(out):
+            items = list(tensors)
+            for i, t in zip(positions, out):
+                items[i] = t
+            return type(tensors)(items) if not hasattr(tensors, "_fields") else type(tensors)(*items)
+
+        return [tensors[i] for i in positions], rebuild
+    if tensors is None:
+        return [], lambda out: None
+    raise ChunkOffloadError(
+        f"group marks take a tensor or a tuple/list of tensors, got {type(tensors).__name__}"
+    )

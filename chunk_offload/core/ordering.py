@@ -1,0 +1,72 @@
+"""The ordering rules of reloads, as pure functions of the groups' states and bytes.
+
+The engine (`ChunkOffloadHandler`) and the predictor (`chunk_offload.schedule.simulate`) both
+call these, so a rule lives once. Each takes a chunk's groups in forward order as
+``(GroupState, saved_bytes)`` pairs and returns the indices to reload, in issue order.
+
+NOTE [Reload order]
+Backward runs a chunk's groups from the last to the first. When group ``index``'s backward
+starts, `reload_ahead_selection` picks the groups before it to reload now (their copies
+overlap this group's backward). Before a chunk's backward starts, a `SchedulePolicy` may ask
+for a prefetch of the chunk (`SchedulePolicy.prefetch_on`: which chunk, during which action,
+with which byte budget); `prefetch_selection` picks that chunk's groups. To change which
+groups are reloaded early, edit one of these two functions; to change which chunk is
+prefetched when, edit the policy (`chunk_offload.schedule.PlanPolicy.prefetch_on`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .group import GroupState
+
+__all__ = ["prefetch_selection", "reload_ahead_selection"]
+
+_LOADED = (GroupState.RELOADING, GroupState.RESIDENT)
+
+
+def reload_ahead_selection(groups: Sequence[tuple[GroupState, int]], index: int, budget_bytes: int | None) -> list[int]:
+    """Backward reached group ``index``: the groups before it whose reload starts now.
+
+    The group just before is always reloaded (if on host). With ``budget_bytes`` (a chunk's
+    ``reload_ahead_bytes``), earlier groups follow while the bytes of the groups before
+    ``index`` that are reloading or resident still fit: a large group behind a small one (a
+    layer's core attention behind its projection) then starts its copy early enough.
+    """
+    if index == 0:
+        return []
+    if budget_bytes is None:
+        return [index - 1] if groups[index - 1][0] is GroupState.ON_HOST else []
+    ahead = sum(nbytes for state, nbytes in groups[:index] if state in _LOADED)
+    chosen = []
+    for position, i in enumerate(reversed(range(index))):
+        state, nbytes = groups[i]
+        if state is not GroupState.ON_HOST:
+            continue
+        if position > 0 and ahead + nbytes > budget_bytes:
+            break
+        chosen.append(i)
+        ahead += nbytes
+    return chosen
+
+
+def prefetch_selection(groups: Sequence[tuple[GroupState, int]], budget_bytes: int | None) -> list[int]:
+    """The groups a prefetch of a chunk reloads ahead of its backward.
+
+    Groups are taken from the last one down while their bytes fit in ``budget_bytes``
+    (stopping at the first that does not); None takes one group, the one backward needs first
+    (the engine reloads the group before it when that backward starts). Groups not on host
+    (kept, already reloading, empty) are skipped without counting.
+    """
+    chosen, issued = [], 0
+    for i in reversed(range(len(groups))):
+        state, nbytes = groups[i]
+        if state is not GroupState.ON_HOST:
+            continue
+        if budget_bytes is not None and issued + nbytes > budget_bytes:
+            break
+        chosen.append(i)
+        issued += nbytes
+        if budget_bytes is None:
+            break
+    return chosen

@@ -1,0 +1,186 @@
+"""The stream interface (`StreamBackend`, `Stream`, `Event`) and the happens-before checker.
+
+The engine only ever talks to a `StreamBackend`: a compute stream and two copy streams
+(device-to-host and host-to-device), each able to launch work, record events and wait on
+events. `CudaStreams` maps this onto `torch.cuda` streams. `CpuStreams` runs each copy
+stream on a worker thread, so that a missing wait becomes a real race on CPU, optionally
+widened by random delays, and checks every ordering rule with vector clocks.
+
+NOTE [Happens-before rules]
+Every stream keeps a vector clock: its own step counter plus the newest step of each other
+stream it has waited on (through an event). Clocks advance when work is *issued*, as the
+CUDA stream sanitizer does, so the check is deterministic whatever the threads do. The
+engine states what each access depends on with `Stream.require(mark, rule=...)`:
+
+- R1  a device-to-host copy may read a saved tensor only after its stream waited on compute
+      at or after the moment the tensor was saved;
+- R2  compute may use a reloaded tensor only after waiting on the reload's event, and may
+      release an offloaded device tensor only after waiting on the offload's event;
+- R3  a host buffer may be written by a new offload only after the reload that read it is
+      known done (the writing stream waited on the reload's event);
+- R4  a reload may write its device buffer only after its stream waited on compute where that
+      buffer was allocated, and may read a host buffer only after the offload that filled it.
+
+A violation raises `HappensBeforeError` at once, naming the rule. On a GPU the matching check
+is PyTorch's CUDA sanitizer (``TORCH_CUDA_SANITIZER=1``); `CudaStreams(check_order=True)`
+also runs ours.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..errors import HappensBeforeError
+
+__all__ = ["Event", "Mark", "Stream", "StreamBackend", "Timing", "VectorClocks"]
+
+
+class Mark(NamedTuple):
+    """One step of one stream: ``(stream id, step number)``."""
+
+    stream: int
+    step: int
+
+
+class Timing:
+    """Seconds spent by one launched copy or one compute wait, known once it is done."""
+
+    __slots__ = ("_seconds", "_start", "_end", "_done")
+
+    def __init__(self, seconds: float | None = None, start=None, end=None, done: threading.Event | None = None) -> None:
+        self._seconds = seconds
+        self._start = start
+        self._end = end
+        self._done = done  # CPU copy streams: set by the worker once the work ran (or was skipped)
+
+    def seconds(self) -> float:
+        """Block until the timed work is done and return its duration in seconds."""
+        if self._done is not None:
+            self._done.wait()
+        if self._seconds is None and self._start is not None:
+            self._end.synchronize()
+            self._seconds = self._start.elapsed_time(self._end) / 1000.0
+        return self._seconds or 0.0
+
+
+class VectorClocks:
+    """Vector clocks of the streams of one backend; see NOTE [Happens-before rules]."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._clocks: dict[int, dict[int, int]] = {}
+        self._names: dict[int, str] = {}
+
+    def register(self, stream_id: int, name: str) -> None:
+        self._clocks[stream_id] = {stream_id: 0}
+        self._names[stream_id] = name
+
+    def tick(self, stream_id: int) -> Mark | None:
+        if not self.enabled:
+            return None
+        clock = self._clocks[stream_id]
+        clock[stream_id] += 1
+        return Mark(stream_id, clock[stream_id])
+
+    def snapshot(self, stream_id: int) -> dict[int, int] | None:
+        return dict(self._clocks[stream_id]) if self.enabled else None
+
+    def merge(self, stream_id: int, other: dict[int, int] | None) -> None:
+        if not self.enabled or other is None:
+            return
+        clock = self._clocks[stream_id]
+        for sid, step in other.items():
+            if step > clock.get(sid, 0):
+                clock[sid] = step
+
+    def require(self, stream_id: int, mark: Mark | None, rule: str, what: str) -> None:
+        if not self.enabled or mark is None:
+            return
+        known = self._clocks[stream_id].get(mark.stream, 0)
+        if known < mark.step:
+            raise HappensBeforeError(
+                rule,
+                f"{what}: stream '{self._names[stream_id]}' has waited on stream "
+                f"'{self._names[mark.stream]}' only up to step {known}, but the access depends on "
+                f"its step {mark.step}. A wait (wait_event/wait_stream) is missing before this access.",
+            )
+
+
+class Event:
+    """A point in one stream's work that other streams (or the host) can wait for."""
+
+    def __init__(self, clocks: dict[int, int] | None, mark: Mark | None) -> None:
+        self.clocks = clocks
+        self.mark = mark
+
+    def synchronize(self) -> None:
+        """Block the host until the event's work is done."""
+        raise NotImplementedError
+
+    def query(self) -> bool:
+        """Whether the event's work is done, without blocking."""
+        raise NotImplementedError
+
+
+class Stream:
+    """One ordered queue of work. Subclasses say how work is issued."""
+
+    _ids = itertools.count()
+
+    def __init__(self, name: str, clocks: VectorClocks) -> None:
+        self.name = name
+        self.id = next(Stream._ids)
+        self._vc = clocks
+        clocks.register(self.id, name)
+
+    def launch(self, fn: Callable[[], None], *, timed: bool = False, nbytes: int = 0) -> tuple[Mark | None, Timing | None]:
+        """Issue ``fn`` (which issues copies of ``nbytes`` bytes) in this stream's order; return its mark and timing."""
+        raise NotImplementedError
+
+    def record_event(self) -> Event:
+        """An event that completes when all work issued to this stream so far is done."""
+        raise NotImplementedError
+
+    def wait_event(self, event: Event, *, timed: bool = False) -> Timing | None:
+        """Make later work of this stream wait for ``event``."""
+        raise NotImplementedError
+
+    def wait_stream(self, other: "Stream") -> None:
+        """Make later work of this stream wait for all work issued to ``other`` so far."""
+        self.wait_event(other.record_event())
+
+    def tick(self) -> Mark | None:
+        """A named moment of this stream (a tensor saved or allocated now), for `require`."""
+        return self._vc.tick(self.id)
+
+    def require(self, mark: Mark | None, *, rule: str, what: str) -> None:
+        """Raise `HappensBeforeError` unless this stream is known to come after ``mark``."""
+        self._vc.require(self.id, mark, rule, what)
+
+    def synchronize(self) -> None:
+        """Block the host until all work issued to this stream is done."""
+        self.record_event().synchronize()
+
+
+class StreamBackend:
+    """The three streams the engine uses, plus what it needs to know about the device."""
+
+    device: torch.device
+    pin_memory: bool
+    compute: Stream
+    d2h: Stream
+    h2d: Stream
+
+    def synchronize(self) -> None:
+        """Block until both copy streams are idle."""
+        self.d2h.synchronize()
+        self.h2d.synchronize()
+
+    def close(self) -> None:
+        """Release threads or other resources; the backend is unusable afterwards."""
+
+

@@ -1,0 +1,210 @@
+"""`CpuStreams`: the stream interface simulated on CPU, copy streams on worker threads.
+
+A missing wait becomes a real race on CPU (optionally widened by random delays), and the
+vector clocks of `base.VectorClocks` check every ordering rule (NOTE [Happens-before rules]).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import weakref
+
+import torch
+
+from ..errors import ChunkOffloadError
+from .base import Event, Mark, Stream, StreamBackend, Timing, VectorClocks
+
+__all__ = ["CpuStreams"]
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+class _CpuEvent(Event):
+    def __init__(self, clocks, mark, done: bool = False) -> None:
+        super().__init__(clocks, mark)
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        if done:
+            self._done.set()
+
+    def set(self, error: BaseException | None) -> None:
+        self.error = error
+        self._done.set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise ChunkOffloadError(f"a copy on a CPU copy stream failed: {self.error!r}") from self.error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class _Delay:
+    """Random sleeps that widen the windows in which a missing wait shows up as wrong data."""
+
+    def __init__(self, max_seconds: float, seed: int) -> None:
+        self.max_seconds = max_seconds
+        self._rng = random.Random(seed)
+
+    def __call__(self) -> None:
+        if self.max_seconds > 0:
+            time.sleep(self._rng.uniform(0.0, self.max_seconds))
+
+
+class _CpuComputeStream(Stream):
+    """The host thread itself: work runs at once, waits block the host."""
+
+    def __init__(self, name, clocks, delay: _Delay) -> None:
+        super().__init__(name, clocks)
+        self._delay = delay
+
+    def launch(self, fn, *, timed=False, nbytes=0):
+        self._delay()
+        mark = self._vc.tick(self.id)
+        start = time.perf_counter()
+        fn()
+        return mark, Timing(time.perf_counter() - start) if timed else None
+
+    def tick(self):
+        self._delay()
+        return super().tick()
+
+    def record_event(self) -> Event:
+        clocks = self._vc.snapshot(self.id)
+        mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
+        return _CpuEvent(clocks, mark, done=True)
+
+    def wait_event(self, event, *, timed=False):
+        start = time.perf_counter()
+        event.synchronize()
+        self._vc.merge(self.id, event.clocks)
+        self._delay()
+        return Timing(time.perf_counter() - start) if timed else None
+
+
+class _CpuCopyStream(Stream):
+    """A worker thread executing launched work, event records and waits in issue order."""
+
+    def __init__(self, name, clocks, delay: _Delay, link_bytes_per_s: float | None = None) -> None:
+        super().__init__(name, clocks)
+        self._delay = delay
+        self._link_bytes_per_s = link_bytes_per_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"chunk_offload-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            op, arg, timing, nbytes = self._queue.get()
+            if op == "stop":
+                return
+            if op == "wait":
+                arg._done.wait()
+                if arg.error is not None and self._error is None:
+                    self._error = arg.error
+            elif op == "record":
+                arg.set(self._error)
+            else:
+                if self._error is None:
+                    self._delay()
+                    start = time.perf_counter()
+                    try:
+                        arg()
+                        if self._link_bytes_per_s:
+                            time.sleep(nbytes / self._link_bytes_per_s)  # the simulated link's transfer time
+                    except BaseException as exc:  # surfaced to the host by the next event
+                        self._error = exc
+                    if timing is not None:
+                        timing._seconds = time.perf_counter() - start
+                if timing is not None:
+                    timing._done.set()
+
+    def launch(self, fn, *, timed=False, nbytes=0):
+        self._check_running()
+        mark = self._vc.tick(self.id)
+        timing = Timing(0.0, done=threading.Event()) if timed else None
+        self._queue.put(("run", fn, timing, nbytes))
+        return mark, timing
+
+    def record_event(self) -> Event:
+        self._check_running()
+        clocks = self._vc.snapshot(self.id)
+        mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
+        event = _CpuEvent(clocks, mark)
+        self._queue.put(("record", event, None, 0))
+        return event
+
+    def wait_event(self, event, *, timed=False):
+        self._vc.merge(self.id, event.clocks)
+        self._queue.put(("wait", event, None, 0))
+        return None
+
+    def _check_running(self) -> None:
+        # An event recorded on a stopped worker would never complete: waiting on it would hang.
+        if self._stopped:
+            raise ChunkOffloadError(f"CPU copy stream '{self.name}' used after its backend was closed.")
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._queue.put(("stop", None, None, 0))
+
+
+class CpuStreams(StreamBackend):
+    """Copy streams as worker threads, with happens-before checks and optional random delays.
+
+    Args:
+        max_delay_s: upper bound of the random sleep before each operation on the streams
+            named in ``delay_on``; 0 disables delays.
+        delay_on: which of ``"d2h"``, ``"h2d"``, ``"compute"`` get delays.
+        seed: seeds the delays, so a failing interleaving can be replayed.
+        check_order: check the rules of NOTE [Happens-before rules].
+        link_bytes_per_s: simulate a host link of this bandwidth: each copy also takes
+            ``bytes / link_bytes_per_s`` seconds on its stream (None: copies take what memcpy takes).
+    """
+
+    _STREAM_NAMES = ("compute", "d2h", "h2d")
+
+    def __init__(
+        self,
+        *,
+        max_delay_s: float = 0.0,
+        delay_on: tuple[str, ...] = ("d2h", "h2d"),
+        seed: int = 0,
+        check_order: bool = True,
+        link_bytes_per_s: float | None = None,
+    ) -> None:
+        unknown = sorted(set(delay_on) - set(self._STREAM_NAMES))
+        if unknown:
+            raise ChunkOffloadError(f"delay_on names unknown streams {unknown}; valid: {list(self._STREAM_NAMES)}")
+        if max_delay_s < 0:
+            raise ChunkOffloadError(f"max_delay_s must be >= 0, got {max_delay_s}")
+        if link_bytes_per_s is not None and not link_bytes_per_s > 0:
+            raise ChunkOffloadError(f"link_bytes_per_s must be > 0 or None, got {link_bytes_per_s}")
+        self.device = torch.device("cpu")
+        self.pin_memory = False
+        self._clocks = VectorClocks(check_order)
+
+        def delay(name: str, offset: int) -> _Delay:
+            return _Delay(max_delay_s if name in delay_on else 0.0, seed * 3 + offset)
+
+        self.compute = _CpuComputeStream("compute", self._clocks, delay("compute", 0))
+        self.d2h = _CpuCopyStream("d2h", self._clocks, delay("d2h", 1), link_bytes_per_s)
+        self.h2d = _CpuCopyStream("h2d", self._clocks, delay("h2d", 2), link_bytes_per_s)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.d2h, self.h2d)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop_workers(*streams: _CpuCopyStream) -> None:
+    for stream in streams:
+        stream.stop()
+
+
