@@ -258,7 +258,6 @@ class HostPool:
 
     def _make_room(self, nbytes: int, size: int) -> int | None:
         """Release free buffers so that a new one fits the bound and the cap; its size, or None at the cap."""
-        self._release_idle()
         cap = self.capacity_bytes
         if cap is not None and self._in_use + size > cap:
             if self._free_holding(nbytes):
@@ -266,6 +265,7 @@ class HostPool:
             size = _ROUND_BYTES * -(-nbytes // _ROUND_BYTES)
             if self._in_use + size > cap:
                 return None
+        self._release_idle()
         bound = _HEADROOM * max(self._peak_requested, self._in_use_requested + nbytes)
         limit = bound if cap is None else min(bound, cap)
         if self._allocated + size > limit:
