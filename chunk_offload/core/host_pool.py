@@ -207,7 +207,7 @@ class HostPool:
         size = size_class(nbytes, self.classes_per_doubling)
         with self._lock:
             self._acquires += 1
-            buf = self._take_free(nbytes, max(size, _REUSE_RATIO * nbytes))
+            buf = self._take_free(nbytes, size, max(size, _REUSE_RATIO * nbytes))
             if buf is not None:
                 if self._acquires - self._last_scan >= _SCAN_EVERY:
                     self._release_idle()
@@ -221,7 +221,7 @@ class HostPool:
                 self._allocations += 1
                 self._count_out(new_size, nbytes)
             else:
-                buf = self._take_free(nbytes, math.inf)  # at the cap: any free buffer that holds it
+                buf = self._take_free(nbytes, size, math.inf)  # at the cap: any free buffer that holds it
                 if buf is not None:
                     self._hand_out(buf, nbytes)
                     return buf
@@ -245,9 +245,9 @@ class HostPool:
         self._in_use_requested += nbytes
         self._peak_requested = max(self._peak_requested, self._in_use_requested)
 
-    def _take_free(self, nbytes: int, limit: float) -> HostBuffer | None:
+    def _take_free(self, nbytes: int, size: int, limit: float) -> HostBuffer | None:
         """Pop the free buffer of the smallest capacity in ``[nbytes, limit]``, if any."""
-        best = min((c for c in self._free if nbytes <= c <= limit), default=None)
+        best = size if size in self._free else min((c for c in self._free if nbytes <= c <= limit), default=None)
         if best is None:
             return None
         bufs = self._free[best]
