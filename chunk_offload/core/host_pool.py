@@ -11,7 +11,6 @@ token counts) reuse buffers; free buffers beyond what the run has needed are rel
 
 from __future__ import annotations
 
-import math
 import numbers
 import threading
 import warnings
@@ -39,7 +38,7 @@ _SCAN_EVERY = 256
 # Sizes round up to size classes: `per_doubling` classes between two powers of two of 512-byte
 # units, so the rounding wastes < 1/per_doubling (pinned pools use powers of two, see NOTE
 # [Releasing host memory]). A request takes, in order:
-#   1. the free buffer of the smallest capacity in [class, max(class, 2 * nbytes)] (bounded waste);
+#   1. a free buffer of the smallest class in [class, max(class, 2 * nbytes)] (bounded waste);
 #   2. a new buffer of its class, after releasing least-recently-used free buffers until the pool
 #      holds at most _HEADROOM x the peak of requested bytes in use (all-time, this request
 #      included). By induction the pool never holds more than max(2 x peak need, bytes in use),
@@ -87,10 +86,10 @@ class HostBuffer:
 
     __slots__ = ("tensor", "nbytes", "capacity", "pooled", "fence", "last_used")
 
-    def __init__(self, tensor: torch.Tensor, nbytes: int, pooled: bool) -> None:
+    def __init__(self, tensor: torch.Tensor | None, nbytes: int, pooled: bool, capacity: int | None = None) -> None:
         self.tensor = tensor
         self.nbytes = nbytes
-        self.capacity = tensor.numel()
+        self.capacity = tensor.numel() if capacity is None else capacity
         self.pooled = pooled
         self.fence: Event | None = None
         self.last_used = 0  # the pool's acquire count when it was last handed out
@@ -184,7 +183,7 @@ class HostPool:
         self.on_exhausted = on_exhausted
         self.classes_per_doubling = classes_per_doubling or (1 if pin_memory else 4)
         self.idle_acquires = int(idle_acquires)
-        self._free: dict[int, list[HostBuffer]] = {}  # capacity -> free buffers, most recently released last
+        self._free: dict[int, list[HostBuffer]] = {}  # capacity -> free buffers (maybe none), most recently released last
         self._lock = threading.Lock()
         self._allocated = 0
         self._in_use = 0
@@ -204,10 +203,12 @@ class HostPool:
     # ------------------------------------------------------------------ acquire
     def acquire(self, nbytes: int) -> HostBuffer:
         """A buffer of at least ``nbytes``; its ``fence`` must be waited on before writing."""
-        size = size_class(nbytes, self.classes_per_doubling)
+        per_doubling = self.classes_per_doubling
+        size = size_class(nbytes, per_doubling)
         with self._lock:
             self._acquires += 1
-            buf = self._take_free(nbytes, size, max(size, _REUSE_RATIO * nbytes))
+            bufs = self._free.get(size)
+            buf = bufs.pop() if bufs else self._take_near(nbytes, size)
             if buf is not None:
                 if self._acquires - self._last_scan >= _SCAN_EVERY:
                     self._release_idle()
@@ -219,42 +220,41 @@ class HostPool:
                 self._allocated += new_size
                 self._peak_allocated = max(self._peak_allocated, self._allocated)
                 self._allocations += 1
-                self._count_out(new_size, nbytes)
             else:
-                buf = self._take_free(nbytes, size, math.inf)  # at the cap: any free buffer that holds it
-                if buf is not None:
+                best = min((c for c, bufs in self._free.items() if bufs and c >= nbytes), default=None)
+                if best is not None:  # at the cap: any free buffer that holds the request
+                    buf = self._free[best].pop()
                     self._hand_out(buf, nbytes)
                     return buf
                 self._exhausted(nbytes, size)
                 new_size = _ROUND_BYTES * -(-nbytes // _ROUND_BYTES)
                 self._fallbacks += 1
                 self._fallback_in_use += new_size
-            when = self._acquires
-        tensor = torch.empty(new_size, dtype=torch.uint8, pin_memory=self.pin_memory)
-        buf = HostBuffer(tensor, nbytes, pooled)
-        buf.last_used = when
+            buf = HostBuffer(None, nbytes, pooled, new_size)
+            if pooled:
+                self._hand_out(buf, nbytes)
+        buf.tensor = torch.empty(new_size, dtype=torch.uint8, pin_memory=self.pin_memory)
         return buf
 
     def _hand_out(self, buf: HostBuffer, nbytes: int) -> None:
         buf.nbytes = nbytes
         buf.last_used = self._acquires
-        self._count_out(buf.capacity, nbytes)
+        self._in_use += buf.capacity
+        requested = self._in_use_requested + nbytes
+        self._in_use_requested = requested
+        if requested > self._peak_requested:
+            self._peak_requested = requested
 
-    def _count_out(self, capacity: int, nbytes: int) -> None:
-        self._in_use += capacity
-        self._in_use_requested += nbytes
-        self._peak_requested = max(self._peak_requested, self._in_use_requested)
-
-    def _take_free(self, nbytes: int, size: int, limit: float) -> HostBuffer | None:
-        """Pop the free buffer of the smallest capacity in ``[nbytes, limit]``, if any."""
-        best = size if size in self._free else min((c for c in self._free if nbytes <= c <= limit), default=None)
-        if best is None:
-            return None
-        bufs = self._free[best]
-        buf = bufs.pop()
-        if not bufs:
-            del self._free[best]
-        return buf
+    def _take_near(self, nbytes: int, size: int) -> HostBuffer | None:
+        """The free buffer of the smallest class above ``size`` within the waste bound (NOTE [Host pool bound])."""
+        limit = max(size, _REUSE_RATIO * nbytes)
+        capacity = size_class(size + 1, self.classes_per_doubling)
+        while capacity <= limit:
+            bufs = self._free.get(capacity)
+            if bufs:
+                return bufs.pop()  # the most recently released: the least recently released age out
+            capacity = size_class(capacity + 1, self.classes_per_doubling)
+        return None
 
     def _make_room(self, nbytes: int, size: int) -> int | None:
         """Release free buffers so that a new one fits the bound and the cap; its size, or None at the cap."""
@@ -275,7 +275,7 @@ class HostPool:
         return size
 
     def _free_holding(self, nbytes: int) -> bool:
-        return any(c >= nbytes for c in self._free)
+        return any(bufs and c >= nbytes for c, bufs in self._free.items())
 
     # ------------------------------------------------------------------ release of free buffers
     def _release_idle(self) -> None:
@@ -331,7 +331,7 @@ class HostPool:
         state = (
             f"{nbytes} bytes requested ({size} rounded), {self._allocated} of capacity_bytes="
             f"{self.capacity_bytes} already allocated, {self._in_use} in use, {free} free in buffers "
-            f"too small to hold it (largest {max(self._free, default=0)})"
+            f"too small to hold it (largest {max((c for c, bufs in self._free.items() if bufs), default=0)})"
         )
         if self.on_exhausted == "error":
             raise ChunkOffloadError(
