@@ -68,7 +68,7 @@ from ...core.manager import OffloadConfig
 from .attach import ITERATION_MODES, MegatronOffloadManager, attach
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
-__all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args"]
+__all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args", "has_arguments"]
 
 GROUP_TITLE = "chunk-offload"
 """Title of the argument group `add_arguments` adds."""
@@ -128,6 +128,11 @@ class _ModulesAction(argparse.Action):
 def _valid_names_text() -> str:
     aliases = ", ".join(f"{alias} (= {name})" for alias, name in sorted(ALIASES.items()))
     return f"{', '.join(OFFLOAD_MODULE_NAMES)}; aliases: {aliases}"
+
+
+def has_arguments(parser: argparse.ArgumentParser) -> bool:
+    """True when `add_arguments` already added the chunk-offload flags to ``parser``."""
+    return _LONG_PREFIX + "modules" in parser._option_string_actions  # argparse has no public lookup
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

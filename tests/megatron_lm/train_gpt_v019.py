@@ -1,0 +1,93 @@
+"""A small GPT pretraining script in Megatron-LM's core_v0.19 style, for the launcher's tests.
+
+As Megatron-LM's own ``pretrain_gpt.py`` at core_v0.19: arguments parsed by
+``parse_and_validate_args``, a ``PretrainConfigContainer`` built from them, and
+``pretrain(cfg_container, datasets_provider, model_type, forward_step)`` with no model provider
+(the model is built from the config inside ``pretrain``). Mock data (``--mock-data``), a null
+tokenizer, and a loss that every rank prints with full precision so tests can compare runs.
+Runs only under megatron-core >= 0.19 (whose wheel ships ``megatron.training``), e.g.::
+
+    torchrun --nproc-per-node 2 -m chunk_offload.megatron_lm tests/megatron_lm/train_gpt_v019.py \
+        --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 ... \
+        --chunk-offload-modules core_attn
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.enums import ModelType
+import megatron.training.training as megatron_training
+from megatron.training import get_args, get_tokenizer, pretrain
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+
+LOSS_PREFIX = "chunk-offload-test loss"
+"""Each training microbatch loss is printed as ``LOSS_PREFIX rank=R value=V`` with V as float.hex()."""
+GRAD_NORM_PREFIX = "chunk-offload-test grad-norm"
+"""Each step's gradient norm, printed as ``GRAD_NORM_PREFIX rank=R value=V`` (float.hex())."""
+
+
+def datasets_provider(num_samples, vp_stage=None):
+    """Mock GPT datasets of the requested sizes, built on every rank (no broadcast needed)."""
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None,
+        split="1,1,1",
+        tokenizer=get_tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, lambda: True, config).build()
+
+
+datasets_provider.is_distributed = True  # every rank builds its own copy
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Mean token loss, in the ``(loss, num_tokens, logged)`` form Megatron-LM's schedules reduce."""
+    losses = output.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    if torch.is_grad_enabled():
+        print(f"{LOSS_PREFIX} rank={torch.distributed.get_rank()} value={(loss / tokens).item().hex()}", flush=True)
+    report = torch.cat([loss.detach().view(1), tokens.view(1).float()])
+    return loss, tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """One microbatch through one model chunk: every chunk reads the batch, the last stage scores it."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"].long()
+    labels = batch["labels"].long()
+    output = model(
+        tokens, batch["position_ids"].long(), None, labels=labels
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _print_grad_norm(train_step):
+    """Megatron-LM's ``train_step`` that also prints the step's gradient norm with full precision."""
+
+    def step(*args, **kwargs):
+        result = train_step(*args, **kwargs)
+        grad_norm = result[5]  # (losses, skipped, checkpoint, exit, code, grad_norm, ...) in core_v0.19
+        print(f"{GRAD_NORM_PREFIX} rank={torch.distributed.get_rank()} value={float(grad_norm).hex()}", flush=True)
+        return result
+
+    return step
+
+
+if __name__ == "__main__":
+    megatron_training.train_step = _print_grad_norm(megatron_training.train_step)
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
