@@ -72,7 +72,7 @@ def test_pretrain_through_launcher_bit_identical_with_report(case: str, tmp_path
     offload = _train(
         nproc,
         case_args,
-        ["--chunk-offload-modules", modules, "--chunk-offload-min-tensor-bytes", "0", "--chunk-offload-report", str(report)],
+        ["--chunk-offload-modules", modules, "--chunk-offload-min-offload-bytes", "0", "--chunk-offload-report", str(report)],
         tmp_path,
         "offload",
     )
