@@ -80,7 +80,10 @@ class TrainingCpuRules:
     def _allow_no_cuda(self) -> bool:
         wrappers: dict[int, Callable[..., Any]] = {}
         for module_name in _INITIALIZE_BINDINGS:
-            module = importlib.import_module(module_name)
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:  # megatron-core < 0.19 without a Megatron-LM checkout
+                return False
             original = module.__dict__.get("initialize_megatron")
             if original is None:
                 continue
