@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,19 +49,26 @@ CASES = {
         "core_attn,expert_fc1",
     ),
 }
+TIMEOUT_S = 420
 _LINE = re.compile(r"^chunk-offload-test (loss|grad-norm) rank=(\d+) value=(\S+)$", re.MULTILINE)
 
 
-def _train(nproc: int, case_args: str, extra: list[str], tmp_path: Path, name: str) -> list[tuple[str, int, str]]:
-    """Run the script under the launcher; the (kind, rank, hex value) lines in the order each rank printed them."""
+def _train(nproc: int, case_args: str, extra: list[str], tmp_path: Path, *, script: Path = SCRIPT, launcher: bool = True) -> list[tuple[str, int, str]]:
+    """Run ``script`` (under the launcher); the (kind, rank, hex value) lines in the order each rank printed them."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", "0", "-m", "chunk_offload.megatron_lm", str(SCRIPT)]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), *(["-m", "chunk_offload.megatron_lm"] if launcher else []), str(script)]
     cmd += COMMON + case_args.split() + extra
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    lines = sorted(_LINE.findall(proc.stdout), key=lambda t: int(t[1]))  # stable: per rank in print order
+    # A session of its own: on a hang the whole process group (torchrun and its ranks) is killed.
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {TIMEOUT_S} s:\n{out[-6000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"
+    lines = sorted(_LINE.findall(out), key=lambda t: int(t[1]))  # stable: per rank in print order
     return [(kind, int(rank), value) for kind, rank, value in lines]
 
 
@@ -68,13 +76,12 @@ def _train(nproc: int, case_args: str, extra: list[str], tmp_path: Path, name: s
 def test_pretrain_through_launcher_bit_identical_with_report(case: str, tmp_path: Path) -> None:
     nproc, case_args, modules = CASES[case]
     report = tmp_path / "report"
-    plain = _train(nproc, case_args, [], tmp_path, "plain")
+    plain = _train(nproc, case_args, [], tmp_path)
     offload = _train(
         nproc,
         case_args,
         ["--chunk-offload-modules", modules, "--chunk-offload-min-offload-bytes", "0", "--chunk-offload-report", str(report)],
         tmp_path,
-        "offload",
     )
     losses = [line for line in plain if line[0] == "loss"]
     norms = [line for line in plain if line[0] == "grad-norm"]
@@ -90,3 +97,35 @@ def test_pretrain_through_launcher_bit_identical_with_report(case: str, tmp_path
     for r in stage0:  # the first stage's chunks wait for their backward: they are copied
         assert sum(r["bytes_per_module"].values()) > 0, r
         assert r["measured_drop"] == r["theoretical_drop"] > 0, r
+    idle = [r["rank"] for r in reports if not any(r["bytes_per_module"].values())]  # e.g. the last stage without VPP
+    table = report.with_suffix(".md").read_text()
+    if idle:
+        assert f"{'rank' if len(idle) == 1 else 'ranks'} {', '.join(map(str, idle))} copied nothing: the plan kept" in table
+
+
+def test_model_provider_and_the_readme_snippet(tmp_path: Path) -> None:
+    """A model provider called by Megatron-LM's get_model (config=, pg_collection=), and the script's own flags.
+
+    The script's ``--test-model-from provider`` comes from its own ``extra_args_provider``, which
+    the launcher composes with ours. The README's snippet for users who keep their own script
+    (train_gpt_readme_snippet.py runs it as written, no launcher) must train the same.
+    """
+    nproc, case_args, modules = CASES["pp2_vpp2"]
+    case_args += " --test-model-from provider"
+    ours = ["--chunk-offload-modules", modules, "--chunk-offload-min-offload-bytes", "0"]
+    plain = _train(nproc, case_args, [], tmp_path)
+    launched = _train(nproc, case_args, [*ours, "--chunk-offload-report", str(tmp_path / "launched")], tmp_path)
+    snippet = _train(
+        nproc,
+        case_args.replace(" --test-model-from provider", ""),
+        [*ours, "--chunk-offload-iterations", "auto", "--chunk-offload-report", str(tmp_path / "snippet")],
+        tmp_path,
+        script=SCRIPT.with_name("train_gpt_readme_snippet.py"),
+        launcher=False,
+    )
+    assert len([line for line in plain if line[0] == "grad-norm"]) == 3 * nproc
+    assert launched == plain
+    assert snippet == plain
+    for name in ("launched", "snippet"):
+        reports = json.loads((tmp_path / f"{name}.json").read_text())["reports"]
+        assert all(sum(r["bytes_per_module"].values()) > 0 for r in reports), reports  # VPP: both stages copy
