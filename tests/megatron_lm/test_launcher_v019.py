@@ -60,14 +60,15 @@ def _train(nproc: int, case_args: str, extra: list[str], tmp_path: Path, *, scri
     cmd += COMMON + case_args.split() + extra
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # A session of its own: on a hang the whole process group (torchrun and its ranks) is killed.
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # stdout apart from stderr: a warning written by one rank must not split another's result line.
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {TIMEOUT_S} s:\n{out[-6000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {TIMEOUT_S} s:\n{(out + err)[-6000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{(out + err)[-6000:]}"
     lines = sorted(_LINE.findall(out), key=lambda t: int(t[1]))  # stable: per rank in print order
     return [(kind, int(rank), value) for kind, rank, value in lines]
 

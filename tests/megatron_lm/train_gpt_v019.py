@@ -3,7 +3,10 @@
 As Megatron-LM's own ``pretrain_gpt.py`` at core_v0.19: arguments parsed by
 ``parse_and_validate_args``, a ``PretrainConfigContainer`` built from them, and
 ``pretrain(cfg_container, datasets_provider, model_type, forward_step)`` with no model provider
-(the model is built from the config inside ``pretrain``). Mock data (``--mock-data``), a null
+(the model is built from the config inside ``pretrain``); with ``--test-model-from provider``
+(a flag of the script's own ``extra_args_provider``) a container without a model config and a
+model provider instead, which Megatron-LM's ``get_model`` calls with ``config=`` and
+``pg_collection=``. Mock data (``--mock-data``), a null
 tokenizer, and a loss that every rank prints with full precision so tests can compare runs.
 Runs only under megatron-core >= 0.19 (whose wheel ships ``megatron.training``), e.g.::
 
@@ -20,10 +23,12 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 import megatron.training.training as megatron_training
 from megatron.training import get_args, get_tokenizer, pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 
 LOSS_PREFIX = "chunk-offload-test loss"
 """Each training microbatch loss is printed as ``LOSS_PREFIX rank=R value=V`` with V as float.hex()."""
@@ -74,6 +79,33 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def script_arguments(parser):
+    """The script's own ``extra_args_provider`` (the launcher adds its flags after these)."""
+    parser.add_argument_group("train_gpt_v019").add_argument(
+        "--test-model-from", choices=("config", "provider"), default="config",
+        help="build the model from the config container (core_v0.19) or through model_provider",
+    )
+    return parser
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """A GPT chunk with the local layer spec, called by Megatron-LM's ``get_model`` with keywords."""
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(args.num_experts, moe_grouped_gemm=False),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
 def _print_grad_norm(train_step):
     """Megatron-LM's ``train_step`` that also prints the step's gradient norm with full precision."""
 
@@ -88,6 +120,10 @@ def _print_grad_norm(train_step):
 
 if __name__ == "__main__":
     megatron_training.train_step = _print_grad_norm(megatron_training.train_step)
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    args = parse_and_validate_args(extra_args_provider=script_arguments, args_defaults={"tokenizer_type": "NullTokenizer"})
+    if args.test_model_from == "provider":
+        container = pretrain_cfg_container_from_args(args)
+        pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    else:
+        container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
