@@ -78,7 +78,7 @@ class TrainingCpuRules:
     # -- the rules ----------------------------------------------------------------------------
 
     def _allow_no_cuda(self) -> bool:
-        wrappers: dict[int, Callable[..., Any]] = {}
+        wrappers: dict[Any, Callable[..., Any]] = {}
         for module_name in _INITIALIZE_BINDINGS:
             try:
                 module = importlib.import_module(module_name)
@@ -87,7 +87,7 @@ class TrainingCpuRules:
             original = module.__dict__.get("initialize_megatron")
             if original is None:
                 continue
-            wrapper = wrappers.setdefault(id(original), _with_allow_no_cuda(original))
+            wrapper = wrappers.get(original) or wrappers.setdefault(original, _with_allow_no_cuda(original))
             self._patch(module, "initialize_megatron", wrapper)
         return bool(wrappers)
 

@@ -67,7 +67,8 @@ class EntryPoints:
     """The wrapped entry points of one script run, and the manager attached in it.
 
     ``install()`` replaces the entry points, ``restore()`` puts them back (idempotent). Usable as a
-    context manager. Import megatron.training's dependencies' CPU rules first on a CPU-only host.
+    context manager. On a CPU-only host enable `chunk_offload.devkit.cpu_compat` and
+    `chunk_offload.devkit.megatron_training_cpu` first (`run_script` does).
     """
 
     def __init__(self) -> None:
@@ -82,14 +83,14 @@ class EntryPoints:
     def install(self) -> EntryPoints:
         """Wrap the entry points in every module of ``megatron.training`` that binds them."""
         modules = [importlib.import_module(name) for name in _BINDING_MODULES]
-        wrappers: dict[int, Any] = {}  # id(original) -> its wrapper, so one original gets one wrapper
+        wrappers: dict[Any, Any] = {}  # original -> its wrapper, so one original gets one wrapper
         for module in modules:
             for name in (*_ARGS_ENTRY_POINTS, "pretrain"):
                 original = module.__dict__.get(name)
                 if original is None or not callable(original):
                     continue
                 make = self._wrap_pretrain if name == "pretrain" else self._wrap_args_entry
-                wrapper = wrappers.setdefault(id(original), make(original))
+                wrapper = wrappers.get(original) or wrappers.setdefault(original, make(original))
                 self._patches.append(_Patch(module, name, original))
                 setattr(module, name, wrapper)
         return self
