@@ -17,6 +17,7 @@ Runs only under megatron-core >= 0.19 (whose wheel ships ``megatron.training``),
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
@@ -34,6 +35,13 @@ LOSS_PREFIX = "chunk-offload-test loss"
 """Each training microbatch loss is printed as ``LOSS_PREFIX rank=R value=V`` with V as float.hex()."""
 GRAD_NORM_PREFIX = "chunk-offload-test grad-norm"
 """Each step's gradient norm, printed as ``GRAD_NORM_PREFIX rank=R value=V`` (float.hex())."""
+
+
+def _print_line(text: str) -> None:
+    """One write per line: torchrun runs the ranks unbuffered (``python -u``), where ``print`` writes
+    the text and its newline separately and the ranks' lines could interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def datasets_provider(num_samples, vp_stage=None):
@@ -63,7 +71,7 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     loss = torch.sum(losses * mask)
     tokens = mask.sum().to(torch.int)
     if torch.is_grad_enabled():
-        print(f"{LOSS_PREFIX} rank={torch.distributed.get_rank()} value={(loss / tokens).item().hex()}", flush=True)
+        _print_line(f"{LOSS_PREFIX} rank={torch.distributed.get_rank()} value={(loss / tokens).item().hex()}")
     report = torch.cat([loss.detach().view(1), tokens.view(1).float()])
     return loss, tokens, {"lm loss": report}
 
@@ -112,7 +120,7 @@ def _print_grad_norm(train_step):
     def step(*args, **kwargs):
         result = train_step(*args, **kwargs)
         grad_norm = result[5]  # (losses, skipped, checkpoint, exit, code, grad_norm, ...) in core_v0.19
-        print(f"{GRAD_NORM_PREFIX} rank={torch.distributed.get_rank()} value={float(grad_norm).hex()}", flush=True)
+        _print_line(f"{GRAD_NORM_PREFIX} rank={torch.distributed.get_rank()} value={float(grad_norm).hex()}")
         return result
 
     return step
