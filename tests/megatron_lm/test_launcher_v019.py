@@ -73,11 +73,24 @@ def _train(nproc: int, case_args: str, extra: list[str], tmp_path: Path, *, scri
     return [(kind, int(rank), value) for kind, rank, value in lines]
 
 
+@pytest.fixture(scope="module")
+def plain_runs() -> dict[str, list[tuple[str, int, str]]]:
+    """Each case trained once without offload (model from the config), shared by the tests."""
+    return {}
+
+
+def _plain(plain_runs: dict, case: str, tmp_path: Path) -> list[tuple[str, int, str]]:
+    if case not in plain_runs:
+        nproc, case_args, _ = CASES[case]
+        plain_runs[case] = _train(nproc, case_args, [], tmp_path)
+    return plain_runs[case]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_pretrain_through_launcher_bit_identical_with_report(case: str, tmp_path: Path) -> None:
+def test_pretrain_through_launcher_bit_identical_with_report(case: str, plain_runs: dict, tmp_path: Path) -> None:
     nproc, case_args, modules = CASES[case]
     report = tmp_path / "report"
-    plain = _train(nproc, case_args, [], tmp_path)
+    plain = _plain(plain_runs, case, tmp_path)
     offload = _train(
         nproc,
         case_args,
@@ -104,17 +117,18 @@ def test_pretrain_through_launcher_bit_identical_with_report(case: str, tmp_path
         assert f"{'rank' if len(idle) == 1 else 'ranks'} {', '.join(map(str, idle))} copied nothing: the plan kept" in table
 
 
-def test_model_provider_and_the_readme_snippet(tmp_path: Path) -> None:
+def test_model_provider_and_the_readme_snippet(plain_runs: dict, tmp_path: Path) -> None:
     """A model provider called by Megatron-LM's get_model (config=, pg_collection=), and the script's own flags.
 
     The script's ``--test-model-from provider`` comes from its own ``extra_args_provider``, which
     the launcher composes with ours. The README's snippet for users who keep their own script
-    (train_gpt_readme_snippet.py runs it as written, no launcher) must train the same.
+    (train_gpt_readme_snippet.py runs it as written, no launcher) must train the same. The model
+    provider builds the same model as the config, so both compare with the plain run from the config.
     """
     nproc, case_args, modules = CASES["pp2_vpp2"]
     case_args += " --test-model-from provider"
     ours = ["--chunk-offload-modules", modules, "--chunk-offload-min-offload-bytes", "0"]
-    plain = _train(nproc, case_args, [], tmp_path)
+    plain = _plain(plain_runs, "pp2_vpp2", tmp_path)
     launched = _train(nproc, case_args, [*ours, "--chunk-offload-report", str(tmp_path / "launched")], tmp_path)
     snippet = _train(
         nproc,
