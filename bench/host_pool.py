@@ -49,7 +49,7 @@ def record(args: argparse.Namespace) -> list[tuple]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     blocks = nn.ModuleList([_Block(args.hidden) for _ in range(2)])
-    manager = chunk_offload.OffloadManager(min_offload_bytes=1)
+    manager = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1))
     for block in blocks:
         manager.offload_module(block.fc1, "fc1")
         manager.offload_module(block.fc2, "fc2")

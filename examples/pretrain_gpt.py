@@ -5,15 +5,15 @@ compatibility layer, with CUDA they use NCCL and one GPU each:
 
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py \\
         --pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 \\
-        --offload-modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1
+        --chunk-offload-modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1
 
-Prints every iteration's loss with full precision. With ``--offload-modules`` the first
+Prints every iteration's loss with full precision. With ``--chunk-offload-modules`` the first
 iteration is a baseline that copies nothing, and rank 0 prints the per-stage memory report
 (`chunk_offload.report`): per rank, the peak without offload (the baseline iteration) and with
 it (the last iteration), the measured and the theoretical drop, R, the bytes offloaded per
-module and the copy and wait times. ``--offload-report PATH`` also writes it to ``PATH.json``,
+module and the copy and wait times. ``--chunk-offload-report PATH`` also writes it to ``PATH.json``,
 ``PATH.png`` (memory over one iteration per stage) and ``PATH.md``. ``--save-state DIR`` writes
-every rank's parameters after the last step, so two runs (with and without ``--offload-modules``)
+every rank's parameters after the last step, so two runs (with and without ``--chunk-offload-modules``)
 can be compared bit for bit: the baseline iteration changes nothing in the numerics.
 """
 
@@ -67,10 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="core attention: sdpa (torch's scaled_dot_product_attention, flash-style; default) or local "
         "(megatron-core's DotProductAttention, which materialises the s x s softmax)",
     )
-    # --offload-modules, --offload-min-tensor-bytes, ... (also spelled --chunk-offload-*), exactly as
+    # --chunk-offload-modules, --chunk-offload-min-offload-bytes, ..., exactly as
     # Megatron-LM gets them through extra_args_provider=add_arguments.
     add_arguments(p)
-    p.set_defaults(chunk_offload_min_tensor_bytes=1024)  # this model is tiny: offload tensors from 1 KiB
+    p.set_defaults(chunk_offload_min_offload_bytes=1024)  # this model is tiny: offload tensors from 1 KiB
     p.add_argument("--save-state", type=Path, default=None, help="directory for every rank's final parameters")
     p.add_argument(
         "--hang-timeout-s", type=float, default=0.0, help="print every thread's stack and exit after this long (0: off)"
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"got {args.num_layers}"
         )
     if args.chunk_offload_modules and not args.chunk_offload_baseline and args.iterations < 2:
-        p.error(f"--offload-modules needs --iterations >= 2 (got {args.iterations}): the first iteration is the report's baseline without offload")
+        p.error(f"--chunk-offload-modules needs --iterations >= 2 (got {args.iterations}): the first iteration is the report's baseline without offload")
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // args.pipeline_model_parallel_size
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, device: torch.device, rank: int) -> None:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
     )
-    # As Megatron-LM's initialize_megatron does: --offload-iterations auto reads the count here.
+    # As Megatron-LM's initialize_megatron does: --chunk-offload-iterations auto reads the count here.
     data_parallel = parallel_state.get_data_parallel_world_size()
     global_batch = args.num_microbatches * args.micro_batch_size * data_parallel
     init_num_microbatches_calculator(rank, None, global_batch, args.micro_batch_size, data_parallel)

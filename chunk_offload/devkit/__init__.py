@@ -1,11 +1,13 @@
 """Development infrastructure: run megatron-core where there is no GPU, and build small GPT models.
 
-Not part of the offload engine. Two modules, each imported explicitly (importing megatron-core
+Not part of the offload engine. Three modules, each imported explicitly (importing megatron-core
 is slow, so nothing here is imported by ``chunk_offload`` itself):
 
 - `chunk_offload.devkit.cpu_compat`: named, reversible rules that redirect megatron-core's CUDA
   calls so that it builds and trains on a CPU-only host with gloo (inert when CUDA is present);
   see docs/megatron_cpu.md.
+- `chunk_offload.devkit.megatron_training_cpu`: the same for Megatron-LM's ``megatron.training``
+  (``initialize_megatron`` / ``pretrain``), used by the ``chunk_offload.megatron_lm`` launcher.
 - `chunk_offload.devkit.gpt`: the small megatron-core GPT builder shared by the example, the
   stage replay, the planner's measurements and the tests.
 """

@@ -38,6 +38,8 @@ What is redirected, and why (one line each; see ``docs/megatron_cpu.md``):
   See NOTE [ One generator on CPU ].
 * ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is set to ``None`` when missing:
   without Transformer Engine the name is never bound, and the MoE router reads it.
+* ``torch.distributed.isend`` sends a private copy of a CPU tensor: gloo reads the buffer after
+  ``isend`` returns, and Megatron frees sent outputs at once. See NOTE [ Sends own their buffer ].
 * The alltoall token dispatcher's ``maybe_move_tensor_to_cpu`` also turns CPU split sizes into
   numpy arrays: megatron converts them only when they come from the GPU, and
   ``all_to_all_single`` rejects tensors as split sizes.
@@ -107,6 +109,15 @@ logger = logging.getLogger(__name__)
 # the mode back for the duration of the engine run, the same seam torch's own
 # `torch.compiler._patch_engine_backward` uses. Megatron's `custom_backward` (used with
 # `deallocate_pipeline_outputs=True`) calls the engine directly and never lost the mode.
+
+# NOTE [ Sends own their buffer ]
+# gloo's `isend` returns before it has read the tensor; the send's work keeps a reference to the
+# tensor object, not to its memory. Megatron frees each stage output once it is sent
+# (`deallocate_output_tensor` sets `out.data` to a 1-element tensor), and at PP >= 2 with VPP it
+# forces overlapped (asynchronous) p2p, so the send may then read freed, reused memory: runs with
+# identical seeds gave different losses, once NaN. `isend` therefore sends a private copy of a CPU
+# tensor, which only the send's work references. Both bindings are replaced (`torch.distributed`
+# and `distributed_c10d`, whose `P2POp` and `batch_isend_irecv` compare `op is isend`).
 
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 
@@ -395,6 +406,12 @@ class MegatronCpuCompat:
             _splits_to_numpy_on_cpu(_mcore_token_dispatcher.maybe_move_tensor_to_cpu),
         )
 
+        # gloo's isend reads the buffer after it returns; Megatron frees a sent output at once
+        # (`deallocate_output_tensor`). See NOTE [ Sends own their buffer ].
+        safe_isend = _isend_owning_buffer(torch.distributed.distributed_c10d.isend)
+        self._patch(torch.distributed.distributed_c10d, "isend", safe_isend)
+        self._patch(torch.distributed, "isend", safe_isend)
+
         self._rng_filter = _RngWarningFilter()
         logging.getLogger(_mcore_random.__name__).addFilter(self._rng_filter)
         self._mode = _CudaToCpuMode()
@@ -439,6 +456,16 @@ def _engine_run_backward_with_mode(original: Callable[..., Any], handle: Megatro
             return original(*args, **kwargs)
 
     return run_backward
+
+
+def _isend_owning_buffer(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``isend`` of a private copy of a CPU tensor. See NOTE [ Sends own their buffer ]."""
+
+    @functools.wraps(original)
+    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return original(tensor.clone() if tensor.device.type == "cpu" else tensor, *args, **kwargs)
+
+    return isend
 
 
 def _splits_to_numpy_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:

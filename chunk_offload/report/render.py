@@ -14,6 +14,14 @@ __all__ = ["FORMAT", "format_table", "from_json", "read_json", "to_json", "write
 FORMAT = "chunk_offload.stage_reports/1"
 """The ``format`` field of the JSON document; bumped when fields change meaning."""
 
+# NOTE [Ranks that copied nothing]
+# A rank whose offload iteration copied no byte has no drop from offload; a difference between its
+# two peaks is something else (with MoE: the routing, which changes the saved bytes per iteration).
+# Its drop and R cells show "-", and a line below the table says why nothing was copied, from what
+# the report holds: no saved byte of the offloaded modules was tracked at all (predicted peak
+# without offload 0: every tensor below min_offload_bytes, or the modules saved nothing), or
+# bytes were tracked but the plan kept every chunk on device (its backward follows at once).
+
 _COLUMNS = (
     # header, alignment (markdown), cell
     ("rank", "r", lambda r: str(r.rank)),
@@ -21,9 +29,10 @@ _COLUMNS = (
     ("vp", "r", lambda r: str(r.vp_size)),
     ("peak without (B)", "r", lambda r: str(r.peak_without)),
     ("peak with (B)", "r", lambda r: str(r.peak_with)),
-    ("measured drop (B)", "r", lambda r: str(r.measured_drop)),
-    ("theoretical drop (B)", "r", lambda r: str(r.theoretical_drop)),
-    ("R", "r", lambda r: "-" if r.ratio is None else f"{r.ratio:.2%}"),
+    # A rank that copied nothing has no drop to show: see NOTE [Ranks that copied nothing].
+    ("measured drop (B)", "r", lambda r: "-" if _copied_nothing(r) else str(r.measured_drop)),
+    ("theoretical drop (B)", "r", lambda r: "-" if _copied_nothing(r) else str(r.theoretical_drop)),
+    ("R", "r", lambda r: "-" if r.ratio is None or _copied_nothing(r) else f"{r.ratio:.2%}"),
     ("copy ms", "r", lambda r: f"{r.copy_ms:.2f}"),
     ("wait ms", "r", lambda r: f"{r.wait_ms:.2f}"),
     ("bytes offloaded per module", "l", lambda r: ",".join(f"{n}:{b}" for n, b in r.bytes_per_module.items()) or "-"),
@@ -51,7 +60,33 @@ def format_table(reports: Sequence[StageReport]) -> str:
 
     rule = "|" + "|".join(("-" * (w + 1) + ":") if align == "r" else (":" + "-" * (w + 1)) for w, (_, align, _) in zip(widths, _COLUMNS)) + "|"
     lines += ["", row(cells[0]), rule, *(row(c) for c in cells[1:])]  # a blank line: Markdown needs it before a table
-    return "\n".join(lines)
+    return "\n".join(lines + _nothing_copied_notes(reports))
+
+
+def _copied_nothing(report: StageReport) -> bool:
+    return not any(report.bytes_per_module.values())
+
+
+def _nothing_copied_notes(reports: list[StageReport]) -> list[str]:
+    """One line per reason for the ranks that copied nothing. See NOTE [Ranks that copied nothing]."""
+    below = [r.rank for r in reports if _copied_nothing(r) and r.predicted_peak_without == 0]
+    kept = [r.rank for r in reports if _copied_nothing(r) and r.predicted_peak_without > 0]
+    notes = []
+    if below:
+        notes.append(
+            f"{_ranks(below)} copied nothing: no saved tensor of the offloaded modules reached min_offload_bytes "
+            "(--chunk-offload-min-offload-bytes, default 1 MiB); a small model needs a lower threshold"
+        )
+    if kept:
+        notes.append(
+            f"{_ranks(kept)} copied nothing: the plan kept every chunk on device (each backward follows its forward "
+            "at once); a change of their peaks is not offload (with MoE: the routing)"
+        )
+    return ["", *notes] if notes else []
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def to_json(reports: Sequence[StageReport]) -> str:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chunk_offload import OffloadManager
+from chunk_offload import OffloadConfig, OffloadManager
 from tests.core._models import BATCH, HIDDEN, ONE_F_ONE_B, Block, assert_clean
 
 ITERATIONS = 200
@@ -184,7 +184,7 @@ def _run_uncapped(seed: int, shapes: Shapes) -> tuple:
     """(result, trace, per-iteration pool stats) of the run with an uncapped pool (cached per seed)."""
     if seed not in _uncapped:
         trace, stats = Trace(), []
-        manager = OffloadManager(min_offload_bytes=1)
+        manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
         try:
             result = _train(manager, shapes, trace, stats)
         finally:

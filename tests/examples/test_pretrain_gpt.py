@@ -3,7 +3,7 @@
 Both runs must print the same losses with full precision and save bit-identical parameters on
 every rank (the offload run's first iteration is its report's baseline); the offload run must
 print the per-stage memory report with a row per rank and bytes for every module, and with
-``--offload-report`` write the same table, its JSON and a PNG.
+``--chunk-offload-report`` write the same table, its JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def _load_example():
 def test_offload_needs_a_second_iteration_after_the_baseline(capsys):
     example = _load_example()
     with pytest.raises(SystemExit):
-        example.parse_args(["--offload-modules", "core_attn", "--iterations", "1"])
-    assert "--offload-modules needs --iterations >= 2 (got 1)" in capsys.readouterr().err
-    assert example.parse_args(["--offload-modules", "core_attn", "--offload-baseline", "--iterations", "1"]).iterations == 1
+        example.parse_args(["--chunk-offload-modules", "core_attn", "--iterations", "1"])
+    assert "--chunk-offload-modules needs --iterations >= 2 (got 1)" in capsys.readouterr().err
+    assert example.parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-baseline", "--iterations", "1"]).iterations == 1
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_example_with_and_without_offload_is_bit_identical(tmp_path, world, pipe
     offloads = [_offloads_some_chunk(pipeline, virtual, rank % pipeline) for rank in range(world)]
     base_out, base_state = _launch(tmp_path, "base", world, parallel)
     report = tmp_path / "report" / "run"
-    off_out, off_state = _launch(tmp_path, "offload", world, [*parallel, "--offload-modules", modules, "--offload-iterations", iterations, "--offload-report", str(report)])
+    off_out, off_state = _launch(tmp_path, "offload", world, [*parallel, "--chunk-offload-modules", modules, "--chunk-offload-iterations", iterations, "--chunk-offload-report", str(report)])
     _check_report(off_out, report, world, pipeline, offloads)
     assert "per-stage memory report" not in base_out
 

@@ -16,7 +16,7 @@ Flags (group "chunk-offload"); every value lands in ``args.chunk_offload_*``:
 
 * ``--chunk-offload-modules core_attn,qkv_linear``: what to offload (comma- or space-separated
   names from `OFFLOAD_MODULE_NAMES`, aliases from `ALIASES`), checked while parsing.
-* ``--chunk-offload-min-tensor-bytes N``: saved tensors smaller than N bytes stay on device.
+* ``--chunk-offload-min-offload-bytes N``: saved tensors smaller than N bytes stay on device.
 * ``--chunk-offload-host-pool-bytes N``: cap on pinned host memory (unset: no cap).
 * ``--chunk-offload-on-exhausted fallback|error``: what happens at the cap.
 * ``--chunk-offload-baseline``: track the same groups and bytes but copy nothing.
@@ -45,11 +45,9 @@ Megatron-LM defines flags of its own for its built-in offloading: ``--offload-mo
 ``--fine-grained-activation-offloading``) and ``--cpu-offloading*``. An ``extra_args_provider``
 adds its flags to Megatron-LM's parser, and argparse refuses a second ``--offload-modules`` with
 "conflicting option string". Our flags therefore all start with ``--chunk-offload-`` and store to
-``chunk_offload_*`` destinations, which no Megatron flag uses. The shorter spellings
-``--offload-modules``, ``--offload-min-tensor-bytes``, ..., ``--offload-iterations`` (one per
-``--chunk-offload-*`` flag) are added as aliases only when the parser defines none of them,
-all or nothing: under Megatron-LM, whose parser has ``--offload-modules``, only the
-``--chunk-offload-`` names exist, so no command line can mix our flags with Megatron's.
+``chunk_offload_*`` destinations, which no Megatron flag uses, and are named after the
+`OffloadConfig` / `attach` options they set (``--chunk-offload-min-offload-bytes`` sets
+``min_offload_bytes``). There are no shorter ``--offload-*`` spellings.
 `attach_from_args` refuses a Megatron ``--offload-modules`` given without Megatron's own
 offloading switched on (a likely mix-up with ours) and refuses to run both offloading
 mechanisms at once.
@@ -68,19 +66,18 @@ from .attach import MegatronOffloadManager, attach
 from .auto import ITERATION_MODES
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
-__all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args"]
+__all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args", "has_arguments"]
 
 GROUP_TITLE = "chunk-offload"
 """Title of the argument group `add_arguments` adds."""
 
 _LONG_PREFIX = "--chunk-offload-"
-_SHORT_PREFIX = "--offload-"
 _ON_EXHAUSTED_CHOICES = ("fallback", "error")  # OffloadConfig.on_exhausted's Literal; a test keeps them equal
 
 # Flag suffix -> destination in the parsed namespace. See NOTE [Flag names].
 _DESTS = {
     "modules": "chunk_offload_modules",
-    "min-tensor-bytes": "chunk_offload_min_tensor_bytes",
+    "min-offload-bytes": "chunk_offload_min_offload_bytes",
     "host-pool-bytes": "chunk_offload_host_pool_bytes",
     "on-exhausted": "chunk_offload_on_exhausted",
     "baseline": "chunk_offload_baseline",
@@ -130,11 +127,16 @@ def _valid_names_text() -> str:
     return f"{', '.join(OFFLOAD_MODULE_NAMES)}; aliases: {aliases}"
 
 
+def has_arguments(parser: argparse.ArgumentParser) -> bool:
+    """True when `add_arguments` already added the chunk-offload flags to ``parser``."""
+    return _LONG_PREFIX + "modules" in parser._option_string_actions  # argparse has no public lookup
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the "chunk-offload" argument group to ``parser`` and return ``parser``.
 
-    Usable as Megatron-LM's ``extra_args_provider``. The ``--chunk-offload-*`` flags are always
-    added; the ``--offload-*`` aliases only when ``parser`` defines none of them (NOTE [Flag names]).
+    Usable as Megatron-LM's ``extra_args_provider``; every flag starts with ``--chunk-offload-``
+    (NOTE [Flag names]).
     Raises `ChunkOffloadError` if ``parser`` already has a ``--chunk-offload-*`` flag (e.g. when
     called twice on one parser).
     """
@@ -147,10 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             f"the parser already defines {taken}; add_arguments adds the chunk-offload flags once per parser "
             "(pass it as extra_args_provider only, or remove the other definition)."
         )
-    with_short = not any(_SHORT_PREFIX + suffix in existing for suffix in _DESTS)
 
     def names(suffix: str) -> list[str]:
-        return [_LONG_PREFIX + suffix] + ([_SHORT_PREFIX + suffix] if with_short else [])
+        return [_LONG_PREFIX + suffix]
 
     defaults = OffloadConfig()
     group = parser.add_argument_group(
@@ -159,7 +160,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "Offload what chosen submodules save for backward to pinned host memory, per pipeline chunk "
             "(chunk_offload.integrations.megatron.attach_from_args). Byte counts take an integer or a "
             "KiB/MiB/GiB/TiB suffix."
-            + ("" if with_short else " The --offload-* aliases are off: this parser has Megatron-LM's own --offload-* flags.")
         ),
     )
     group.add_argument(
@@ -172,8 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"Submodules whose saved tensors are offloaded, comma- or space-separated: {_valid_names_text()}. Unset: no offload.",
     )
     group.add_argument(
-        *names("min-tensor-bytes"),
-        dest=_DESTS["min-tensor-bytes"],
+        *names("min-offload-bytes"),
+        dest=_DESTS["min-offload-bytes"],
         type=_byte_count,
         default=defaults.min_offload_bytes,
         metavar="BYTES",
@@ -286,6 +286,7 @@ def attach_from_args(
     baseline_iterations: int | None = None,
     trace: bool | None = None,
     measure_time: bool | None = None,
+    iterations: str | None = None,
 ) -> MegatronOffloadManager | None:
     """`attach` with the options parsed by `add_arguments`; None when no module was given.
 
@@ -298,7 +299,8 @@ def attach_from_args(
         model: the rank's model chunks (one per virtual stage) or a single chunk.
         args: the namespace parsed with `add_arguments` (Megatron-LM's ``get_args()``).
         streams: the engine's stream backend (None: the default).
-        baseline_iterations, trace, measure_time: applied over what ``args`` sets (None: from ``args``).
+        baseline_iterations, trace, measure_time, iterations: applied over what ``args`` sets
+            (None: from ``args``); the launcher passes ``iterations="auto"``.
 
     Raises `ChunkOffloadError` when ``args`` was not parsed with `add_arguments`, or when it
     also asks for Megatron-LM's own activation offloading (NOTE [Flag names]).
@@ -315,7 +317,7 @@ def attach_from_args(
         return None
     report = bool(getattr(args, _DESTS["report"]))
     config = OffloadConfig(
-        min_offload_bytes=getattr(args, _DESTS["min-tensor-bytes"]),
+        min_offload_bytes=getattr(args, _DESTS["min-offload-bytes"]),
         host_pool_bytes=getattr(args, _DESTS["host-pool-bytes"]),
         on_exhausted=getattr(args, _DESTS["on-exhausted"]),
         offload=not getattr(args, _DESTS["baseline"]),
@@ -334,5 +336,5 @@ def attach_from_args(
         prefetch_bytes=getattr(args, _DESTS["prefetch-bytes"]),
         reload_ahead_bytes=getattr(args, _DESTS["reload-ahead-bytes"]),
         baseline_iterations=baseline_iterations,
-        iterations=getattr(args, _DESTS["iterations"]),
+        iterations=getattr(args, _DESTS["iterations"]) if iterations is None else iterations,
     )

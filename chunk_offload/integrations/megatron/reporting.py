@@ -9,17 +9,20 @@ schedule policy (NOTEs [Report measure] and [Theoretical drop] in `chunk_offload
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ...core import ChunkOffloadError
+from ...report.files import ReportFiles, write_report
+from ...report.gather import gather_reports
 from ...report.stage import StageReport, stage_report
 
 if TYPE_CHECKING:
     from .attach import MegatronOffloadManager
 
-__all__ = ["build_stage_report"]
+__all__ = ["build_stage_report", "write_rank_reports"]
 
 
 def build_stage_report(manager: "MegatronOffloadManager") -> StageReport:
@@ -54,3 +57,14 @@ def build_stage_report(manager: "MegatronOffloadManager") -> StageReport:
         baseline_iteration=baseline,
         offload_iteration=manager.training_calls - 1,  # the latest training call
     )
+
+
+def write_rank_reports(manager: "MegatronOffloadManager", path: str | Path) -> ReportFiles | None:
+    """Gather every rank's report to rank 0 and write it there (`write_report`); a collective.
+
+    What a training loop does after training with ``--chunk-offload-report PATH`` (the
+    ``chunk_offload.megatron_lm`` launcher calls it after ``pretrain``). Returns the files on
+    rank 0, None on the others.
+    """
+    reports = gather_reports(manager.report())
+    return None if reports is None else write_report(reports, path)

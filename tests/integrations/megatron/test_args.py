@@ -25,7 +25,7 @@ _HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.u
 
 LONG_FLAGS = (
     "--chunk-offload-modules",
-    "--chunk-offload-min-tensor-bytes",
+    "--chunk-offload-min-offload-bytes",
     "--chunk-offload-host-pool-bytes",
     "--chunk-offload-on-exhausted",
     "--chunk-offload-baseline",
@@ -36,6 +36,7 @@ LONG_FLAGS = (
     "--chunk-offload-iterations",
 )
 SHORT_FLAGS = tuple(flag.replace("--chunk-offload-", "--offload-") for flag in LONG_FLAGS)
+"""Spellings that 0.1.0 never released and that no longer exist."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,7 +69,7 @@ def test_defaults_follow_offload_config() -> None:
     args = parser().parse_args([])
     defaults = OffloadConfig()
     assert args.chunk_offload_modules is None
-    assert args.chunk_offload_min_tensor_bytes == defaults.min_offload_bytes == 1 << 20
+    assert args.chunk_offload_min_offload_bytes == defaults.min_offload_bytes == 1 << 20
     assert args.chunk_offload_host_pool_bytes is None
     assert args.chunk_offload_on_exhausted == defaults.on_exhausted == "fallback"
     assert args.chunk_offload_baseline is False
@@ -80,7 +81,22 @@ def test_group_and_return_value() -> None:
     assert add_arguments(p) is p
     group = next(g for g in p._action_groups if g.title == GROUP_TITLE)
     flags = {o for a in group._group_actions for o in a.option_strings}
-    assert flags == set(LONG_FLAGS) | set(SHORT_FLAGS)
+    assert flags == set(LONG_FLAGS)
+
+
+@pytest.mark.parametrize("flag", SHORT_FLAGS)
+def test_no_short_spellings(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only --chunk-offload-* exists, with or without Megatron-LM's own --offload-* flags."""
+    assert flag not in parser()._option_string_actions
+    err = parse_error(parser(), [flag, "1"], capsys)
+    assert f"unrecognized arguments: {flag}" in err
+
+
+def test_flag_names_match_offload_config() -> None:
+    """Every byte or choice flag is named after the OffloadConfig field it sets."""
+    fields = set(typing.get_type_hints(OffloadConfig))
+    for name in ("min_offload_bytes", "host_pool_bytes", "on_exhausted"):
+        assert name in fields and "--chunk-offload-" + name.replace("_", "-") in LONG_FLAGS
 
 
 def test_on_exhausted_choices_match_offload_config() -> None:
@@ -89,9 +105,8 @@ def test_on_exhausted_choices_match_offload_config() -> None:
     assert tuple(action.choices) == typing.get_args(literal)
 
 
-@pytest.mark.parametrize("flag", ["--chunk-offload-modules", "--offload-modules"])
-def test_modules_comma_list_with_alias(flag: str) -> None:
-    args = parser().parse_args([flag, "core_attn,router_fc1, qkv_linear"])
+def test_modules_comma_list_with_alias() -> None:
+    args = parser().parse_args(["--chunk-offload-modules", "core_attn,router_fc1, qkv_linear"])
     assert args.chunk_offload_modules == ["core_attn", "expert_fc1", "qkv_linear"]
 
 
@@ -117,7 +132,7 @@ def test_empty_module_list_is_an_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "no offload module given" in err
 
 
-@pytest.mark.parametrize("flag", ["--chunk-offload-min-tensor-bytes", "--chunk-offload-host-pool-bytes"])
+@pytest.mark.parametrize("flag", ["--chunk-offload-min-offload-bytes", "--chunk-offload-host-pool-bytes"])
 @pytest.mark.parametrize("value", ["-1", "-1048576", "1.5", "one", "1MB", "1 mib x"])
 def test_bad_byte_counts_rejected(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = parse_error(parser(), [flag, value], capsys)
@@ -128,8 +143,8 @@ def test_bad_byte_counts_rejected(flag: str, value: str, capsys: pytest.CaptureF
     "value, expected", [("0", 0), ("4096", 4096), ("512KiB", 512 << 10), ("1MiB", 1 << 20), ("64gib", 64 << 30), ("2TiB", 2 << 40)]
 )
 def test_byte_counts(value: str, expected: int) -> None:
-    args = parser().parse_args(["--chunk-offload-min-tensor-bytes", value, "--offload-host-pool-bytes", value])
-    assert args.chunk_offload_min_tensor_bytes == expected
+    args = parser().parse_args(["--chunk-offload-min-offload-bytes", value, "--chunk-offload-host-pool-bytes", value])
+    assert args.chunk_offload_min_offload_bytes == expected
     assert args.chunk_offload_host_pool_bytes == expected
 
 
@@ -145,7 +160,7 @@ def test_on_exhausted_baseline_report() -> None:
 def test_schedule_flags() -> None:
     args = parser().parse_args([])
     assert args.chunk_offload_schedule == "plan" and args.chunk_offload_prefetch_bytes is None
-    args = parser().parse_args(["--offload-schedule", "group-start", "--offload-prefetch-bytes", "2MiB", "--offload-reload-ahead-bytes", "1GiB"])
+    args = parser().parse_args(["--chunk-offload-schedule", "group-start", "--chunk-offload-prefetch-bytes", "2MiB", "--chunk-offload-reload-ahead-bytes", "1GiB"])
     assert args.chunk_offload_schedule == "group-start" and args.chunk_offload_prefetch_bytes == 2 << 20
     assert args.chunk_offload_reload_ahead_bytes == 1 << 30
 
@@ -158,7 +173,7 @@ def test_schedule_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_iterations_flag() -> None:
     assert parser().parse_args([]).chunk_offload_iterations == "wrap"
-    assert parser().parse_args(["--offload-iterations", "auto"]).chunk_offload_iterations == "auto"
+    assert parser().parse_args(["--chunk-offload-iterations", "auto"]).chunk_offload_iterations == "auto"
     assert tuple(parser()._option_string_actions["--chunk-offload-iterations"].choices) == ITERATION_MODES == ("wrap", "auto")
 
 
@@ -186,14 +201,13 @@ def test_composes_with_megatron_offload_flags() -> None:
     p = megatron_like_parser()
     assert add_arguments(p) is p  # no "conflicting option string"
     for flag in SHORT_FLAGS:
-        # All or nothing: no --offload-* alias of ours next to Megatron's --offload-modules.
         assert flag == "--offload-modules" or flag not in p._option_string_actions, flag
     assert p._option_string_actions["--offload-modules"].dest == "offload_modules"  # still Megatron's
     args = p.parse_args(
         [
             "--offload-modules", "core_attn", "attn_norm",
             "--chunk-offload-modules", "qkv_linear,router_fc1",
-            "--chunk-offload-min-tensor-bytes", "0",
+            "--chunk-offload-min-offload-bytes", "0",
             "--chunk-offload-host-pool-bytes", "1GiB",
             "--chunk-offload-on-exhausted", "error",
             "--min-offloaded-tensor-size", "7",
@@ -202,15 +216,15 @@ def test_composes_with_megatron_offload_flags() -> None:
     assert args.offload_modules == ["core_attn", "attn_norm"]
     assert args.min_offloaded_tensor_size == 7
     assert args.chunk_offload_modules == ["qkv_linear", "expert_fc1"]
-    assert args.chunk_offload_min_tensor_bytes == 0
+    assert args.chunk_offload_min_offload_bytes == 0
     assert args.chunk_offload_host_pool_bytes == 1 << 30
     assert args.chunk_offload_on_exhausted == "error"
 
 
 def test_short_spelling_under_megatron_is_megatrons(capsys: pytest.CaptureFixture[str]) -> None:
     p = add_arguments(megatron_like_parser())
-    err = parse_error(p, ["--offload-min-tensor-bytes", "0"], capsys)
-    assert "unrecognized arguments: --offload-min-tensor-bytes" in err
+    err = parse_error(p, ["--offload-min-offload-bytes", "0"], capsys)
+    assert "unrecognized arguments: --offload-min-offload-bytes" in err
 
 
 def test_extra_args_provider_protocol() -> None:
@@ -236,7 +250,7 @@ def test_add_arguments_rejects_non_parsers() -> None:
 
 
 def test_attach_from_args_none_without_modules() -> None:
-    args = parser().parse_args(["--chunk-offload-min-tensor-bytes", "0"])
+    args = parser().parse_args(["--chunk-offload-min-offload-bytes", "0"])
     assert attach_from_args(nn.Linear(2, 2), args) is None
 
 
@@ -311,7 +325,7 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
 
     argv = [
         "--chunk-offload-modules", "core_attn,router_fc1", "attn_norm",
-        "--chunk-offload-min-tensor-bytes", "1",
+        "--chunk-offload-min-offload-bytes", "1",
         "--chunk-offload-host-pool-bytes", "64MiB",
         "--chunk-offload-on-exhausted", "error",
         "--chunk-offload-report", "report.json",
@@ -343,14 +357,14 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
 @needs_megatron
 @pytest.mark.parametrize("baseline", [False, True], ids=["offload", "baseline"])
 def test_attach_from_args_trains_dense_gpt(baseline: bool) -> None:
-    """The manager from the flags offloads (or, with --offload-baseline, only counts) in a real step."""
+    """The manager from the flags offloads (or, with --chunk-offload-baseline, only counts) in a real step."""
     from tests.integrations.megatron._gpt import TinyGPTConfig, _build_chunks
 
     from chunk_offload import CpuStreams
 
     cfg = TinyGPTConfig(num_layers=2)
-    argv = ["--offload-modules", "core_attn,attn_norm", "--offload-min-tensor-bytes", "1"]
-    args = parser().parse_args(argv + (["--offload-baseline"] if baseline else []))
+    argv = ["--chunk-offload-modules", "core_attn,attn_norm", "--chunk-offload-min-offload-bytes", "1"]
+    args = parser().parse_args(argv + (["--chunk-offload-baseline"] if baseline else []))
     streams = CpuStreams()
     with _megatron_world_of_one():
         chunks = _build_chunks(cfg)
@@ -384,15 +398,15 @@ def test_attach_from_args_trains_dense_gpt(baseline: bool) -> None:
 
 @needs_megatron
 def test_attach_from_args_auto_iterations_on_dense_gpt() -> None:
-    """--offload-iterations auto: no wrap, no iteration(); the count comes from Megatron's calculator."""
+    """--chunk-offload-iterations auto: no wrap, no iteration(); the count comes from Megatron's calculator."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, unset_num_microbatches_calculator
 
     from tests.integrations.megatron._gpt import TinyGPTConfig, _build_chunks
 
     cfg = TinyGPTConfig(num_layers=2)
-    argv = ["--offload-modules", "core_attn", "--offload-min-tensor-bytes", "1", "--offload-iterations", "auto"]
+    argv = ["--chunk-offload-modules", "core_attn", "--chunk-offload-min-offload-bytes", "1", "--chunk-offload-iterations", "auto"]
     # PP=1: every backward follows its forward, so the plan would keep every chunk; group-start offloads them.
-    args = parser().parse_args([*argv, "--offload-schedule", "group-start"])
+    args = parser().parse_args([*argv, "--chunk-offload-schedule", "group-start"])
     microbatches = 2
     with _megatron_world_of_one():
         chunks = _build_chunks(cfg)

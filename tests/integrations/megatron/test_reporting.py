@@ -188,3 +188,39 @@ def test_build_stage_report_says_what_is_missing(offloads, plan, match):
     manager = SimpleNamespace(records=[_record(o) for o in offloads], plan=plan, schedule_policy=None, training_calls=len(offloads))
     with pytest.raises(ChunkOffloadError, match=match):
         build_stage_report(manager)
+
+
+# ----------------------------------------------------------------------------- ranks that copied nothing
+
+
+def _nothing_copied(rank: int, *, tracked: int) -> Any:
+    """A rank's report whose offload iteration copied no byte; ``tracked``: its predicted peak without offload."""
+    from dataclasses import replace
+
+    from tests.report._reports import sample_report
+
+    noise = 896  # with MoE the two iterations' peaks differ by the routing
+    return replace(
+        sample_report(rank),
+        bytes_per_module={"core_attn": 0, "expert_fc1": 0},
+        peak_without=tracked + noise,
+        peak_with=tracked,
+        predicted_peak_without=tracked,
+        predicted_peak_with=tracked - noise,
+        theoretical_drop=noise,
+    )
+
+
+def test_table_marks_ranks_that_copied_nothing_and_says_why() -> None:
+    from tests.report._reports import sample_report
+
+    reports = [sample_report(0), _nothing_copied(1, tracked=28800), _nothing_copied(2, tracked=0), _nothing_copied(3, tracked=0)]
+    table = format_table(reports)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("|")][2:]
+    assert rows[0][5] == str(reports[0].measured_drop) and rows[0][7] == f"{reports[0].ratio:.2%}"
+    for row in rows[1:]:  # no drop and no R from noise
+        assert row[5:8] == ["-", "-", "-"], row
+    assert "rank 1 copied nothing: the plan kept every chunk on device" in table
+    assert "ranks 2, 3 copied nothing: no saved tensor of the offloaded modules reached min_offload_bytes" in table
+    assert "--chunk-offload-min-offload-bytes" in table
+    assert "copied nothing" not in format_table([sample_report(0)])

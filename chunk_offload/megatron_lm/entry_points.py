@@ -1,0 +1,223 @@
+"""`EntryPoints`: wrap megatron.training's public entry points for one run of a training script.
+
+What is wrapped, at every module that binds the name (a script's ``from megatron.training import
+pretrain`` copies the reference, so the attribute is replaced where scripts and Megatron-LM look
+it up: ``megatron.training``, ``megatron.training.training``, ``.arguments``, ``.initialize``):
+
+* ``parse_and_validate_args`` (core_v0.19) and ``initialize_megatron`` / ``pretrain`` (core_v0.16,
+  where they take ``extra_args_provider``): the script's ``extra_args_provider`` is composed with
+  `add_arguments` (the script's flags first, then ours; a provider that already added ours is
+  left alone).
+* ``pretrain``: a ``model_provider`` argument (any signature; every argument, ``config=`` and
+  ``pg_collection=`` included, is passed through) is wrapped so that the rank's chunks are
+  attached once its last chunk is built; a config container whose model config has
+  ``pre_wrap_hooks`` (core_v0.19, the model built from the config inside ``pretrain``) gets a
+  hook that attaches to the bare chunks before Megatron-LM wraps them in DDP / Float16Module.
+  After ``pretrain`` returns, the report is written (``--chunk-offload-report``); in any case
+  the manager is closed.
+
+Attaching goes through `attach_from_args` with ``iterations="auto"``: Megatron-LM's ``train_step``
+calls ``get_forward_backward_func()`` itself, so there is nothing to wrap.
+
+NOTE [One build per run]
+Megatron-LM may build a second model in one ``pretrain`` (MoE upcycling builds a dense one first;
+RL builds an inference model). Only the first build is attached; a later one is left alone with
+a warning, so that one manager owns the chunks that train.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from ..integrations.megatron import MegatronOffloadManager, add_arguments, attach_from_args
+from ..integrations.megatron.args import has_arguments
+from ..integrations.megatron.reporting import write_rank_reports
+from ..report import ReportFiles
+
+__all__ = ["EntryPoints"]
+
+logger = logging.getLogger(__name__)
+
+_ARGS_ENTRY_POINTS = ("parse_and_validate_args", "initialize_megatron")
+_BINDING_MODULES = (
+    "megatron.training",
+    "megatron.training.training",
+    "megatron.training.arguments",
+    "megatron.training.initialize",
+)
+_COMPOSED = "__chunk_offload_composed__"
+
+
+@dataclass(slots=True)
+class _Patch:
+    owner: Any
+    name: str
+    original: Any
+
+
+class EntryPoints:
+    """The wrapped entry points of one script run, and the manager attached in it.
+
+    ``install()`` replaces the entry points, ``restore()`` puts them back (idempotent). Usable as a
+    context manager. On a CPU-only host enable `chunk_offload.devkit.cpu_compat` and
+    `chunk_offload.devkit.megatron_training_cpu` first (`run_script` does).
+    """
+
+    def __init__(self) -> None:
+        self.manager: MegatronOffloadManager | None = None
+        self._patches: list[_Patch] = []
+        self._pending: list[nn.Module] = []
+        self._builds = 0
+        self.report_files: ReportFiles | None = None
+
+    # -- installation -------------------------------------------------------------------------
+
+    def install(self) -> EntryPoints:
+        """Wrap the entry points in every module of ``megatron.training`` that binds them."""
+        modules = [importlib.import_module(name) for name in _BINDING_MODULES]
+        wrappers: dict[Any, Any] = {}  # original -> its wrapper, so one original gets one wrapper
+        for module in modules:
+            for name in (*_ARGS_ENTRY_POINTS, "pretrain"):
+                original = module.__dict__.get(name)
+                if original is None or not callable(original):
+                    continue
+                make = self._wrap_pretrain if name == "pretrain" else self._wrap_args_entry
+                wrapper = wrappers.get(original) or wrappers.setdefault(original, make(original))
+                self._patches.append(_Patch(module, name, original))
+                setattr(module, name, wrapper)
+        return self
+
+    def restore(self) -> None:
+        """Put every wrapped entry point back, newest first."""
+        for patch in reversed(self._patches):
+            setattr(patch.owner, patch.name, patch.original)
+        self._patches.clear()
+
+    def __enter__(self) -> EntryPoints:
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+    @property
+    def wrapped(self) -> tuple[str, ...]:
+        """``module.name`` of every entry point currently wrapped."""
+        return tuple(f"{p.owner.__name__}.{p.name}" for p in self._patches)
+
+    # -- arguments ----------------------------------------------------------------------------
+
+    def _wrap_args_entry(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = _compose_provider(signature, args, kwargs)
+            return original(*args, **kwargs)
+
+        return entry
+
+    # -- pretrain -----------------------------------------------------------------------------
+
+    def _wrap_pretrain(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def pretrain(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = _compose_provider(signature, args, kwargs)
+            bound = signature.bind_partial(*args, **kwargs)
+            provider = bound.arguments.get("model_provider")
+            if provider is not None:
+                bound.arguments["model_provider"] = self._wrap_provider(provider)
+            container = bound.arguments.get("cfg_container")
+            hooks = getattr(getattr(container, "model", None), "pre_wrap_hooks", None)
+            if isinstance(hooks, list):
+                hooks.append(self._pre_wrap_hook)
+            try:
+                result = original(*bound.args, **bound.kwargs)
+                self._after_training()
+                return result
+            finally:
+                if isinstance(hooks, list) and self._pre_wrap_hook in hooks:
+                    hooks.remove(self._pre_wrap_hook)
+                if self.manager is not None:
+                    self.manager.close()
+
+        return pretrain
+
+    def _wrap_provider(self, provider: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        @functools.wraps(provider)
+        def model_provider(*args: Any, **kwargs: Any) -> nn.Module:
+            chunk = provider(*args, **kwargs)
+            self._pending.append(chunk)
+            if len(self._pending) == _chunks_per_rank():
+                chunks, self._pending = self._pending, []
+                self._attach(chunks)
+            return chunk
+
+        return model_provider
+
+    def _pre_wrap_hook(self, chunks: list[nn.Module]) -> list[nn.Module]:
+        self._attach(list(chunks))
+        return chunks
+
+    def _attach(self, chunks: list[nn.Module]) -> None:
+        """Attach to the rank's chunks of the first model build. See NOTE [One build per run]."""
+        from megatron.training import get_args
+
+        self._builds += 1
+        if self._builds > 1:
+            warnings.warn(
+                f"chunk_offload: Megatron-LM built a model a {self._builds}. time in this run; only the first "
+                "build is offloaded (NOTE [One build per run] in chunk_offload/megatron_lm/entry_points.py)",
+                stacklevel=2,
+            )
+            return
+        self.manager = attach_from_args(chunks, get_args(), iterations="auto")
+
+    def _after_training(self) -> None:
+        from megatron.training import get_args
+
+        path = getattr(get_args(), "chunk_offload_report", None)
+        if path and self.manager is not None:
+            self.report_files = write_rank_reports(self.manager, path)
+        elif path:
+            logger.warning("--chunk-offload-report %s: no report, --chunk-offload-modules offloads nothing", path)
+
+
+def _chunks_per_rank() -> int:
+    """How many model chunks Megatron-LM's ``get_model`` builds on this rank (one per virtual stage)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return vp if vp and args.pipeline_model_parallel_size > 1 else 1
+
+
+def _compose_provider(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the ``extra_args_provider`` argument composed with `add_arguments`."""
+    if "extra_args_provider" not in signature.parameters:
+        return args, kwargs
+    bound = signature.bind_partial(*args, **kwargs)
+    bound.arguments["extra_args_provider"] = _composed(bound.arguments.get("extra_args_provider"))
+    return bound.args, bound.kwargs
+
+
+def _composed(provider: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    """``provider`` followed by `add_arguments` (unless ``provider`` already added our flags)."""
+    if getattr(provider, _COMPOSED, False):
+        return provider
+
+    def extra_args_provider(parser: Any) -> Any:
+        parser = parser if provider is None else provider(parser)
+        return parser if has_arguments(parser) else add_arguments(parser)
+
+    setattr(extra_args_provider, _COMPOSED, True)
+    return extra_args_provider
