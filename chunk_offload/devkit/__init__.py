@@ -1,6 +1,6 @@
 """Development infrastructure: run megatron-core where there is no GPU, and build small GPT models.
 
-Not part of the offload engine. Three modules, each imported explicitly (importing megatron-core
+Not part of the offload engine. Four modules, each imported explicitly (importing megatron-core
 is slow, so nothing here is imported by ``chunk_offload`` itself):
 
 - `chunk_offload.devkit.cpu_compat`: named, reversible rules that redirect megatron-core's CUDA
@@ -9,7 +9,9 @@ is slow, so nothing here is imported by ``chunk_offload`` itself):
 - `chunk_offload.devkit.megatron_training_cpu`: the same for Megatron-LM's ``megatron.training``
   (``initialize_megatron`` / ``pretrain``), used by the ``chunk_offload.megatron_lm`` launcher.
 - `chunk_offload.devkit.gpt`: the small megatron-core GPT builder shared by the example, the
-  stage replay, the planner's measurements and the tests.
+  stage replay, the planner's measurements and the tests;
+- `chunk_offload.devkit.attention`: a flash-style core attention for megatron-core on torch's
+  ``scaled_dot_product_attention`` (the builder's ``attention="sdpa"``).
 """
 
 __all__: list[str] = []

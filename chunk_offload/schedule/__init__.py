@@ -3,12 +3,14 @@
 - `Plan`: the actions (`chunk_offload.core.Action`) of one rank for one iteration, as data;
 - `megatron_plan`: Megatron's 1F1B and interleaved 1F1B plans, from Megatron's own tables;
 - `PlanPolicy`: offload by lifespan and prefetch the next backward chunk (a `SchedulePolicy`);
-- `simulate`: the saved-bytes accounting a plan gives, exact against the engine's.
+- `simulate`: the saved-bytes accounting a plan gives, exact against the engine's;
+- `split_host_budget`, `node_host_cap`: a node's host-memory budget split among its ranks by need.
 """
 
+from .host_budget import all_gather_host_needs, node_host_cap, split_host_budget
 from .megatron import megatron_plan
 from .plan import Plan
 from .plan_policy import PlanPolicy
 from .simulate import Simulation, simulate
 
-__all__ = ["Plan", "PlanPolicy", "Simulation", "megatron_plan", "simulate"]
+__all__ = ["Plan", "PlanPolicy", "Simulation", "all_gather_host_needs", "megatron_plan", "node_host_cap", "simulate", "split_host_budget"]

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from chunk_offload import ChunkOffloadError
-from chunk_offload.schedule.host_budget import all_gather_host_needs, node_host_cap, split_host_budget
+from chunk_offload.schedule import all_gather_host_needs, node_host_cap, split_host_budget
 from tests._spawn import run_ranks
 
 MiB = 1 << 20
