@@ -4,7 +4,7 @@ The ranks of a node share one host. Each rank's plan puts a different number of 
 at its peak (early pipeline stages hold more microbatches in flight), so an even split starves
 the first stages while the last ones leave theirs unused. `split_host_budget` gives each rank a
 share of the node's budget in proportion to its need; the shares become the ranks' host pool
-caps (`OffloadManager(host_pool_bytes=...)`). `all_gather_host_needs` is the one collective that
+caps (`OffloadConfig(host_pool_bytes=...)`). `all_gather_host_needs` is the one collective that
 brings every rank's need to every rank of the node, and `node_host_cap` chains both.
 
 NOTE [Host budget split]

@@ -1,7 +1,7 @@
 """Edge cases: views and aliasing inside offloaded modules, autograd corner cases, host pool
 exhaustion and backward from another thread.
 
-Every test runs the same computation with an `OffloadManager(min_offload_bytes=1)` (so every
+Every test runs the same computation with `OffloadManager(OffloadConfig(min_offload_bytes=1))` (so every
 eligible saved tensor moves) and without one, and compares with `torch.equal`. After each
 scenario the manager must hold nothing: pool buffers back, resident/host bytes zero, no live chunk.
 """

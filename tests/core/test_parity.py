@@ -95,7 +95,7 @@ def _run_with(order_id: str, kinds: Sequence[str], **options) -> tuple[RunResult
     order, model_chunks = ORDERS[order_id]
     recorder = Recorder()
     result = run_schedule(
-        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1), **options),
+        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, **options)),
         order=order,
         model_chunks=model_chunks,
         iterations=ITERATIONS,
