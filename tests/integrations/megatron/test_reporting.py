@@ -164,9 +164,9 @@ def test_report_flag_adds_a_baseline_iteration_and_tracing(monkeypatch, report):
     args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
     assert attach_from_args(torch.nn.Linear(1, 1), args) == "manager"
     if report:
-        assert seen["baseline_iterations"] == 1 and seen["trace"] is True
+        assert seen["baseline_iterations"] == 1 and seen["config"].trace is True
     else:
-        assert "baseline_iterations" not in seen and "trace" not in seen
+        assert seen["baseline_iterations"] == 0 and seen["config"].trace is False
 
 
 def _record(offload: bool) -> SimpleNamespace:
