@@ -55,15 +55,14 @@ import contextlib
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..core.errors import ChunkOffloadError, internal_assert
+from ._cpu_device import CpuEvent, CpuStream, CudaToCpuMode
 
 try:
     import megatron.core.tensor_parallel.random as _mcore_random
@@ -127,135 +126,6 @@ _active_handle: MegatronCpuCompat | None = None
 _active_lock = threading.Lock()
 
 
-# --------------------------------------------------------------------------------------------
-# Synchronous stand-ins for CUDA streams and events.
-# --------------------------------------------------------------------------------------------
-
-
-class _CpuEvent:
-    """Stands in for ``torch.cuda.Event``; CPU work is done when the call returns, so it is always complete."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        self.enable_timing = enable_timing
-        self._recorded_at: float | None = None
-
-    def record(self, stream: Any = None) -> None:
-        self._recorded_at = time.perf_counter()
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end_event: _CpuEvent) -> float:
-        """Milliseconds between this event's record and ``end_event``'s, as ``torch.cuda.Event`` reports."""
-        if self._recorded_at is None or end_event._recorded_at is None:
-            raise ChunkOffloadError(
-                "chunk_offload: elapsed_time() needs both events recorded; call record() on each first"
-            )
-        return (end_event._recorded_at - self._recorded_at) * 1000.0
-
-
-class _CpuStream:
-    """Stands in for ``torch.cuda.Stream``; every wait is already satisfied because CPU ops run in order."""
-
-    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
-        self.device = torch.device("cpu")
-        self.priority = priority
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: _CpuEvent | None = None) -> _CpuEvent:
-        event = _CpuEvent() if event is None else event
-        event.record(self)
-        return event
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return f"<cpu_compat stream {id(self):#x}>"
-
-
-# --------------------------------------------------------------------------------------------
-# The device rewrite.
-# --------------------------------------------------------------------------------------------
-
-_CPU = torch.device("cpu")
-
-
-def _is_accelerator_device(device: Any) -> bool:
-    """True for ``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 0)`` and bare indices (``0`` means ``cuda:0``)."""
-    if isinstance(device, bool):
-        return False
-    if isinstance(device, int):
-        return True
-    if isinstance(device, str):
-        return device.split(":", 1)[0] == "cuda"
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return False
-
-
-class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments of torch calls to ``cpu``; counts the rewrites."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rewrites = 0
-        self.type_names = 0
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
-        kwargs = {} if kwargs is None else kwargs
-        if func is torch.Tensor.cuda:
-            self.rewrites += 1
-            return args[0].clone()  # a device move makes a new tensor; see below
-        if func is torch.Tensor.pin_memory:
-            return args[0].clone()  # pin_memory() copies; CPU-only hosts have no pinned allocator
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # See NOTE [ Tensor type names ]: the no-argument form names the type, as on a GPU.
-            self.type_names += 1
-            return _cuda_type_name(func(*args))
-        moved = False
-        if "device" in kwargs and _is_accelerator_device(kwargs["device"]):
-            moved = True
-            kwargs = {**kwargs, "device": _CPU}
-        if kwargs.get("pin_memory"):
-            kwargs = {**kwargs, "pin_memory": False}
-        if func is torch.Tensor.to and any(_is_accelerator_device(a) for a in args[1:]):
-            # Tensor.to(device, ...) takes the device positionally, also as a bare index.
-            moved = True
-            args = (args[0], *(_CPU if _is_accelerator_device(a) else a for a in args[1:]))
-        if not moved:
-            return func(*args, **kwargs)
-        self.rewrites += 1
-        result = func(*args, **kwargs)
-        # On a GPU, moving a host tensor to the device never aliases it, and callers rely on that
-        # (a host staging buffer is refilled right after its upload). `.to("cpu")` of a CPU tensor
-        # returns the tensor itself, so copy to keep the GPU's semantics.
-        if func is torch.Tensor.to and result is args[0]:
-            result = result.clone()
-        return result
-
-
-def _cuda_type_name(name: str) -> str:
-    """``"torch.FloatTensor"`` -> ``"torch.cuda.FloatTensor"``: the name the tensor would have on a GPU."""
-    if name.startswith("torch.") and not name.startswith("torch.cuda."):
-        return "torch.cuda." + name[len("torch.") :]
-    return name
-
-
 class _RngWarningFilter(logging.Filter):
     """Drops megatron's RNG-fork warning, meaningless with one generator (NOTE [ One generator on CPU ])."""
 
@@ -292,11 +162,11 @@ class MegatronCpuCompat:
     def __init__(self, *, active: bool) -> None:
         self._active = active
         self._patches: list[_Patch] = []
-        self._mode: _CudaToCpuMode | None = None
+        self._mode: CudaToCpuMode | None = None
         self._rng_filter: _RngWarningFilter | None = None
         self._thread = threading.get_ident()
-        self._default_stream = _CpuStream()
-        self._stream_stack: list[_CpuStream] = []
+        self._default_stream = CpuStream()
+        self._stream_stack: list[CpuStream] = []
 
     # -- public ---------------------------------------------------------------------------
 
@@ -375,8 +245,8 @@ class MegatronCpuCompat:
         # Factories get `device=torch.cuda.current_device()`; the mode maps index 0 to cpu.
         self._patch(cuda, "current_device", lambda: 0)
         # Side streams and events (MoE alltoall dispatch and shared experts, megatron offloading).
-        self._patch(cuda, "Stream", _CpuStream)
-        self._patch(cuda, "Event", _CpuEvent)
+        self._patch(cuda, "Stream", CpuStream)
+        self._patch(cuda, "Event", CpuEvent)
         self._patch(cuda, "current_stream", self._current_stream)
         self._patch(cuda, "default_stream", lambda device=None: self._default_stream)
         self._patch(cuda, "stream", self._stream_context)
@@ -414,16 +284,16 @@ class MegatronCpuCompat:
 
         self._rng_filter = _RngWarningFilter()
         logging.getLogger(_mcore_random.__name__).addFilter(self._rng_filter)
-        self._mode = _CudaToCpuMode()
+        self._mode = CudaToCpuMode()
         self._mode.__enter__()
 
     # -- stream stand-ins bound to this handle -------------------------------------------------
 
-    def _current_stream(self, device: Any = None) -> _CpuStream:
+    def _current_stream(self, device: Any = None) -> CpuStream:
         return self._stream_stack[-1] if self._stream_stack else self._default_stream
 
     @contextlib.contextmanager
-    def _stream_context(self, stream: _CpuStream | None) -> Iterator[None]:
+    def _stream_context(self, stream: CpuStream | None) -> Iterator[None]:
         # `torch.cuda.stream(None)` is a no-op, as in torch.
         if stream is None:
             yield

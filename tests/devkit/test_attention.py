@@ -100,7 +100,7 @@ def _sdpa(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
 
 
 def test_attach_with_sdpa_is_bit_identical():
-    from tests.integrations.megatron._gpt import Hooks, Run, TinyGPTConfig, spawn_runs
+    from tests._megatron import Hooks, Run, TinyGPTConfig, spawn_runs
     from tests.planner._stage_hooks import RecordHooks
 
     cfg = TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2, num_layers=8, num_microbatches=4, iterations=2)

@@ -1,4 +1,4 @@
-"""Picklable harness hooks that record each training iteration's accounting (see ``_gpt.Hooks``)."""
+"""Picklable harness hooks that record each training iteration's accounting (see ``tests._megatron.Hooks``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tests.integrations.megatron._offload_hooks import OffloadHooks
+from tests._megatron_offload import OffloadHooks
 
 __all__ = ["RecordHooks"]
 

@@ -2,7 +2,7 @@
 
 The drop test trains a tiny megatron-core GPT on CPU ranks under Megatron's own schedules
 (PP=2, PP=2 VPP=2, PP=4 and EP=2 MoE with torch's SDPA core attention, PP=2 with megatron's own;
-harness ``_gpt.spawn_runs``) with every dense module offloaded (the attention modules and the
+harness ``tests._megatron.spawn_runs``) with every dense module offloaded (the attention modules and the
 norm before the experts in the MoE model), once with the plan policy and once offloading every
 chunk, and compares, per stage
 and per iteration, the manager's record of the iteration with the planner's prediction: bytes
@@ -22,7 +22,7 @@ import torch
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.planner import GPTDims, Hardware, PipelineConfig, StagePlanner, estimate_stages, layer_forward_flops, stage_layers
 from chunk_offload.schedule import megatron_plan
-from tests.integrations.megatron._gpt import Hooks, Run, TinyGPTConfig, spawn_runs
+from tests._megatron import Hooks, Run, TinyGPTConfig, spawn_runs
 
 from ._stage_hooks import RecordHooks
 

@@ -321,7 +321,7 @@ needs_megatron = pytest.mark.skipif(not _HAS_MEGATRON, reason='megatron-core is 
 @needs_megatron
 def test_attach_from_args_on_tiny_moe_gpt() -> None:
     """Registration per layer and per local expert, and every option carried into the manager."""
-    from tests.integrations.megatron._gpt import TinyGPTConfig, _build_chunks
+    from tests._megatron import TinyGPTConfig, _build_chunks
 
     argv = [
         "--chunk-offload-modules", "core_attn,router_fc1", "attn_norm",
@@ -358,7 +358,7 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
 @pytest.mark.parametrize("baseline", [False, True], ids=["offload", "baseline"])
 def test_attach_from_args_trains_dense_gpt(baseline: bool) -> None:
     """The manager from the flags offloads (or, with --chunk-offload-baseline, only counts) in a real step."""
-    from tests.integrations.megatron._gpt import TinyGPTConfig, _build_chunks
+    from tests._megatron import TinyGPTConfig, _build_chunks
 
     from chunk_offload import CpuStreams
 
@@ -401,7 +401,7 @@ def test_attach_from_args_auto_iterations_on_dense_gpt() -> None:
     """--chunk-offload-iterations auto: no wrap, no iteration(); the count comes from Megatron's calculator."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, unset_num_microbatches_calculator
 
-    from tests.integrations.megatron._gpt import TinyGPTConfig, _build_chunks
+    from tests._megatron import TinyGPTConfig, _build_chunks
 
     cfg = TinyGPTConfig(num_layers=2)
     argv = ["--chunk-offload-modules", "core_attn", "--chunk-offload-min-offload-bytes", "1", "--chunk-offload-iterations", "auto"]

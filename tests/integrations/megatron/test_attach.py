@@ -1,7 +1,7 @@
 """`attach` under megatron-core's own pipeline schedules, on CPU ranks (gloo): PP, VPP, EP, MoE.
 
 Each case spawns its ranks once and trains the same tiny GPTModel several times in them (see
-``_gpt.spawn_runs``): first without offload, then with each offload set (``_offload_hooks``),
+``tests._megatron.spawn_runs``): first without offload, then with each offload set (``tests._megatron_offload``),
 3 iterations with an optimizer step each. For every offload run, on every rank:
 
 - losses, last gradients and parameters are bit-identical to the run without offload;
@@ -31,8 +31,8 @@ from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.integrations.megatron import ALIASES, OFFLOAD_MODULE_NAMES, attach, canonical_names
 from chunk_offload.schedule import megatron_plan
 
-from ._gpt import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
-from ._offload_hooks import OffloadHooks
+from tests._megatron import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
+from tests._megatron_offload import OffloadHooks
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 _TIMEOUT_S = 150.0  # hang guard per spawn (a case takes ~10-30 s on 2 cores)

@@ -44,8 +44,8 @@ from chunk_offload.integrations.megatron import MegatronOffloadManager, attach
 
 from tests.core._models import assert_clean
 
-from ._gpt import RankResult, Run, TinyGPTConfig, spawn_runs
-from ._offload_hooks import OffloadHooks, attach_with
+from tests._megatron import RankResult, Run, TinyGPTConfig, spawn_runs
+from tests._megatron_offload import OffloadHooks, attach_with
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 pytestmark = pytest.mark.skipif(_NO_MEGATRON, reason='megatron-core is not installed (pip install "chunk-offload[megatron]")')
@@ -91,7 +91,7 @@ class _StepHooks(OffloadHooks):
             self.records.append(record)
 
     def after_step(self, chunks: list[nn.Module], iteration: int) -> dict[str, Any]:
-        from ._gpt import step_params
+        from tests._megatron import step_params
 
         self._collect()
         manager = self.manager

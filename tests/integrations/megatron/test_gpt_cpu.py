@@ -2,7 +2,7 @@
 
 Each test spawns two ranks once and trains the same run twice in them; the two runs must agree
 bit for bit (losses, gradients, parameters), every loss must be finite, and no tensor may leave
-the CPU. A hang dumps every rank's stacks and fails the test (see ``_gpt.spawn_runs``); the last
+the CPU. A hang dumps every rank's stacks and fails the test (see ``tests._megatron.spawn_runs``); the last
 test checks that guard.
 """
 
@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from ._gpt import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
+from tests._megatron import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
 
 pytestmark = [
     pytest.mark.skipif(

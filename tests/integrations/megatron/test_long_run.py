@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ._gpt import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs, step_params
-from ._offload_hooks import OffloadHooks
+from tests._megatron import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs, step_params
+from tests._megatron_offload import OffloadHooks
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 _TIMEOUT_S = 150.0  # hang guard for the spawn (it takes ~20-40 s on 2 cores)

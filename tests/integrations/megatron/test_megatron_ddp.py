@@ -6,7 +6,7 @@ accumulation hooks, optionally bucketed asynchronous reduction with ``overlap_gr
 in bf16, in ``Float16Module``; ``get_megatron_optimizer`` steps it, optionally as the distributed
 optimizer; the schedule calls ``no_sync_func``, ``grad_sync_func`` and ``finalize_model_grads``.
 The harness builds exactly that with ``TinyGPTConfig(megatron_ddp=True, ...)`` (see
-``_gpt._MegatronTraining``), and `attach` hooks the inner GPTModel chunks, as Megatron-LM's
+``tests._megatron._MegatronTraining``), and `attach` hooks the inner GPTModel chunks, as Megatron-LM's
 model provider would.
 
 Each spawn trains every config twice in the same ranks, without offload and with every dense
@@ -35,8 +35,8 @@ import torch
 
 from chunk_offload.schedule import megatron_plan
 
-from ._gpt import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs, step_grads, step_params
-from ._offload_hooks import OffloadHooks
+from tests._megatron import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs, step_grads, step_params
+from tests._megatron_offload import OffloadHooks
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 _TIMEOUT_S = 150.0  # hang guard per spawn

@@ -25,8 +25,8 @@ import importlib.util
 import pytest
 import torch
 
-from ._gpt import Hooks, Run, TinyGPTConfig, spawn_runs
-from ._offload_hooks import OffloadHooks
+from tests._megatron import Hooks, Run, TinyGPTConfig, spawn_runs
+from tests._megatron_offload import OffloadHooks
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 _TIMEOUT_S = 120.0

@@ -25,8 +25,8 @@ from chunk_offload.integrations.megatron import args as args_module
 from chunk_offload.integrations.megatron.reporting import build_stage_report
 from chunk_offload.report import MEASURES, format_table, read_json
 
-from ._gpt import Hooks, Run, TinyGPTConfig, spawn_runs
-from ._offload_hooks import OffloadHooks
+from tests._megatron import Hooks, Run, TinyGPTConfig, spawn_runs
+from tests._megatron_offload import OffloadHooks
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 _DENSE = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1")

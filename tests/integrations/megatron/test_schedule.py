@@ -23,8 +23,8 @@ import torch
 
 from chunk_offload.schedule import PlanPolicy, megatron_plan, simulate
 
-from ._gpt import Hooks, Run, TinyGPTConfig, spawn_runs
-from ._offload_hooks import OffloadHooks
+from tests._megatron import Hooks, Run, TinyGPTConfig, spawn_runs
+from tests._megatron_offload import OffloadHooks
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None
 _MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1")

@@ -1,4 +1,4 @@
-"""Picklable hooks that attach an offload manager inside the harness's ranks (see ``_gpt.Hooks``)."""
+"""Picklable hooks that attach an offload manager inside the harness's ranks (see ``tests._megatron.Hooks``)."""
 
 from __future__ import annotations
 
@@ -89,12 +89,12 @@ class OffloadHooks:
 
     def with_steps(self) -> Any:
         """The harness's ``Hooks`` with all four of these hooks, ``after_step`` included."""
-        from ._gpt import Hooks
+        from tests._megatron import Hooks
 
         return Hooks(wrap_model=self.wrap_model, wrap_forward_backward=self.wrap_forward_backward, report=self.report, after_step=self.after_step)
 
     def after_step(self, chunks: list[torch.nn.Module], iteration: int) -> dict[str, Any]:
-        from ._gpt import step_params
+        from tests._megatron import step_params
 
         return {"params": step_params(chunks, iteration), "memory": step_record(self.manager)}
 

@@ -1,4 +1,4 @@
-"""Train a tiny megatron-core GPTModel on CPU ranks (gloo) and hand back what it did.
+"""The shared megatron-core harness (planner and integration tests): train a tiny GPTModel on CPU ranks (gloo).
 
 The real purpose: compare a run WITH an offload manager against one without, bit for bit, under
 Megatron's own schedules (PP, interleaved VPP, EP). One call spawns ``world_size`` processes and
