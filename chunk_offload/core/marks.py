@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ._torch_compat import storage_key, top_saved_tensors_hooks, view_base
+from ._torch_compat import storage_key, top_saved_tensors_hooks, tree_flatten, tree_unflatten, view_base
 from .errors import ChunkOffloadError
 from .functions import build_group_functions
 from .handler import ChunkOffloadHandler
@@ -139,21 +139,18 @@ def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
 
 
 def _flatten(tensors: Any):
-    """Tensors at the top level of ``tensors`` and a function that puts replacements back."""
-    if isinstance(tensors, torch.Tensor):
-        return [tensors], lambda out: out[0]
-    if isinstance(tensors, (tuple, list)):
-        positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor)]
+    """Tensors among the pytree leaves of ``tensors`` and a function that puts replacements back.
 
-        def rebuild(out):
-            items = list(tensors)
-            for i, t in zip(positions, out):
-                items[i] = t
-            return type(tensors)(items) if not hasattr(tensors, "_fields") else type(tensors)(*items)
+    Any pytree torch's utilities handle works (a tensor, tuples, lists, dicts, namedtuples, nested
+    ones, registered output classes); leaves that are not tensors are kept as they are.
+    """
+    leaves, spec = tree_flatten(tensors)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
-        return [tensors[i] for i in positions], rebuild
-    if tensors is None:
-        return [], lambda out: None
-    raise ChunkOffloadError(
-        f"group marks take a tensor or a tuple/list of tensors, got {type(tensors).__name__}"
-    )
+    def rebuild(out: list) -> Any:
+        items = list(leaves)
+        for i, t in zip(positions, out):
+            items[i] = t
+        return tree_unflatten(items, spec)
+
+    return [leaves[i] for i in positions], rebuild

@@ -1,0 +1,89 @@
+"""Bad input and lifecycle, tried as a new user would (issue 13 section 1).
+
+Pytree outputs are compared bit for bit with a run without offload; every refusal is a
+`ChunkOffloadError` checked by its message.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from chunk_offload import ChunkOffloadError, OffloadConfig, OffloadManager
+from tests.core._models import assert_clean
+
+Pair = collections.namedtuple("Pair", ["hidden", "gate"])
+
+
+class DictBlock(nn.Module):
+    """HF-style block: returns a dict holding a nested tuple, a namedtuple and a non-tensor."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x).tanh()
+        return {"hidden": h, "extra": (h.sin(), [h.cos()]), "pair": Pair(h * 2, h.sigmoid()), "n": 3}
+
+
+class DictStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([DictBlock(0), DictBlock(1)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            out = block(x)
+            assert out["n"] == 3
+            x = out["hidden"] + out["extra"][0] * out["extra"][1][0] + out["pair"].hidden * out["pair"].gate
+        return x
+
+
+def _dict_run(offload: bool):
+    model = DictStack()
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1)) if offload else None
+    if manager is not None:
+        for i, block in enumerate(model.blocks):
+            manager.offload_module(block, f"block{i}")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    if manager is None:
+        loss = model(x).square().sum()
+        loss.backward()
+    else:
+        with manager.iteration():
+            with manager.chunk(microbatch=0):
+                loss = model(x).square().sum()
+            loss.backward()
+        assert manager.stats().bytes_offloaded > 0  # the groups with dict outputs did move
+        assert_clean(manager)
+        manager.close()
+    return loss.detach(), x.grad, [p.grad for p in model.parameters()]
+
+
+def test_module_returning_a_dict_pytree_is_offloaded_bit_exact():
+    ref_loss, ref_x, ref_params = _dict_run(False)
+    loss, gx, params = _dict_run(True)
+    assert torch.equal(loss, ref_loss)
+    assert torch.equal(gx, ref_x)
+    assert len(params) == len(ref_params)
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+
+
+def test_group_marks_pass_a_dict_through(make_manager):
+    manager = make_manager()
+    x = torch.randn(4, requires_grad=True)
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            inputs = manager.group_start({"x": x}, "a")
+            out = manager.group_commit({"y": inputs["x"].sin(), "k": "keep"}, "a")
+        assert out["k"] == "keep"
+        out["y"].sum().backward()
+    assert torch.equal(x.grad, x.detach().cos())
+    assert_clean(manager)
