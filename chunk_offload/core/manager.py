@@ -120,6 +120,13 @@ class OffloadManager:
             raise ChunkOffloadError(f"offload_module expects an nn.Module, got {type(module).__name__}")
         if not isinstance(name, str) or not name:
             raise ChunkOffloadError(f"offload_module needs a non-empty group name, got {name!r}")
+        for existing in self._registrations:
+            if existing.module is module:
+                raise ChunkOffloadError(
+                    f"offload_module: this {type(module).__name__} is already offloaded as group "
+                    f"{existing.name!r}; cannot register it again as {name!r} (one group per module: "
+                    "remove() the first registration, or offload a parent or child module instead)"
+                )
         self.policy.protect(module)
         registration = ModuleOffload(self, module, name, on_remove=self._registrations.remove)
         self._registrations.append(registration)

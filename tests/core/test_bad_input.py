@@ -87,3 +87,19 @@ def test_group_marks_pass_a_dict_through(make_manager):
         out["y"].sum().backward()
     assert torch.equal(x.grad, x.detach().cos())
     assert_clean(manager)
+
+
+@pytest.mark.parametrize("second", ["lin", "other"])
+def test_offload_module_twice_is_refused_at_registration(make_manager, second):
+    manager = make_manager()
+    module = nn.Linear(2, 2)
+    manager.offload_module(module, "lin")
+    with pytest.raises(
+        ChunkOffloadError,
+        match=rf"^chunk_offload: offload_module: this Linear is already offloaded as group 'lin'; "
+        rf"cannot register it again as '{second}'",
+    ):
+        manager.offload_module(module, second)
+    assert [r.name for r in manager.module_offloads] == ["lin"]
+    manager.module_offloads[0].remove()
+    manager.offload_module(module, second)  # after remove() it may be registered again
