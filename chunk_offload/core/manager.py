@@ -219,9 +219,11 @@ class OffloadManager:
         try:
             yield self
         except BaseException:
-            self.end_iteration(discard=True)
+            if self.in_iteration:  # `close` inside the block already discarded it
+                self.end_iteration(discard=True)
             raise
-        self.end_iteration()
+        if self.in_iteration:
+            self.end_iteration()
 
     def group_bytes(self) -> dict[tuple[int, int], list[int]]:
         """(microbatch, vp_stage) -> saved bytes per group, in forward order, of the last iteration."""
@@ -351,9 +353,20 @@ class OffloadManager:
         return [h.key for h in handlers if not h.released]
 
     def close(self) -> None:
-        """Wait for the copies and stop the stream workers (idempotent)."""
+        """Wait for the copies and stop the stream workers (idempotent).
+
+        Inside an open iteration, its open chunk is aborted and the iteration discarded first
+        (no saved-tensor hook and no host buffer stays), so an enclosing ``with`` block exits
+        quietly or re-raises its own exception.
+        """
         if self._closed:
             return
-        self._closed = True
-        self.streams.synchronize()
-        self.streams.close()
+        try:
+            if self._current is not None:
+                self.end_chunk(abort=True)
+            if self.in_iteration:
+                self.end_iteration(discard=True)
+        finally:
+            self._closed = True
+            self.streams.synchronize()
+            self.streams.close()

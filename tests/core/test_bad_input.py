@@ -103,3 +103,39 @@ def test_offload_module_twice_is_refused_at_registration(make_manager, second):
     assert [r.name for r in manager.module_offloads] == ["lin"]
     manager.module_offloads[0].remove()
     manager.offload_module(module, second)  # after remove() it may be registered again
+
+
+class UserError(Exception):
+    pass
+
+
+def _forward_in_open_chunk(manager: OffloadManager, module: nn.Module) -> torch.Tensor:
+    manager.begin_chunk(microbatch=0)
+    return module(torch.randn(3, 4, requires_grad=True))
+
+
+def test_close_inside_iteration_lets_the_users_error_surface():
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    manager.offload_module(module, "m")
+    with pytest.raises(UserError, match="mine"):
+        with manager.iteration():
+            _forward_in_open_chunk(manager, module)
+            manager.close()
+            raise UserError("mine")
+    assert manager.closed and not manager.in_iteration
+    assert_clean(manager)
+
+
+def test_close_mid_iteration_without_error_ends_it_cleanly():
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    manager.offload_module(module, "m")
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            module(torch.randn(3, 4, requires_grad=True))
+        _forward_in_open_chunk(manager, module)
+        manager.close()
+    assert manager.closed and not manager.in_iteration
+    assert manager.last_iteration is None  # discarded, no record
+    assert_clean(manager)
