@@ -76,6 +76,11 @@ class OffloadManager:
                 f"got {type(schedule_policy).__name__}"
             )
         self.config = config
+        if streams is not None and not isinstance(streams, StreamBackend):
+            raise ChunkOffloadError(
+                f"OffloadManager(streams=...) takes a StreamBackend (CudaStreams, CpuStreams) or None, "
+                f"got {streams!r}"
+            )
         self.streams = streams if streams is not None else default_streams()
         self.pool = HostPool(
             capacity_bytes=self.config.host_pool_bytes,
@@ -244,7 +249,7 @@ class OffloadManager:
                 "chunks cannot nest."
             )
         for label, value in (("microbatch", microbatch), ("vp_stage", vp_stage)):
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ChunkOffloadError(f"chunk() needs {label} as an int >= 0, got {value!r}")
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             self._untracked_chunks += 1

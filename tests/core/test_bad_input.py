@@ -139,3 +139,31 @@ def test_close_mid_iteration_without_error_ends_it_cleanly():
     assert manager.closed and not manager.in_iteration
     assert manager.last_iteration is None  # discarded, no record
     assert_clean(manager)
+
+
+def test_streams_must_be_a_stream_backend():
+    with pytest.raises(ChunkOffloadError, match=r"^chunk_offload: OffloadManager\(streams=...\) takes a StreamBackend .* got 'cpu'"):
+        OffloadManager(streams="cpu")
+
+
+def test_chunk_microbatch_bool_is_refused(make_manager):
+    manager = make_manager()
+    with manager.iteration():
+        with pytest.raises(ChunkOffloadError, match=r"chunk\(\) needs microbatch as an int >= 0, got True"):
+            manager.begin_chunk(microbatch=True)
+    assert_clean(manager)
+
+
+def test_mark_not_offloadable_needs_a_tensor():
+    from chunk_offload import mark_not_offloadable
+
+    with pytest.raises(ChunkOffloadError, match=r"mark_not_offloadable\(tensor=...\) takes a torch.Tensor, got \[1, 2\]"):
+        mark_not_offloadable([1, 2])
+
+
+@pytest.mark.parametrize("bad", ["x", -1.0, float("nan"), float("inf"), True])
+def test_cpu_streams_max_delay_is_checked(bad):
+    from chunk_offload import CpuStreams
+
+    with pytest.raises(ChunkOffloadError, match=rf"CpuStreams\(max_delay_s=...\) takes a finite number of seconds >= 0, got {bad!r}"):
+        CpuStreams(max_delay_s=bad)
