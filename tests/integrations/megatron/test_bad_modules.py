@@ -20,3 +20,8 @@ def test_attach_offload_modules_must_be_str_or_list_of_str(bad):
         + f"got {re.escape(repr(bad))}; valid names: \\[",
     ):
         attach([nn.Linear(2, 2)], bad)
+
+
+def test_attach_without_plan_refuses_budgets():
+    with pytest.raises(ChunkOffloadError, match=r"^chunk_offload: reload_ahead_bytes=5 needs schedule_policy='plan'"):
+        attach([nn.Linear(2, 2)], "core_attn", schedule_policy=None, reload_ahead_bytes=5)
