@@ -7,6 +7,7 @@ model calls itself); `ModuleOffload` calls them from a module's forward hooks
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -73,10 +74,14 @@ class GroupMarks:
 
 
 class ModuleOffload:
-    """The forward hooks that make each call of one module an offload group."""
+    """The forward hooks that make each call of one module an offload group.
+
+    The hooks hold the manager weakly: a manager dropped without `close` is not kept alive by
+    the model (its stream workers stop with it) and its hooks are removed when it is collected.
+    """
 
     def __init__(self, manager: "OffloadManager", module: nn.Module, name: str, on_remove: Callable[["ModuleOffload"], None]) -> None:
-        self.manager = manager
+        self._manager = weakref.ref(manager)
         self.module = module
         self.name = name
         self._on_remove = on_remove
@@ -85,9 +90,18 @@ class ModuleOffload:
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, with_kwargs=True, always_call=True),
         ]
+        weakref.finalize(manager, _remove_handles, list(self._handles))
+
+    @property
+    def manager(self) -> "OffloadManager | None":
+        """The manager that registered the module (None once it was collected)."""
+        return self._manager()
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         manager = self.manager
+        if manager is None:
+            self._opened.append(False)
+            return None
         handler = manager.current_handler
         if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
             self._opened.append(False)
@@ -102,9 +116,10 @@ class ModuleOffload:
         return None
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not self._opened.pop():
+        manager = self.manager
+        if not self._opened.pop() or manager is None:
             return None
-        return self.manager.group_commit(output, self.name)
+        return manager.group_commit(output, self.name)
 
     def remove(self) -> None:
         """Remove the hooks; later calls of the module are not offloaded (idempotent)."""
@@ -113,6 +128,12 @@ class ModuleOffload:
         if self._handles:
             self._on_remove(self)
         self._handles = []
+
+
+def _remove_handles(handles: list) -> None:
+    """Remove a collected manager's module hooks (a `weakref.finalize` callback: holds no manager)."""
+    for handle in handles:
+        handle.remove()
 
 
 def _leaf_activation_storages(tensors: list[torch.Tensor]) -> frozenset[int]:

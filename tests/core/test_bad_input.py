@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import threading
 
 import pytest
 import torch
@@ -167,3 +168,30 @@ def test_cpu_streams_max_delay_is_checked(bad):
 
     with pytest.raises(ChunkOffloadError, match=rf"CpuStreams\(max_delay_s=...\) takes a finite number of seconds >= 0, got {bad!r}"):
         CpuStreams(max_delay_s=bad)
+
+
+def _offload_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("chunk_offload")]
+
+
+def test_dropped_managers_leave_no_threads_and_no_hooks():
+    from chunk_offload import CpuStreams
+
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(3, 4)
+    expected = module(x)
+    gc.collect()
+    start = len(_offload_threads())
+    for _ in range(10):
+        manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams())
+        manager.offload_module(module, "m")
+        with manager.iteration():
+            with manager.chunk(microbatch=0):
+                module(x).sum()
+        del manager
+    gc.collect()
+    for thread in _offload_threads():
+        thread.join(timeout=10)  # the finalizer asked each worker to stop; wait for it to exit
+    assert len(_offload_threads()) == start
+    assert not module._forward_pre_hooks and not module._forward_hooks
+    assert torch.equal(module(x), expected)
