@@ -42,6 +42,11 @@ def canonical_modules(names: str | Sequence[str]) -> list[str]:
     """Validate module names (a list or comma-separated string), resolve aliases, keep order, drop repeats."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
+    elif not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ChunkOffloadError(
+            f"offload_modules must be a str (comma-separated) or a list/tuple of str, got {names!r}; "
+            f"valid names: {list(OFFLOAD_MODULE_NAMES) + sorted(ALIASES)}"
+        )
     out: list[str] = []
     for name in names:
         canonical = ALIASES.get(name, name)

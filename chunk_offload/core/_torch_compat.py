@@ -3,15 +3,25 @@
 - `storage_key`: the identity of a tensor's storage (its ``StorageImpl``), shared by all views;
 - `view_base`: the tensor a view was made from (``Tensor._base``), or None;
 - `top_saved_tensors_hooks`: the innermost active saved-tensor hooks (a private autograd API);
-- `is_wrapper_subclass`: whether a tensor wraps inner tensors (DTensor), from torch's dispatch utils.
+- `is_wrapper_subclass`: whether a tensor wraps inner tensors (DTensor), from torch's dispatch utils;
+- `tree_flatten` / `tree_unflatten`: torch's pytree utilities (a module's output as dicts, nested
+  tuples, namedtuples, registered dataclass-like outputs such as HF ``ModelOutput``).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils import _pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["is_wrapper_subclass", "storage_key", "top_saved_tensors_hooks", "view_base"]
+__all__ = [
+    "is_wrapper_subclass",
+    "storage_key",
+    "top_saved_tensors_hooks",
+    "tree_flatten",
+    "tree_unflatten",
+    "view_base",
+]
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -36,3 +46,13 @@ def top_saved_tensors_hooks():
 def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a wrapper subclass (DTensor, ...) whose data lives in inner tensors."""
     return is_traceable_wrapper_subclass(tensor)
+
+
+def tree_flatten(tree) -> tuple[list, object]:
+    """The leaves of ``tree`` (torch's pytree order) and the spec that rebuilds it."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list, spec: object):
+    """``tree`` rebuilt from ``leaves`` and the spec `tree_flatten` returned."""
+    return _pytree.tree_unflatten(leaves, spec)

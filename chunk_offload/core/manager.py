@@ -76,6 +76,11 @@ class OffloadManager:
                 f"got {type(schedule_policy).__name__}"
             )
         self.config = config
+        if streams is not None and not isinstance(streams, StreamBackend):
+            raise ChunkOffloadError(
+                f"OffloadManager(streams=...) takes a StreamBackend (CudaStreams, CpuStreams) or None, "
+                f"got {streams!r}"
+            )
         self.streams = streams if streams is not None else default_streams()
         self.pool = HostPool(
             capacity_bytes=self.config.host_pool_bytes,
@@ -120,6 +125,13 @@ class OffloadManager:
             raise ChunkOffloadError(f"offload_module expects an nn.Module, got {type(module).__name__}")
         if not isinstance(name, str) or not name:
             raise ChunkOffloadError(f"offload_module needs a non-empty group name, got {name!r}")
+        for existing in self._registrations:
+            if existing.module is module:
+                raise ChunkOffloadError(
+                    f"offload_module: this {type(module).__name__} is already offloaded as group "
+                    f"{existing.name!r}; cannot register it again as {name!r} (one group per module: "
+                    "remove() the first registration, or offload a parent or child module instead)"
+                )
         self.policy.protect(module)
         registration = ModuleOffload(self, module, name, on_remove=self._registrations.remove)
         self._registrations.append(registration)
@@ -212,9 +224,11 @@ class OffloadManager:
         try:
             yield self
         except BaseException:
-            self.end_iteration(discard=True)
+            if self.in_iteration:  # `close` inside the block already discarded it
+                self.end_iteration(discard=True)
             raise
-        self.end_iteration()
+        if self.in_iteration:
+            self.end_iteration()
 
     def group_bytes(self) -> dict[tuple[int, int], list[int]]:
         """(microbatch, vp_stage) -> saved bytes per group, in forward order, of the last iteration."""
@@ -235,7 +249,7 @@ class OffloadManager:
                 "chunks cannot nest."
             )
         for label, value in (("microbatch", microbatch), ("vp_stage", vp_stage)):
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ChunkOffloadError(f"chunk() needs {label} as an int >= 0, got {value!r}")
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             self._untracked_chunks += 1
@@ -344,9 +358,20 @@ class OffloadManager:
         return [h.key for h in handlers if not h.released]
 
     def close(self) -> None:
-        """Wait for the copies and stop the stream workers (idempotent)."""
+        """Wait for the copies and stop the stream workers (idempotent).
+
+        Inside an open iteration, its open chunk is aborted and the iteration discarded first
+        (no saved-tensor hook and no host buffer stays), so an enclosing ``with`` block exits
+        quietly or re-raises its own exception.
+        """
         if self._closed:
             return
-        self._closed = True
-        self.streams.synchronize()
-        self.streams.close()
+        try:
+            if self._current is not None:
+                self.end_chunk(abort=True)
+            if self.in_iteration:
+                self.end_iteration(discard=True)
+        finally:
+            self._closed = True
+            self.streams.synchronize()
+            self.streams.close()

@@ -7,13 +7,14 @@ model calls itself); `ModuleOffload` calls them from a module's forward hooks
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ._torch_compat import storage_key, top_saved_tensors_hooks, view_base
+from ._torch_compat import storage_key, top_saved_tensors_hooks, tree_flatten, tree_unflatten, view_base
 from .errors import ChunkOffloadError
 from .functions import build_group_functions
 from .handler import ChunkOffloadHandler
@@ -73,10 +74,14 @@ class GroupMarks:
 
 
 class ModuleOffload:
-    """The forward hooks that make each call of one module an offload group."""
+    """The forward hooks that make each call of one module an offload group.
+
+    The hooks hold the manager weakly: a manager dropped without `close` is not kept alive by
+    the model (its stream workers stop with it) and its hooks are removed when it is collected.
+    """
 
     def __init__(self, manager: "OffloadManager", module: nn.Module, name: str, on_remove: Callable[["ModuleOffload"], None]) -> None:
-        self.manager = manager
+        self._manager = weakref.ref(manager)
         self.module = module
         self.name = name
         self._on_remove = on_remove
@@ -85,9 +90,18 @@ class ModuleOffload:
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, with_kwargs=True, always_call=True),
         ]
+        weakref.finalize(manager, _remove_handles, list(self._handles))
+
+    @property
+    def manager(self) -> "OffloadManager | None":
+        """The manager that registered the module (None once it was collected)."""
+        return self._manager()
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         manager = self.manager
+        if manager is None:
+            self._opened.append(False)
+            return None
         handler = manager.current_handler
         if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
             self._opened.append(False)
@@ -102,9 +116,10 @@ class ModuleOffload:
         return None
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not self._opened.pop():
+        manager = self.manager
+        if not self._opened.pop() or manager is None:
             return None
-        return self.manager.group_commit(output, self.name)
+        return manager.group_commit(output, self.name)
 
     def remove(self) -> None:
         """Remove the hooks; later calls of the module are not offloaded (idempotent)."""
@@ -113,6 +128,12 @@ class ModuleOffload:
         if self._handles:
             self._on_remove(self)
         self._handles = []
+
+
+def _remove_handles(handles: list) -> None:
+    """Remove a collected manager's module hooks (a `weakref.finalize` callback: holds no manager)."""
+    for handle in handles:
+        handle.remove()
 
 
 def _leaf_activation_storages(tensors: list[torch.Tensor]) -> frozenset[int]:
@@ -139,21 +160,18 @@ def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
 
 
 def _flatten(tensors: Any):
-    """Tensors at the top level of ``tensors`` and a function that puts replacements back."""
-    if isinstance(tensors, torch.Tensor):
-        return [tensors], lambda out: out[0]
-    if isinstance(tensors, (tuple, list)):
-        positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor)]
+    """Tensors among the pytree leaves of ``tensors`` and a function that puts replacements back.
 
-        def rebuild(out):
-            items = list(tensors)
-            for i, t in zip(positions, out):
-                items[i] = t
-            return type(tensors)(items) if not hasattr(tensors, "_fields") else type(tensors)(*items)
+    Any pytree torch's utilities handle works (a tensor, tuples, lists, dicts, namedtuples, nested
+    ones, registered output classes); leaves that are not tensors are kept as they are.
+    """
+    leaves, spec = tree_flatten(tensors)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
-        return [tensors[i] for i in positions], rebuild
-    if tensors is None:
-        return [], lambda out: None
-    raise ChunkOffloadError(
-        f"group marks take a tensor or a tuple/list of tensors, got {type(tensors).__name__}"
-    )
+    def rebuild(out: list) -> Any:
+        items = list(leaves)
+        for i, t in zip(positions, out):
+            items[i] = t
+        return tree_unflatten(items, spec)
+
+    return [leaves[i] for i in positions], rebuild

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ._torch_compat import is_wrapper_subclass, storage_key, view_base
+from .errors import ChunkOffloadError
 
 __all__ = ["OffloadPolicy", "mark_not_offloadable", "is_marked_not_offloadable"]
 
@@ -18,6 +19,8 @@ def mark_not_offloadable(tensor: torch.Tensor) -> torch.Tensor:
     The mark is kept on the tensor and on its storage, so views of views and aliases that share
     the storage (such as the detached aliases that group marks hand to a module) are kept too.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise ChunkOffloadError(f"mark_not_offloadable(tensor=...) takes a torch.Tensor, got {tensor!r}")
     setattr(tensor, _KEEP_ATTR, True)
     if tensor.layout == torch.strided:
         setattr(tensor.untyped_storage(), _KEEP_ATTR, True)

@@ -43,6 +43,15 @@ class PlanTracking:
     ) -> None:
         check_schedule_policy(schedule_policy)
         self.from_plan = isinstance(schedule_policy, str)
+        given = {k: v for k, v in (("prefetch_bytes", prefetch_bytes), ("reload_ahead_bytes", reload_ahead_bytes)) if v is not None}
+        if given and not self.from_plan:
+            # Both budgets are read by PlanPolicy only: without the plan they would be dropped silently.
+            raise ChunkOffloadError(
+                f"{', '.join(f'{k}={v!r}' for k, v in given.items())} needs schedule_policy='plan' "
+                f"(--chunk-offload-schedule plan), got schedule_policy={schedule_policy!r} "
+                "(--chunk-offload-schedule group-start): prefetch and reload-ahead budgets are planned; "
+                "drop them or use the plan"
+            )
         """Whether the engine's policy is built from the plan (``schedule_policy="plan"``)."""
         self.engine_policy: SchedulePolicy | None = None if self.from_plan else schedule_policy
         """The policy the engine starts with (None: the engine's default)."""

@@ -233,14 +233,6 @@ def test_offload_module_arguments(manager):
         manager.offload_module(Sin(), "")
 
 
-def test_group_marks_reject_other_containers(manager):
-    with manager.iteration():
-        with pytest.raises(ChunkOffloadError, match=r"group marks take a tensor or a tuple/list of tensors, got dict"):
-            with manager.chunk(microbatch=0):
-                manager.group_start({"x": torch.randn(2)}, "a")
-    assert_clean(manager)
-
-
 def test_chunk_outside_iteration(manager):
     with pytest.raises(ChunkOffloadError, match=r"chunk\(\) must be used inside `with manager.iteration\(\):`"):
         with manager.chunk(microbatch=0):

@@ -223,7 +223,7 @@ def test_invalid_delay_on_lists_valid_names():
 
 
 def test_negative_max_delay_is_rejected():
-    with pytest.raises(ChunkOffloadError, match=r"max_delay_s must be >= 0, got -0.5"):
+    with pytest.raises(ChunkOffloadError, match=r"CpuStreams\(max_delay_s=...\) takes a finite number of seconds >= 0, got -0.5"):
         CpuStreams(max_delay_s=-0.5)
 
 

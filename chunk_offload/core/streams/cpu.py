@@ -6,6 +6,8 @@ vector clocks of `base.VectorClocks` check every ordering rule (NOTE [Happens-be
 
 from __future__ import annotations
 
+import math
+
 import queue
 import random
 import threading
@@ -183,8 +185,8 @@ class CpuStreams(StreamBackend):
         unknown = sorted(set(delay_on) - set(self._STREAM_NAMES))
         if unknown:
             raise ChunkOffloadError(f"delay_on names unknown streams {unknown}; valid: {list(self._STREAM_NAMES)}")
-        if max_delay_s < 0:
-            raise ChunkOffloadError(f"max_delay_s must be >= 0, got {max_delay_s}")
+        if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, (int, float)) or not 0 <= max_delay_s < math.inf:
+            raise ChunkOffloadError(f"CpuStreams(max_delay_s=...) takes a finite number of seconds >= 0, got {max_delay_s!r}")
         if link_bytes_per_s is not None and not link_bytes_per_s > 0:
             raise ChunkOffloadError(f"link_bytes_per_s must be > 0 or None, got {link_bytes_per_s}")
         self.device = torch.device("cpu")

@@ -230,7 +230,7 @@ def _selectors(offload_modules: Sequence[str] | Mapping[str, ModuleSelector]) ->
     else:
         raise ChunkOffloadError(
             f"offload_modules must be a list of submodule name patterns or a mapping name -> patterns/classes, "
-            f"got {type(offload_modules).__name__}"
+            f"got {type(offload_modules).__name__} {offload_modules!r}"
         )
     if not items:
         raise ChunkOffloadError("offload_modules is empty; name at least one submodule pattern, e.g. ['layers.*.attention']")

@@ -430,3 +430,17 @@ def test_attach_from_args_auto_iterations_on_dense_gpt() -> None:
             if manager is not None:
                 manager.detach()
                 manager.close()
+
+
+@pytest.mark.parametrize(
+    "budget, given",
+    [("--chunk-offload-prefetch-bytes", "prefetch_bytes=2097152"), ("--chunk-offload-reload-ahead-bytes", "reload_ahead_bytes=2097152")],
+)
+def test_group_start_refuses_plan_budgets(budget: str, given: str) -> None:
+    args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", budget, "2MiB"])
+    with pytest.raises(
+        ChunkOffloadError,
+        match=rf"^chunk_offload: {given} needs schedule_policy='plan' \(--chunk-offload-schedule plan\), "
+        r"got schedule_policy=None \(--chunk-offload-schedule group-start\)",
+    ):
+        attach_from_args([torch.nn.Linear(2, 2)], args)

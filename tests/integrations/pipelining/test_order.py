@@ -135,6 +135,7 @@ def test_module_matched_twice_is_refused():
         ({"x": [int]}, r"offload module 'x': each selector must be .* got \[<class 'int'>\]"),
         ({"": "*.core_attn"}, r"offload-module names must be non-empty strings, got ''"),
         (7, r"offload_modules must be a list of submodule name patterns or a mapping .* got int"),
+        (None, r"offload_modules must be a list of submodule name patterns or a mapping .* got NoneType None"),
     ],
 )
 def test_bad_selectors(modules, message):

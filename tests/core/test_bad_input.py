@@ -1,0 +1,197 @@
+"""Bad input and lifecycle, tried as a new user would (issue 13 section 1).
+
+Pytree outputs are compared bit for bit with a run without offload; every refusal is a
+`ChunkOffloadError` checked by its message.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from chunk_offload import ChunkOffloadError, OffloadConfig, OffloadManager
+from tests.core._models import assert_clean
+
+Pair = collections.namedtuple("Pair", ["hidden", "gate"])
+
+
+class DictBlock(nn.Module):
+    """HF-style block: returns a dict holding a nested tuple, a namedtuple and a non-tensor."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x).tanh()
+        return {"hidden": h, "extra": (h.sin(), [h.cos()]), "pair": Pair(h * 2, h.sigmoid()), "n": 3}
+
+
+class DictStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([DictBlock(0), DictBlock(1)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            out = block(x)
+            assert out["n"] == 3
+            x = out["hidden"] + out["extra"][0] * out["extra"][1][0] + out["pair"].hidden * out["pair"].gate
+        return x
+
+
+def _dict_run(offload: bool):
+    model = DictStack()
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1)) if offload else None
+    if manager is not None:
+        for i, block in enumerate(model.blocks):
+            manager.offload_module(block, f"block{i}")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    if manager is None:
+        loss = model(x).square().sum()
+        loss.backward()
+    else:
+        with manager.iteration():
+            with manager.chunk(microbatch=0):
+                loss = model(x).square().sum()
+            loss.backward()
+        assert manager.stats().bytes_offloaded > 0  # the groups with dict outputs did move
+        assert_clean(manager)
+        manager.close()
+    return loss.detach(), x.grad, [p.grad for p in model.parameters()]
+
+
+def test_module_returning_a_dict_pytree_is_offloaded_bit_exact():
+    ref_loss, ref_x, ref_params = _dict_run(False)
+    loss, gx, params = _dict_run(True)
+    assert torch.equal(loss, ref_loss)
+    assert torch.equal(gx, ref_x)
+    assert len(params) == len(ref_params)
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+
+
+def test_group_marks_pass_a_dict_through(make_manager):
+    manager = make_manager()
+    x = torch.randn(4, requires_grad=True)
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            inputs = manager.group_start({"x": x}, "a")
+            out = manager.group_commit({"y": inputs["x"].sin(), "k": "keep"}, "a")
+        assert out["k"] == "keep"
+        out["y"].sum().backward()
+    assert torch.equal(x.grad, x.detach().cos())
+    assert_clean(manager)
+
+
+@pytest.mark.parametrize("second", ["lin", "other"])
+def test_offload_module_twice_is_refused_at_registration(make_manager, second):
+    manager = make_manager()
+    module = nn.Linear(2, 2)
+    manager.offload_module(module, "lin")
+    with pytest.raises(
+        ChunkOffloadError,
+        match=rf"^chunk_offload: offload_module: this Linear is already offloaded as group 'lin'; "
+        rf"cannot register it again as '{second}'",
+    ):
+        manager.offload_module(module, second)
+    assert [r.name for r in manager.module_offloads] == ["lin"]
+    manager.module_offloads[0].remove()
+    manager.offload_module(module, second)  # after remove() it may be registered again
+
+
+class UserError(Exception):
+    pass
+
+
+def _forward_in_open_chunk(manager: OffloadManager, module: nn.Module) -> torch.Tensor:
+    manager.begin_chunk(microbatch=0)
+    return module(torch.randn(3, 4, requires_grad=True))
+
+
+def test_close_inside_iteration_lets_the_users_error_surface():
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    manager.offload_module(module, "m")
+    with pytest.raises(UserError, match="mine"):
+        with manager.iteration():
+            _forward_in_open_chunk(manager, module)
+            manager.close()
+            raise UserError("mine")
+    assert manager.closed and not manager.in_iteration
+    assert_clean(manager)
+
+
+def test_close_mid_iteration_without_error_ends_it_cleanly():
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    manager.offload_module(module, "m")
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            module(torch.randn(3, 4, requires_grad=True))
+        _forward_in_open_chunk(manager, module)
+        manager.close()
+    assert manager.closed and not manager.in_iteration
+    assert manager.last_iteration is None  # discarded, no record
+    assert_clean(manager)
+
+
+def test_streams_must_be_a_stream_backend():
+    with pytest.raises(ChunkOffloadError, match=r"^chunk_offload: OffloadManager\(streams=...\) takes a StreamBackend .* got 'cpu'"):
+        OffloadManager(streams="cpu")
+
+
+def test_chunk_microbatch_bool_is_refused(make_manager):
+    manager = make_manager()
+    with manager.iteration():
+        with pytest.raises(ChunkOffloadError, match=r"chunk\(\) needs microbatch as an int >= 0, got True"):
+            manager.begin_chunk(microbatch=True)
+    assert_clean(manager)
+
+
+def test_mark_not_offloadable_needs_a_tensor():
+    from chunk_offload import mark_not_offloadable
+
+    with pytest.raises(ChunkOffloadError, match=r"mark_not_offloadable\(tensor=...\) takes a torch.Tensor, got \[1, 2\]"):
+        mark_not_offloadable([1, 2])
+
+
+@pytest.mark.parametrize("bad", ["x", -1.0, float("nan"), float("inf"), True])
+def test_cpu_streams_max_delay_is_checked(bad):
+    from chunk_offload import CpuStreams
+
+    with pytest.raises(ChunkOffloadError, match=rf"CpuStreams\(max_delay_s=...\) takes a finite number of seconds >= 0, got {bad!r}"):
+        CpuStreams(max_delay_s=bad)
+
+
+def _offload_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("chunk_offload")]
+
+
+def test_dropped_managers_leave_no_threads_and_no_hooks():
+    from chunk_offload import CpuStreams
+
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(3, 4)
+    expected = module(x)
+    gc.collect()
+    start = len(_offload_threads())
+    for _ in range(10):
+        manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams())
+        manager.offload_module(module, "m")
+        with manager.iteration():
+            with manager.chunk(microbatch=0):
+                module(x).sum()
+        del manager
+    gc.collect()
+    for thread in _offload_threads():
+        thread.join(timeout=10)  # the finalizer asked each worker to stop; wait for it to exit
+    assert len(_offload_threads()) == start
+    assert not module._forward_pre_hooks and not module._forward_hooks
+    assert torch.equal(module(x), expected)
