@@ -88,6 +88,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_script(args.script, args.script_args)
     except ChunkOffloadError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 1
+        parser.exit(1, f"{parser.prog}: error: {e}\n")  # a run-time error, not a usage error: exit 1
     return 0
