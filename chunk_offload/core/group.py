@@ -69,7 +69,7 @@ class EngineContext:
 
 class GroupState(enum.Enum):
     COLLECTING = "collecting"  # the group's forward runs; tensors are being saved
-    KEPT = "kept"  # committed without offload (offload disabled, or nothing to move)
+    KEPT = "kept"  # committed without offload (offload disabled, the policy keeps it, or nothing to move)
     OFFLOADING = "offloading"  # copies to host issued; device tensors still held
     ON_HOST = "on_host"  # device tensors released; only the host copy exists
     RELOADING = "reloading"  # copies back issued; compute has not waited yet
@@ -204,7 +204,12 @@ class OffloadGroup:
             self._live_storages -= 1
         self._kept_storages = set()
         ctx.resident.saved(self.saved_bytes)  # one change: the mark sees the group as a whole
-        if not self.handler.offload or all(storage.pinned for storage in self._storages.values()):
+        handler = self.handler
+        if (
+            not handler.offload
+            or (handler.offload_group is not None and not handler.offload_group(self.index))
+            or all(storage.pinned for storage in self._storages.values())
+        ):
             self._to(GroupState.KEPT)
             return
         try:

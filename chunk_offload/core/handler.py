@@ -19,7 +19,7 @@ decided in `ordering.py` (NOTE [Reload order]).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -49,11 +49,22 @@ class _KeptRef:
 class ChunkOffloadHandler:
     """Offload groups of one chunk, in forward order. See NOTE [Release and prefetch order]."""
 
-    def __init__(self, ctx: EngineContext, key: ChunkKey, *, offload: bool = True, reload_ahead_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        ctx: EngineContext,
+        key: ChunkKey,
+        *,
+        offload: bool = True,
+        reload_ahead_bytes: int | None = None,
+        offload_group: Callable[[int], bool] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.key = key
         self.offload = offload
         """Whether committed groups are copied to host (False: kept on device, still accounted)."""
+        self.offload_group = offload_group
+        """With ``offload``: asked at each group's commit with its index, False keeps that group
+        on device (`SchedulePolicy.offload_group`); None copies every group."""
         self.reload_ahead_bytes = reload_ahead_bytes
         """In backward, reload earlier groups while the bytes reloaded ahead fit (None: one group ahead)."""
         self.groups: list[OffloadGroup] = []

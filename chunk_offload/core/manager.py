@@ -13,6 +13,7 @@ Integrations drive the pairs from their hooks and read the public properties (`i
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
 from typing import Any, Iterator
 
@@ -110,7 +111,6 @@ class OffloadManager:
         self._registrations: list[ModuleOffload] = []
         self._iteration_offload = self.config.offload
         self._by_key: dict[ChunkKey, ChunkOffloadHandler] = {}
-        self._order: list[Action] = []
         self.last_iteration: IterationRecord | None = None
         """What the last iteration that completed did (peaks, traces, bytes per group)."""
 
@@ -185,7 +185,6 @@ class OffloadManager:
         self.schedule_policy.begin_iteration()
         self._iteration_handlers = []
         self._by_key = {}
-        self._order = []
         self._window = IterationWindow(self.streams, self.config, self._resident, self._stats)
 
     def end_iteration(self, *, discard: bool = False) -> IterationRecord | None:
@@ -201,7 +200,7 @@ class OffloadManager:
                 self._discard_iteration()
                 return None
             try:
-                record = self._window.finish(offload=self._iteration_offload, handlers=self._iteration_handlers, order=self._order)
+                record = self._window.finish(offload=self._iteration_offload, handlers=self._iteration_handlers)
             except BaseException:
                 self._discard_iteration()
                 raise
@@ -255,10 +254,19 @@ class OffloadManager:
             self._untracked_chunks += 1
             return None
         key = ChunkKey(microbatch, vp_stage)
-        self._order.append(Action(ActionKind.FORWARD, microbatch, vp_stage))
+        self._window.note_action(Action(ActionKind.FORWARD, microbatch, vp_stage))
         self._prefetch(self.schedule_policy.prefetch_on("F", key))
-        offload = self._iteration_offload and self.schedule_policy.offload_chunk(key)
-        handler = ChunkOffloadHandler(self._ctx, key, offload=offload, reload_ahead_bytes=self.schedule_policy.reload_ahead_bytes(key))
+        policy = self.schedule_policy
+        offload = self._iteration_offload and policy.offload_chunk(key)
+        # Per-group decisions only from a policy that makes them: the base class copies every group.
+        per_group = offload and type(policy).offload_group is not SchedulePolicy.offload_group
+        handler = ChunkOffloadHandler(
+            self._ctx,
+            key,
+            offload=offload,
+            reload_ahead_bytes=policy.reload_ahead_bytes(key),
+            offload_group=functools.partial(policy.offload_group, key) if per_group else None,
+        )
         self._by_key[key] = handler  # a chunk key entered twice (no schedule does that) maps to its latest forward
         self._iteration_handlers.append(handler)
         self._current = handler
@@ -302,8 +310,8 @@ class OffloadManager:
         self.end_chunk()
 
     def _on_backward_start(self, handler: ChunkOffloadHandler) -> None:
-        self._order.append(Action(ActionKind.BACKWARD, handler.key.microbatch, handler.key.vp_stage))
-        if self.in_iteration:
+        if self.in_iteration:  # a backward after its iteration ended (outside any) is not recorded
+            self._window.note_action(Action(ActionKind.BACKWARD, handler.key.microbatch, handler.key.vp_stage))
             self._prefetch(self.schedule_policy.prefetch_on("B", handler.key))
 
     def _prefetch(self, requests) -> None:

@@ -1,4 +1,9 @@
-"""`IterationWindow`: what one iteration did, measured between its start and its end."""
+"""`IterationWindow`: what one iteration did, measured between its start and its end.
+
+Besides the counters, the window records the order in which chunks start forward and backward
+(`note_action`) and when each started, from the iteration's start: the measured compute time
+between a group's forward and its backward that `chunk_offload.schedule.CopyTiming` reads.
+"""
 
 from __future__ import annotations
 
@@ -38,9 +43,18 @@ class IterationWindow:
         streams.synchronize()
         stats.fold()
         self._before = {name: replace(g) for name, g in stats.groups.items()}
+        self.order: list[Action] = []
+        """The F and B actions so far, as the engine saw chunks start forward and backward."""
+        self.action_starts_s: list[float] = []
+        """For each entry of ``order``: seconds from the iteration's start at which it began."""
         self._started = time.perf_counter()
 
-    def finish(self, *, offload: bool, handlers: Sequence[ChunkOffloadHandler], order: Sequence[Action]) -> IterationRecord:
+    def note_action(self, action: Action) -> None:
+        """A chunk starts forward, or backward first reached one of its groups."""
+        self.action_starts_s.append(time.perf_counter() - self._started)
+        self.order.append(action)
+
+    def finish(self, *, offload: bool, handlers: Sequence[ChunkOffloadHandler]) -> IterationRecord:
         """Wait for the copies and describe the iteration: peaks, traces, bytes per group."""
         streams = self.streams
         streams.synchronize()
@@ -62,7 +76,9 @@ class IterationWindow:
             resident_trace=self.resident.trace,
             device_trace=self.resident.device_trace,
             group_bytes={tuple(h.key): h.group_bytes() for h in handlers},
+            group_names={tuple(h.key): [g.name for g in h.groups] for h in handlers},
             groups=groups,
-            order=list(order),
+            order=list(self.order),
+            action_starts_s=list(self.action_starts_s),
             wall_time_s=wall,
         )

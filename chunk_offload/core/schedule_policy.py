@@ -1,10 +1,11 @@
 """`SchedulePolicy`: what the engine asks the pipeline schedule about each chunk.
 
-Two decisions need to know the order in which chunks run, which the engine itself does not:
-whether a chunk's groups are worth offloading at all (its backward may follow at once), and
-which chunk to start reloading ahead of its backward. The base class answers without a
-schedule: offload every chunk, and reload each group when backward reaches the group after it
-(NOTE [Release and prefetch order] in handler.py). A third, schedule-free knob bounds how far
+Three decisions need to know the order in which chunks run, which the engine itself does not:
+whether a chunk's groups are worth offloading at all (its backward may follow at once), which
+of its groups to copy (a device budget met by part of them), and which chunk to start
+reloading ahead of its backward. The base class answers without a schedule: offload every
+group of every chunk, and reload each group when backward reaches the group after it (NOTE
+[Release and prefetch order] in handler.py). A fourth, schedule-free knob bounds how far
 reloads run ahead within a chunk's backward. `chunk_offload.schedule.PlanPolicy`
 answers from the rank's plan; users may subclass either.
 """
@@ -26,6 +27,15 @@ class SchedulePolicy:
 
     def offload_chunk(self, key: ChunkKey) -> bool:
         """Whether the groups of chunk ``key`` are copied to host (False: they stay on device)."""
+        return True
+
+    def offload_group(self, key: ChunkKey, index: int) -> bool:
+        """Whether group ``index`` (forward order, 0-based) of chunk ``key`` is copied to host.
+
+        Asked once at each group's commit, only for chunks `offload_chunk` offloads; False keeps
+        the group on device (still accounted, never copied): a device budget met by offloading
+        only some groups (`chunk_offload.schedule.choose_offload`).
+        """
         return True
 
     def reload_ahead_bytes(self, key: ChunkKey) -> int | None:

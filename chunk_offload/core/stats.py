@@ -101,6 +101,12 @@ class IterationRecord:
     when it first reached one of the chunk's groups)."""
     wall_time_s: float
     """Host wall time of the iteration (on CUDA with ``measure_time`` the device is synchronised at both ends)."""
+    group_names: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    """(microbatch, vp_stage) -> the name of each of the chunk's groups, in forward order
+    (parallel to ``group_bytes``)."""
+    action_starts_s: list[float] = field(default_factory=list)
+    """For each entry of ``order``: seconds from the iteration's start at which that action
+    began (host ``perf_counter``; on CUDA the host runs ahead of the device)."""
 
     @property
     def peak_bytes(self) -> int:

@@ -4,13 +4,30 @@
 - `megatron_plan`: Megatron's 1F1B and interleaved 1F1B plans, from Megatron's own tables;
 - `PlanPolicy`: offload by lifespan and prefetch the next backward chunk (a `SchedulePolicy`);
 - `simulate`: the saved-bytes accounting a plan gives, exact against the engine's;
+- `choose_offload`: the groups to copy so that a rank's predicted peak fits a device budget
+  (`OffloadChoice`, `CopyTiming`, `level_budget`, `budget_shortfall_message`);
 - `split_host_budget`, `node_host_cap`: a node's host-memory budget split among its ranks by need.
 """
 
+from .budget import CopyTiming, OffloadChoice, budget_shortfall_message, choose_offload, level_budget
 from .host_budget import all_gather_host_needs, node_host_cap, split_host_budget
 from .megatron import megatron_plan
 from .plan import Plan
 from .plan_policy import PlanPolicy
 from .simulate import Simulation, simulate
 
-__all__ = ["Plan", "PlanPolicy", "Simulation", "all_gather_host_needs", "megatron_plan", "node_host_cap", "simulate", "split_host_budget"]
+__all__ = [
+    "CopyTiming",
+    "OffloadChoice",
+    "Plan",
+    "PlanPolicy",
+    "Simulation",
+    "all_gather_host_needs",
+    "budget_shortfall_message",
+    "choose_offload",
+    "level_budget",
+    "megatron_plan",
+    "node_host_cap",
+    "simulate",
+    "split_host_budget",
+]

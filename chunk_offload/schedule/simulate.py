@@ -6,8 +6,10 @@ same `ResidentBytes` counter the engine uses, so on CPU the prediction equals th
 measured peaks to the byte:
 
 - forward of a chunk: the policy's prefetches for this action; then per group in forward
-  order: its bytes are saved, then the groups committed before it are moved to host (the
-  group itself is held until the next commit); at the end of the chunk the last group moves;
+  order: its bytes are saved, then the group held since the previous commit is moved to host
+  (at every commit, of a kept or empty group too); a group the policy copies
+  (`SchedulePolicy.offload_group`) is then held until the next commit; at the end of the
+  chunk the last held group moves;
 - backward of a chunk, per group from the last: the group is reloaded if on host, the groups
   `chunk_offload.core.ordering.reload_ahead_selection` picks are reloaded (the same function
   the engine calls: one ahead; more while the policy's ``reload_ahead_bytes`` allow), on
@@ -17,7 +19,7 @@ measured peaks to the byte:
   them (torch's input-gradient step runs with ``retain_graph=True``, so saved tensors live until
   the weight step; an approximation where the input-gradient step frees some of them).
 
-A chunk the policy keeps on device saves its groups and frees them in backward, never moving.
+A chunk or group the policy keeps on device is saved and freed in backward, never moving.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..core.stats import ResidentBytes
 from ..core.actions import ActionKind
 from .plan import Plan
 
-__all__ = ["Simulation", "simulate"]
+__all__ = ["GroupBytes", "Simulation", "simulate"]
 
 GroupBytes = Mapping[int, Sequence[int]] | Mapping[tuple[int, int], Sequence[int]] | Callable[[int, int], Sequence[int]]
 
@@ -144,18 +146,17 @@ class _Run:
         states = self.state[chunk] = []
         held: list[int] = []
         for g, nbytes in enumerate(sizes):
-            if nbytes == 0:  # a group that saved nothing offloadable is released at commit
-                states.append(GroupState.RELEASED)
-                continue
+            # NOTE as the engine's commit (OffloadGroup.commit, then ChunkOffloadHandler.commit_group):
+            # the group's bytes are saved, then the group held since the previous commit is
+            # released, at EVERY commit (a kept or empty group's too), then the group is held if copied.
+            copied = offload and self.policy.offload_group(key, g) and nbytes > 0
             self.resident.saved(nbytes)
             self._note()
-            if offload:
+            self._move_to_host(chunk, held)
+            held = [g] if copied else []
+            if copied:
                 self.bytes_offloaded += nbytes
-                self._move_to_host(chunk, held)
-                held = [g]
-                states.append(GroupState.OFFLOADING)
-            else:
-                states.append(GroupState.KEPT)
+            states.append(GroupState.OFFLOADING if copied else GroupState.KEPT if nbytes else GroupState.RELEASED)
         self._move_to_host(chunk, held)
 
     def _move_to_host(self, chunk: tuple[int, int], groups: list[int]) -> None:

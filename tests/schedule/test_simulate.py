@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.schedule import Plan, PlanPolicy, megatron_plan, simulate
-from tests.core._models import MODULE_KINDS, assert_identical, run_schedule
+from tests.core._models import MODULE_KINDS, assert_identical
+from tests.schedule._train import plan_order, train_plan
 
 PLANS = {
     "1f1b_first": dict(pp_size=4, pp_rank=0, num_microbatches=6),
@@ -34,23 +34,11 @@ ITERATIONS = 2
 
 
 def _order(plan: Plan) -> list[tuple[str, int, int]]:
-    return [(a.kind.value, a.microbatch, a.vp_stage) for a in plan.actions]
+    return plan_order(plan)
 
 
 def _train(plan: Plan, *, offload: bool | None, policy_name: str = "group_start"):
-    records = []
-
-    def factory():
-        if offload is None:
-            return None
-        return OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload), streams=CpuStreams(max_delay_s=1e-4, seed=7), schedule_policy=POLICIES[policy_name](plan))
-
-    def after(manager, iteration):
-        if manager is not None:
-            records.append(manager.last_iteration)
-
-    result = run_schedule(factory, order=_order(plan), model_chunks=plan.vp_size, iterations=ITERATIONS, after_iteration=after)
-    return result, records
+    return train_plan(plan, POLICIES[policy_name](plan), offload=offload, iterations=ITERATIONS)
 
 
 @pytest.fixture(scope="module", params=sorted(PLANS))

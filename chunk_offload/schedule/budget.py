@@ -1,0 +1,197 @@
+"""Device budget: which groups of which chunks a rank copies to host so that its peak fits.
+
+`choose_offload` takes the rank's plan, the saved bytes of every group (measured by a baseline
+iteration, `IterationRecord.group_bytes`, or predicted by the planner) and a budget for the
+device-resident saved bytes, and returns an `OffloadChoice`: the groups to copy, down to single
+groups of single chunks, with the peak `simulate` predicts for them. `PlanPolicy(plan,
+offload_groups=choice)` makes the engine apply it. `level_budget` is the budget every rank of a
+pipeline can meet ('auto'), `budget_shortfall_message` the error or warning for a rank that
+cannot meet its budget.
+
+NOTE [Budget choice]
+A rank whose baseline peak fits offloads nothing. Otherwise, starting from nothing offloaded,
+while the predicted peak exceeds the budget: at the moment of the peak, the candidates are the
+groups live then that would be on host at that moment if copied; if one candidate alone covers
+the excess, the cheapest such is taken, else the largest; groups whose copy hides behind compute
+are preferred either way (`CopyTiming`: a copy out and back takes less time than the measured
+compute between the chunk's forward and its backward; without timing, a longer lifespan in
+actions). A pruning pass then keeps a group on device again, largest first, wherever the peak
+still fits without it. The peak is `simulate`'s, prefetch and reload-ahead budgets included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..core.actions import Action, ActionKind
+from ..core.errors import ChunkOffloadError
+from ..core.stats import IterationRecord
+from ._budget_search import search_offload
+from .plan import Plan
+from .plan_policy import PlanPolicy
+from .simulate import GroupBytes, _lookup, simulate
+
+__all__ = ["CopyTiming", "OffloadChoice", "budget_shortfall_message", "choose_offload", "level_budget"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CopyTiming:
+    """Measured copy rate and action start times of one offloaded iteration of the plan."""
+
+    bytes_per_s: float
+    """Device-to-host copy rate: bytes copied / seconds the copies took on their stream."""
+    action_starts_s: Sequence[float]
+    """For each action of the plan, seconds from the iteration's start at which it began."""
+    iteration_s: float
+    """Wall time of that iteration."""
+
+    @classmethod
+    def from_record(cls, record: IterationRecord, plan: Plan) -> "CopyTiming | None":
+        """The timing of ``record``; None when it copied nothing (a baseline, or copies not
+        timed) or its order is not ``plan``'s (a ``W`` of the plan starts when the action
+        before it did: the engine does not see weight steps)."""
+        copied = sum(g.bytes_offloaded for g in record.groups.values())
+        seconds = sum(g.offload_time_s for g in record.groups.values())
+        if not record.offload or copied <= 0 or seconds <= 0:
+            return None
+        seen = [a for a in plan.actions if a.kind is not ActionKind.WEIGHT]
+        if [Action.of(a) for a in record.order] != seen or len(record.action_starts_s) != len(seen):
+            return None
+        starts, recorded = [], iter(record.action_starts_s)
+        for action in plan.actions:
+            starts.append(starts[-1] if action.kind is ActionKind.WEIGHT and starts else next(recorded, 0.0))
+        return cls(bytes_per_s=copied / seconds, action_starts_s=tuple(starts), iteration_s=record.wall_time_s)
+
+    def hides(self, plan: Plan, chunk: tuple[int, int], nbytes: int) -> float:
+        """Seconds of compute left after a copy of ``nbytes`` out and back in chunk ``chunk``'s
+        window (from the action after its forward to its backward); >= 0: the copy hides."""
+        forward = plan.index(ActionKind.FORWARD, *chunk)
+        backward = plan.index(ActionKind.BACKWARD, *chunk)
+        window = self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
+        return window - 2 * nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadChoice:
+    """The groups a rank copies to host for a device budget, and the peaks `simulate` predicts."""
+
+    budget_bytes: int
+    offloaded: Mapping[tuple[int, int], frozenset[int]]
+    """(microbatch, vp_stage) -> indices of the chunk's groups copied to host; all others stay on device."""
+    predicted_peak_bytes: int
+    """`simulate`'s peak of device-resident saved bytes with this choice."""
+    baseline_peak_bytes: int
+    """The peak with nothing offloaded."""
+    lowest_peak_bytes: int
+    """The peak with every group offloaded (prefetch and reload-ahead budgets included)."""
+    bytes_offloaded: int
+    """Bytes copied to host per iteration with this choice."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak is within the budget."""
+        return self.predicted_peak_bytes <= self.budget_bytes
+
+    @property
+    def groups_offloaded(self) -> int:
+        """Number of (chunk, group) pairs copied."""
+        return sum(len(groups) for groups in self.offloaded.values())
+
+    def offloaded_by_name(self, group_names: Mapping[tuple[int, int], Sequence[str]]) -> dict[str, int]:
+        """Group name -> number of offloaded groups of that name (``IterationRecord.group_names``)."""
+        counts: dict[str, int] = {}
+        for chunk, groups in sorted(self.offloaded.items()):
+            names = group_names.get(chunk, ())
+            for index in sorted(groups):
+                name = names[index] if index < len(names) else f"group {index}"
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+
+def choose_offload(
+    plan: Plan,
+    group_bytes: GroupBytes,
+    budget_bytes: int,
+    *,
+    prefetch_bytes: int | None = None,
+    reload_ahead_bytes: int | None = None,
+    timing: CopyTiming | None = None,
+) -> OffloadChoice:
+    """The fewest bytes to copy so that ``plan``'s predicted peak fits ``budget_bytes``.
+
+    See NOTE [Budget choice]. ``group_bytes`` as `simulate` takes it; ``prefetch_bytes`` and
+    ``reload_ahead_bytes`` as the `PlanPolicy` that will apply the choice. Never raises for a
+    budget below the lowest reachable peak: returns the choice reaching that peak with the
+    fewest bytes, ``fits`` False (`budget_shortfall_message` words it).
+    """
+    if not isinstance(plan, Plan):
+        raise ChunkOffloadError(f"choose_offload needs a chunk_offload.schedule.Plan, got {type(plan).__name__}")
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
+        raise ChunkOffloadError(f"chunk_offload: budget_bytes must be an int >= 0 (bytes), got {budget_bytes!r}")
+    PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+    if timing is not None and len(timing.action_starts_s) != len(plan.actions):
+        raise ChunkOffloadError(
+            f"chunk_offload: timing has {len(timing.action_starts_s)} action starts, the plan has {len(plan.actions)} actions; "
+            "build it with CopyTiming.from_record(record, plan)"
+        )
+    lookup = _lookup(group_bytes)
+    sizes = {chunk: lookup(*chunk) for chunk in plan.chunks}
+
+    def peak(offloaded: Mapping[tuple[int, int], frozenset[int]]) -> tuple[int, int]:
+        policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, offload_groups=offloaded)
+        run = simulate(plan, sizes, policy=policy)
+        return run.peak_resident_bytes, run.bytes_offloaded
+
+    everything = {chunk: frozenset(g for g, b in enumerate(bs) if b > 0) for chunk, bs in sizes.items()}
+    baseline = simulate(plan, sizes, offload=False).peak_saved_bytes
+    lowest, _ = peak(everything)
+    target = max(budget_bytes, lowest)
+    if baseline <= budget_bytes:
+        offloaded: dict[tuple[int, int], frozenset[int]] = {}
+    else:
+        offloaded = search_offload(
+            plan, sizes, target, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, slack=_slack(plan, sizes, timing)
+        )
+    predicted, copied = peak(offloaded)
+    return OffloadChoice(
+        budget_bytes=budget_bytes,
+        offloaded={chunk: groups for chunk, groups in offloaded.items() if groups},
+        predicted_peak_bytes=predicted,
+        baseline_peak_bytes=baseline,
+        lowest_peak_bytes=lowest,
+        bytes_offloaded=copied,
+    )
+
+
+def _slack(plan: Plan, sizes: Mapping[tuple[int, int], Sequence[int]], timing: CopyTiming | None) -> dict[tuple[int, int], list[float]]:
+    """Per group: how well its copy hides (>= 0: hides; larger: better): with ``timing`` the
+    compute seconds left over its copy out and back, else the chunk's lifespan in actions - 1."""
+    if timing is None:
+        return {chunk: [float(plan.lifespan(*chunk) - 1)] * len(bs) for chunk, bs in sizes.items()}
+    return {chunk: [timing.hides(plan, chunk, b) for b in bs] for chunk, bs in sizes.items()}
+
+
+def budget_shortfall_message(choice: OffloadChoice, *, rank: int) -> str:
+    """The error or warning for a rank whose budget cannot be met (names rank, budget and lowest peak)."""
+    return (
+        f"chunk_offload: pipeline rank {rank}: device budget {_size(choice.budget_bytes)} cannot be met: the lowest "
+        f"peak reachable is {_size(choice.lowest_peak_bytes)} (every group offloaded; without offload "
+        f"{_size(choice.baseline_peak_bytes)}); raise the budget to at least {_size(choice.lowest_peak_bytes)}, "
+        "use 'auto', or offload more modules / use fewer microbatches in flight"
+    )
+
+
+def level_budget(lowest_peaks: Sequence[int]) -> int:
+    """'auto': the smallest budget every rank can meet, the largest of their lowest peaks."""
+    peaks = list(lowest_peaks)
+    if not peaks or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in peaks):
+        raise ChunkOffloadError(f"chunk_offload: lowest_peaks must be a non-empty sequence of ints >= 0, got {peaks!r}")
+    return max(peaks)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit} ({nbytes} bytes)"
+    return f"{nbytes} bytes"

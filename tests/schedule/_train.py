@@ -1,0 +1,46 @@
+"""Train the core test stack under a plan for one rank, recording every iteration's record."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from chunk_offload import CpuStreams, IterationRecord, OffloadConfig, OffloadManager, SchedulePolicy
+from chunk_offload.schedule import Plan
+from tests.core._models import MODULE_KINDS, RunResult, run_schedule
+
+__all__ = ["plan_order", "train_plan"]
+
+
+def plan_order(plan: Plan) -> list[tuple[str, int, int]]:
+    """The plan's actions as `run_schedule` takes them."""
+    return [(a.kind.value, a.microbatch, a.vp_stage) for a in plan.actions]
+
+
+def train_plan(
+    plan: Plan,
+    policy: SchedulePolicy | None = None,
+    *,
+    offload: bool | None = True,
+    iterations: int = 2,
+    layers: int = 2,
+    kinds: Sequence[str] = MODULE_KINDS,
+    seed: int = 7,
+) -> tuple[RunResult, list[IterationRecord]]:
+    """`run_schedule` under ``plan`` (all virtual stages in this process, CPU streams with random
+    delays); ``offload=None`` trains without any manager (the numerics reference)."""
+    records: list[IterationRecord] = []
+
+    def factory():
+        if offload is None:
+            return None
+        config = OffloadConfig(min_offload_bytes=1, offload=offload)
+        return OffloadManager(config, streams=CpuStreams(max_delay_s=1e-4, seed=seed), schedule_policy=policy)
+
+    def after(manager, iteration):
+        if manager is not None:
+            records.append(manager.last_iteration)
+
+    result = run_schedule(
+        factory, order=plan_order(plan), model_chunks=plan.vp_size, iterations=iterations, layers=layers, kinds=kinds, after_iteration=after
+    )
+    return result, records
