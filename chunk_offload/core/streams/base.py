@@ -97,11 +97,13 @@ class VectorClocks:
             if step > clock.get(sid, 0):
                 clock[sid] = step
 
-    def require(self, stream_id: int, mark: Mark | None, rule: str, what: str) -> None:
+    def require(self, stream_id: int, mark: Mark | None, rule: str, what: str, subject: object = None) -> None:
         if not self.enabled or mark is None:
             return
         known = self._clocks[stream_id].get(mark.stream, 0)
         if known < mark.step:
+            if subject is not None:
+                what = what.format(subject)
             raise HappensBeforeError(
                 rule,
                 f"{what}: stream '{self._names[stream_id]}' has waited on stream "
@@ -157,9 +159,13 @@ class Stream:
         """A named moment of this stream (a tensor saved or allocated now), for `require`."""
         return self._vc.tick(self.id)
 
-    def require(self, mark: Mark | None, *, rule: str, what: str) -> None:
-        """Raise `HappensBeforeError` unless this stream is known to come after ``mark``."""
-        self._vc.require(self.id, mark, rule, what)
+    def require(self, mark: Mark | None, *, rule: str, what: str, subject: object = None) -> None:
+        """Raise `HappensBeforeError` unless this stream is known to come after ``mark``.
+
+        ``what`` names the access; with ``subject`` it is a `str.format` template filled with
+        it, so that the message costs nothing unless the check fails (it runs per saved tensor).
+        """
+        self._vc.require(self.id, mark, rule, what, subject)
 
     def synchronize(self) -> None:
         """Block the host until all work issued to this stream is done."""
