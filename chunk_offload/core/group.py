@@ -14,11 +14,13 @@ group frees that storage's device and host copies.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection
+from typing import TYPE_CHECKING, Callable, Collection, ContextManager
 
 import torch
+from torch.profiler import record_function
 
 from ._torch_compat import storage_key
 from .errors import ChunkOffloadError, internal_assert
@@ -30,7 +32,7 @@ from .streams import Event, StreamBackend
 if TYPE_CHECKING:
     from .handler import ChunkOffloadHandler
 
-__all__ = ["EngineContext", "GroupState", "OffloadGroup", "TRANSITIONS", "WAIT_NAMES"]
+__all__ = ["EngineContext", "GroupState", "OffloadGroup", "TRANSITIONS", "WAIT_NAMES", "profile_range"]
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
@@ -49,6 +51,10 @@ WAIT_NAMES = (
 # wait of its own: a group is reloaded from host only after `release_device`, where compute
 # waited on the offload (R2), and the reload stream waits on compute (R4). It is still checked.
 
+# The profiler range of each compute wait, by wait name (`OffloadConfig.profile_ranges`).
+_WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
+_NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off
+
 
 @dataclass(kw_only=True, slots=True)
 class EngineContext:
@@ -62,6 +68,8 @@ class EngineContext:
     on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None
     """Called when backward first reaches one of a chunk's groups (after that group's reload)."""
     measure_time: bool = True
+    profile_ranges: bool = False
+    """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
     skip_waits: frozenset[str] = frozenset()
     """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
 
@@ -156,7 +164,8 @@ class OffloadGroup:
     def _wait(self, stream, event: Event | None, name: str, timed_kind: str | None = None) -> None:
         if event is None or name in self._ctx.skip_waits:
             return
-        timing = stream.wait_event(event, timed=self._ctx.measure_time and timed_kind is not None)
+        with profile_range(self, _WAIT_RANGES[name]) if name in _WAIT_RANGES else _NO_RANGE:
+            timing = stream.wait_event(event, timed=self._ctx.measure_time and timed_kind is not None)
         if timed_kind is not None:
             self._ctx.stats.timing(self.name, timed_kind, timing)
 
@@ -220,7 +229,8 @@ class OffloadGroup:
             self._to(GroupState.KEPT)
             return
         try:
-            self._offload()
+            with profile_range(self, "offload"):
+                self._offload()
         except BaseException:
             # The bytes are accounted as saved: as a kept group, discard() or autograd frees them.
             self._to(GroupState.KEPT)
@@ -289,6 +299,10 @@ class OffloadGroup:
         if self.state is not GroupState.ON_HOST:
             self._expect((GroupState.RELOADING, GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED), "reload")
             return
+        with profile_range(self, "reload"):
+            self._reload()
+
+    def _reload(self) -> None:
         ctx = self._ctx
         streams = ctx.streams
         h2d = streams.h2d
@@ -416,3 +430,13 @@ class OffloadGroup:
                 ref.tensor = None
             storage.forget_refs()
         self._to(GroupState.DISCARDED)
+
+
+def profile_range(group: OffloadGroup, step: str) -> ContextManager:
+    """A `torch.profiler.record_function` range for ``step`` of ``group`` (``offload``,
+    ``reload``, ``wait_offload``, ``wait_reload``, ``prefetch``), or a no-op context when
+    `OffloadConfig.profile_ranges` is off (no range object is made then)."""
+    if not group._ctx.profile_ranges:
+        return _NO_RANGE
+    key = group.handler.key
+    return record_function(f"chunk_offload::{step} {group.name}[{group.index}] mb={key.microbatch} vp={key.vp_stage}")

@@ -26,7 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .actions import ChunkKey
 from .errors import ChunkOffloadError
-from .group import EngineContext, GroupState, OffloadGroup
+from .group import EngineContext, GroupState, OffloadGroup, profile_range
 from .saved import SavedRef, check_version
 from .ordering import prefetch_selection, reload_ahead_selection
 
@@ -181,8 +181,10 @@ class ChunkOffloadHandler:
         """
         issued = 0
         for i in prefetch_selection(self._states, budget_bytes):
-            self.groups[i].reload()
-            issued += self.groups[i].saved_bytes
+            group = self.groups[i]
+            with profile_range(group, "prefetch"):
+                group.reload()
+            issued += group.saved_bytes
         return issued
 
     def group_bytes(self) -> list[int]:

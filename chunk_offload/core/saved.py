@@ -99,6 +99,8 @@ class SavedRef:
         tensor = self.tensor
         itemsize = tensor.element_size()
         start = tensor.storage_offset() * itemsize
+        if tensor.is_contiguous():  # also an empty tensor: nbytes is 0
+            return start, start + tensor.nbytes
         if tensor.numel() == 0:
             return start, start
         extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))

@@ -28,22 +28,27 @@ __all__ = ["CpuStreams"]
 class _CpuEvent(Event):
     def __init__(self, clocks, mark, done: bool = False) -> None:
         super().__init__(clocks, mark)
-        self._done = threading.Event()
+        # None: done when made (the compute stream's events, several per group): no
+        # threading.Event (a lock, a condition and a deque) to build for them.
+        self._done: threading.Event | None = None if done else threading.Event()
         self.error: BaseException | None = None
-        if done:
-            self._done.set()
 
     def set(self, error: BaseException | None) -> None:
         self.error = error
         self._done.set()
 
+    def wait_done(self) -> None:
+        """Block until the event's work ran (without raising its error)."""
+        if self._done is not None:
+            self._done.wait()
+
     def synchronize(self) -> None:
-        self._done.wait()
+        self.wait_done()
         if self.error is not None:
             raise ChunkOffloadError(f"a copy on a CPU copy stream failed: {self.error!r}") from self.error
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self._done is None or self._done.is_set()
 
 
 class _Delay:
@@ -73,8 +78,9 @@ class _CpuComputeStream(Stream):
         return mark, Timing(time.perf_counter() - start) if timed else None
 
     def tick(self):
-        self._delay()
-        return super().tick()
+        if self._delay.max_seconds > 0:  # runs per saved tensor: no call when delays are off
+            self._delay()
+        return self._vc.tick(self.id)
 
     def record_event(self) -> Event:
         clocks = self._vc.snapshot(self.id)
@@ -108,7 +114,7 @@ class _CpuCopyStream(Stream):
             if op == "stop":
                 return
             if op == "wait":
-                arg._done.wait()
+                arg.wait_done()
                 if arg.error is not None and self._error is None:
                     self._error = arg.error
             elif op == "record":
