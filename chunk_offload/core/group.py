@@ -75,6 +75,7 @@ class EngineContext:
 
 
 class GroupState(enum.Enum):
+    __hash__ = object.__hash__  # members are unique: C identity hash for `TRANSITIONS` lookups, not Enum's name hash
     COLLECTING = "collecting"  # the group's forward runs; tensors are being saved
     KEPT = "kept"  # committed without offload (offload disabled, or nothing to move)
     OFFLOADING = "offloading"  # copies to host issued; device tensors still held

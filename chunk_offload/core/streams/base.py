@@ -29,7 +29,6 @@ also runs ours.
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import Callable, NamedTuple
 
 import torch
@@ -51,11 +50,11 @@ class Timing:
 
     __slots__ = ("_seconds", "_start", "_end", "_done")
 
-    def __init__(self, seconds: float | None = None, start=None, end=None, done: threading.Event | None = None) -> None:
+    def __init__(self, seconds: float | None = None, start=None, end=None, done=None) -> None:
         self._seconds = seconds
         self._start = start
         self._end = end
-        self._done = done  # CPU copy streams: set by the worker once the work ran (or was skipped)
+        self._done = done  # CPU copy streams: a flag (``set``/``wait``) the worker sets once the work ran (or was skipped)
 
     def seconds(self) -> float:
         """Block until the timed work is done and return its duration in seconds."""

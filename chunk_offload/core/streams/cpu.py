@@ -25,12 +25,35 @@ __all__ = ["CpuStreams"]
 # ----------------------------------------------------------------------------- CPU
 
 
+class _Flag:
+    """A one-shot "done" flag that one thread sets once and any thread waits for.
+
+    A held lock that `set` releases: one object per event or timed copy, where a
+    `threading.Event` builds four (itself, a condition, its lock and a deque) for each.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        self._lock.release()
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+    def wait(self) -> None:
+        with self._lock:  # acquirable only once set; released at once for the next waiter
+            pass
+
+
 class _CpuEvent(Event):
     def __init__(self, clocks, mark, done: bool = False) -> None:
         super().__init__(clocks, mark)
-        # None: done when made (the compute stream's events, several per group): no
-        # threading.Event (a lock, a condition and a deque) to build for them.
-        self._done: threading.Event | None = None if done else threading.Event()
+        # None: done when made (the compute stream's events, several per group): no flag.
+        self._done: _Flag | None = None if done else _Flag()
         self.error: BaseException | None = None
 
     def set(self, error: BaseException | None) -> None:
@@ -105,6 +128,10 @@ class _CpuCopyStream(Stream):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._stopped = False
+        # The last event recorded, and whether work or waits were queued after it: `synchronize`
+        # with nothing queued since waits on that event instead of a round trip to the worker.
+        self._last_event: _CpuEvent | None = None
+        self._queued_since_event = False
         self._thread = threading.Thread(target=self._run, name=f"chunk_offload-{name}", daemon=True)
         self._thread.start()
 
@@ -137,7 +164,8 @@ class _CpuCopyStream(Stream):
     def launch(self, fn, *, timed=False, nbytes=0):
         self._check_running()
         mark = self._vc.tick(self.id)
-        timing = Timing(0.0, done=threading.Event()) if timed else None
+        timing = Timing(0.0, done=_Flag()) if timed else None
+        self._queued_since_event = True
         self._queue.put(("run", fn, timing, nbytes))
         return mark, timing
 
@@ -146,13 +174,22 @@ class _CpuCopyStream(Stream):
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
         event = _CpuEvent(clocks, mark)
+        self._last_event, self._queued_since_event = event, False
         self._queue.put(("record", event, None, 0))
         return event
 
     def wait_event(self, event, *, timed=False):
         self._vc.merge(self.id, event.clocks)
+        self._queued_since_event = True
         self._queue.put(("wait", event, None, 0))
         return None
+
+    def synchronize(self) -> None:
+        if self._queued_since_event or self._last_event is None:
+            super().synchronize()
+            return
+        self._check_running()
+        self._last_event.synchronize()  # the worker has nothing after it (and raises its error, if any)
 
     def _check_running(self) -> None:
         # An event recorded on a stopped worker would never complete: waiting on it would hang.
