@@ -119,7 +119,14 @@ class _CpuComputeStream(Stream):
 
 
 class _CpuCopyStream(Stream):
-    """A worker thread executing launched work, event records and waits in issue order."""
+    """A worker thread executing launched work, event records and waits in issue order.
+
+    NOTE [Batched issue]
+    Launches and waits are handed to the worker in one batch with the next event record (or
+    at once for timed work, whose timing the host may wait on): every hand-over wakes the
+    worker, which costs more than the copy of a small tensor. Nothing waits on unrecorded work:
+    the host and the other streams wait on events only, and recording one sends the batch.
+    """
 
     def __init__(self, name, clocks, delay: _Delay, link_bytes_per_s: float | None = None) -> None:
         super().__init__(name, clocks)
@@ -128,45 +135,50 @@ class _CpuCopyStream(Stream):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._stopped = False
-        # The last event recorded, and whether work or waits were queued after it: `synchronize`
-        # with nothing queued since waits on that event instead of a round trip to the worker.
+        self._batch: list[tuple] = []  # operations not handed to the worker yet (NOTE [Batched issue])
+        # The last event recorded: `synchronize` with nothing issued since waits on it instead of
+        # a round trip to the worker.
         self._last_event: _CpuEvent | None = None
-        self._queued_since_event = False
         self._thread = threading.Thread(target=self._run, name=f"chunk_offload-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            op, arg, timing, nbytes = self._queue.get()
-            if op == "stop":
-                return
-            if op == "wait":
-                arg.wait_done()
-                if arg.error is not None and self._error is None:
-                    self._error = arg.error
-            elif op == "record":
-                arg.set(self._error)
-            else:
-                if self._error is None:
-                    self._delay()
-                    start = time.perf_counter()
-                    try:
-                        arg()
-                        if self._link_bytes_per_s:
-                            time.sleep(nbytes / self._link_bytes_per_s)  # the simulated link's transfer time
-                    except BaseException as exc:  # surfaced to the host by the next event
-                        self._error = exc
-                    if timing is not None:
-                        timing._seconds = time.perf_counter() - start
+            for op, arg, timing, nbytes in self._queue.get():
+                if op == "stop":
+                    return
+                self._execute(op, arg, timing, nbytes)
+
+    def _execute(self, op: str, arg, timing: Timing | None, nbytes: int) -> None:
+        """Run one operation on the worker thread."""
+        if op == "wait":
+            arg.wait_done()
+            if arg.error is not None and self._error is None:
+                self._error = arg.error
+        elif op == "record":
+            arg.set(self._error)
+        else:
+            if self._error is None:
+                self._delay()
+                start = time.perf_counter()
+                try:
+                    arg()
+                    if self._link_bytes_per_s:
+                        time.sleep(nbytes / self._link_bytes_per_s)  # the simulated link's transfer time
+                except BaseException as exc:  # surfaced to the host by the next event
+                    self._error = exc
                 if timing is not None:
-                    timing._done.set()
+                    timing._seconds = time.perf_counter() - start
+            if timing is not None:
+                timing._done.set()
 
     def launch(self, fn, *, timed=False, nbytes=0):
         self._check_running()
         mark = self._vc.tick(self.id)
         timing = Timing(0.0, done=_Flag()) if timed else None
-        self._queued_since_event = True
-        self._queue.put(("run", fn, timing, nbytes))
+        self._batch.append(("run", fn, timing, nbytes))
+        if timed:
+            self._flush()
         return mark, timing
 
     def record_event(self) -> Event:
@@ -174,18 +186,22 @@ class _CpuCopyStream(Stream):
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
         event = _CpuEvent(clocks, mark)
-        self._last_event, self._queued_since_event = event, False
-        self._queue.put(("record", event, None, 0))
+        self._last_event = event
+        self._batch.append(("record", event, None, 0))
+        self._flush()
         return event
 
     def wait_event(self, event, *, timed=False):
         self._vc.merge(self.id, event.clocks)
-        self._queued_since_event = True
-        self._queue.put(("wait", event, None, 0))
+        self._batch.append(("wait", event, None, 0))
         return None
 
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        self._queue.put(batch)
+
     def synchronize(self) -> None:
-        if self._queued_since_event or self._last_event is None:
+        if self._batch or self._last_event is None:
             super().synchronize()
             return
         self._check_running()
@@ -198,7 +214,8 @@ class _CpuCopyStream(Stream):
 
     def stop(self) -> None:
         self._stopped = True
-        self._queue.put(("stop", None, None, 0))
+        self._batch.append(("stop", None, None, 0))
+        self._flush()
 
 
 class CpuStreams(StreamBackend):
