@@ -1,6 +1,7 @@
 """Every private torch call the engine makes, in one place, so a torch upgrade edits one file.
 
-- `storage_key`: the identity of a tensor's storage (its ``StorageImpl``), shared by all views;
+- `storage_key` / `key_of_storage`: the identity of a tensor's storage (its ``StorageImpl``), shared
+  by all views;
 - `view_base`: the tensor a view was made from (``Tensor._base``), or None;
 - `top_saved_tensors_hooks`: the innermost active saved-tensor hooks (a private autograd API);
 - `is_wrapper_subclass`: whether a tensor wraps inner tensors (DTensor), from torch's dispatch utils;
@@ -16,6 +17,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "is_wrapper_subclass",
+    "key_of_storage",
     "storage_key",
     "top_saved_tensors_hooks",
     "tree_flatten",
@@ -31,6 +33,11 @@ def storage_key(tensor: torch.Tensor) -> int:
     that the key cannot be reused by another allocation.
     """
     return tensor.untyped_storage()._cdata
+
+
+def key_of_storage(storage: torch.UntypedStorage) -> int:
+    """`storage_key` of a tensor whose ``untyped_storage()`` is ``storage``."""
+    return storage._cdata
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:

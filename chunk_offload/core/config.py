@@ -31,6 +31,11 @@ class OffloadConfig:
     trace: bool = False
     """Record the resident saved bytes (and on CUDA the allocated device memory) after every
     accounting change of an iteration, in `IterationRecord.resident_trace` / ``device_trace``."""
+    profile_ranges: bool = False
+    """Mark each group's offload and reload issue, the compute waits on them and policy prefetches
+    with `torch.profiler.record_function` ranges (NVTX ranges on CUDA under nsys or ``emit_nvtx``),
+    named ``chunk_offload::<step> <group>[<index>] mb=<microbatch> vp=<vp_stage>``. Off: no range
+    object is made."""
 
     def validate(self) -> None:
         """Raise `ChunkOffloadError` naming the first field whose value is not accepted."""
@@ -38,7 +43,7 @@ class OffloadConfig:
         _check_bytes("host_pool_bytes", self.host_pool_bytes, optional=True)
         if not isinstance(self.on_exhausted, str) or self.on_exhausted not in ON_EXHAUSTED:
             raise ChunkOffloadError(f"on_exhausted={self.on_exhausted!r} is not valid; choose one of {ON_EXHAUSTED}")
-        for name in ("offload", "measure_time", "trace"):
+        for name in ("offload", "measure_time", "trace", "profile_ranges"):
             if not isinstance(getattr(self, name), bool):
                 raise ChunkOffloadError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -17,7 +17,6 @@ from typing import NamedTuple
 import torch
 
 from .group import OffloadGroup
-from .handler import ChunkOffloadHandler
 
 __all__ = ["GroupFunctions", "build_group_functions"]
 
@@ -27,25 +26,26 @@ class GroupFunctions(NamedTuple):
 
 
 def build_group_functions() -> GroupFunctions:
-    """Build `GroupCommit`, used as ``GroupCommit.apply(handler, name, *tensors)``.
+    """Build `GroupCommit`, used as ``GroupCommit.apply(group, *tensors)``.
 
-    Forward commits group ``name`` of ``handler`` and starts its offload; backward (which
+    Forward commits ``group`` (its handler's open group) and starts its offload; backward (which
     autograd runs just before the group's own backward) makes the group resident, waiting for
     its reload, and prefetches the group before it. Returns its tensors as detached aliases.
     """
 
     class GroupCommit(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, handler: ChunkOffloadHandler, name: str, *tensors: torch.Tensor):
+        def forward(ctx, group: OffloadGroup, *tensors: torch.Tensor):
+            # One argument that is not a tensor: each one costs autograd's apply a few microseconds.
             ctx.set_materialize_grads(False)
-            ctx.handler = handler
-            ctx.group: OffloadGroup = handler.commit_group(name)
+            ctx.group = group.handler.commit_group(group.name)
             return _alias(tensors)
 
         @staticmethod
         def backward(ctx, *grads):
-            ctx.handler.begin_group_backward(ctx.group)
-            return (None, None, *grads)
+            group = ctx.group
+            group.handler.begin_group_backward(group)
+            return (None, *grads)
 
     return GroupFunctions(GroupCommit)
 
@@ -54,4 +54,4 @@ def _alias(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     # An input returned as-is becomes a view of it, and autograd forbids in-place ops on views
     # made by a custom Function; a detached alias shares storage and version counter but is
     # not a view, so models that update activations in place keep working.
-    return tuple(t.detach() for t in tensors)
+    return tuple([t.detach() for t in tensors])

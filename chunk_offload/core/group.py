@@ -14,12 +14,13 @@ group frees that storage's device and host copies.
 
 from __future__ import annotations
 
+import contextlib
 import enum
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Collection, ContextManager
 
 import torch
+from torch.profiler import record_function
 
 from ._torch_compat import storage_key
 from .errors import ChunkOffloadError, internal_assert
@@ -31,7 +32,7 @@ from .streams import Event, StreamBackend
 if TYPE_CHECKING:
     from .handler import ChunkOffloadHandler
 
-__all__ = ["EngineContext", "GroupState", "OffloadGroup", "TRANSITIONS", "WAIT_NAMES"]
+__all__ = ["EngineContext", "GroupState", "OffloadGroup", "TRANSITIONS", "WAIT_NAMES", "profile_range"]
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
@@ -50,6 +51,10 @@ WAIT_NAMES = (
 # wait of its own: a group is reloaded from host only after `release_device`, where compute
 # waited on the offload (R2), and the reload stream waits on compute (R4). It is still checked.
 
+# The profiler range of each compute wait, by wait name (`OffloadConfig.profile_ranges`).
+_WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
+_NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off
+
 
 @dataclass(kw_only=True, slots=True)
 class EngineContext:
@@ -63,11 +68,14 @@ class EngineContext:
     on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None
     """Called when backward first reaches one of a chunk's groups (after that group's reload)."""
     measure_time: bool = True
+    profile_ranges: bool = False
+    """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
     skip_waits: frozenset[str] = frozenset()
     """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
 
 
 class GroupState(enum.Enum):
+    __hash__ = object.__hash__  # members are unique: C identity hash for `TRANSITIONS` lookups, not Enum's name hash
     COLLECTING = "collecting"  # the group's forward runs; tensors are being saved
     KEPT = "kept"  # committed without offload (offload disabled, the policy keeps it, or nothing to move)
     OFFLOADING = "offloading"  # copies to host issued; device tensors still held
@@ -93,20 +101,29 @@ TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
 """Every allowed change of a group's state; `OffloadGroup._to` refuses any other."""
 
 
+_NO_STORAGES: frozenset[int] = frozenset()
+
+
 class OffloadGroup:
     """The saved tensors of one call of one named submodule within one chunk."""
+
+    # Slots: one group per layer call, so no per-instance dict for the garbage collector to track.
+    __slots__ = (
+        "handler", "name", "index", "state", "input_nodes", "activations", "saved_bytes", "_ctx", "_storages",
+        "_live_storages", "_kept_storages", "_d2h_event", "_h2d_event", "_offload_cancelled",
+    )  # fmt: skip
 
     def __init__(self, handler: "ChunkOffloadHandler", name: str, index: int) -> None:
         self.handler = handler
         self.name = name
         self.index = index
         self.state = GroupState.COLLECTING
-        self.input_nodes: set = set()  # grad_fns of the group's inputs (set by group_start)
-        self.activations: frozenset[int] = frozenset()  # storages of leaf inputs that are activations
+        self.input_nodes: Collection = ()  # grad_fns of the group's inputs (set by group_start)
+        self.activations: frozenset[int] = _NO_STORAGES  # storages of leaf inputs that are activations
         self._ctx: EngineContext = handler.ctx
         self._storages: dict[int, Storage] = {}
         self._live_storages = 0
-        self._kept_storages: set[int] = set()  # storages of views the policy left on device
+        self._kept_storages: set[int] | None = None  # storages of views the policy left on device
         self._d2h_event: Event | None = None
         self._h2d_event: Event | None = None
         self._offload_cancelled = False  # backward kept the originals while their copy to host was in flight
@@ -123,12 +140,14 @@ class OffloadGroup:
 
     def _to(self, state: GroupState) -> None:
         """The one place a group changes state, checked against `TRANSITIONS`."""
-        internal_assert(state in TRANSITIONS[self.state], f"{self!r}: transition to {state.value!r} is not allowed")
+        if state not in TRANSITIONS[self.state]:  # the message is built only when the check fails
+            internal_assert(False, f"{self!r}: transition to {state.value!r} is not allowed")
         self.state = state
 
     def release_empty(self) -> None:
         """A committed group kept on device that holds nothing is released at once."""
-        internal_assert(self.is_empty, f"release_empty of {self!r}, which holds storages")
+        if not self.is_empty:
+            internal_assert(False, f"release_empty of {self!r}, which holds storages")
         self._to(GroupState.RELEASED)
 
     def _expect(self, allowed: tuple[GroupState, ...], action: str) -> None:
@@ -146,7 +165,8 @@ class OffloadGroup:
     def _wait(self, stream, event: Event | None, name: str, timed_kind: str | None = None) -> None:
         if event is None or name in self._ctx.skip_waits:
             return
-        timing = stream.wait_event(event, timed=self._ctx.measure_time and timed_kind is not None)
+        with profile_range(self, _WAIT_RANGES[name]) if name in _WAIT_RANGES else _NO_RANGE:
+            timing = stream.wait_event(event, timed=self._ctx.measure_time and timed_kind is not None)
         if timed_kind is not None:
             self._ctx.stats.timing(self.name, timed_kind, timing)
 
@@ -163,8 +183,7 @@ class OffloadGroup:
         else:
             storage.save_mark = mark
         ref = SavedRef(self, storage, tensor)
-        storage.refs.append(weakref.ref(ref))
-        storage.live += 1
+        storage.add(ref)
         return ref
 
     def note_kept(self, tensor: torch.Tensor) -> None:
@@ -174,6 +193,8 @@ class OffloadGroup:
         whole storage on device, so a copy would free nothing while counting its bytes as moved.
         """
         if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
+            if self._kept_storages is None:
+                self._kept_storages = set()
             self._kept_storages.add(storage_key(tensor))
 
     def commit(self) -> None:
@@ -183,6 +204,7 @@ class OffloadGroup:
         stats = ctx.stats.group(self.name)
         stats.groups += 1
         dropped = []
+        kept = self._kept_storages
         for key, storage in self._storages.items():
             refs = alive(storage)
             if not refs:  # autograd already dropped every view saved in this storage
@@ -196,13 +218,13 @@ class OffloadGroup:
             start = start // _SPAN_ALIGN * _SPAN_ALIGN
             storage.start, storage.nbytes = start, max(end - start, 0)
             self.saved_bytes += storage.nbytes
-            if key in self._kept_storages:
+            if kept is not None and key in kept:
                 storage.pinned = True
                 stats.tensors_kept += len(refs)
         for key in dropped:
             del self._storages[key]
             self._live_storages -= 1
-        self._kept_storages = set()
+        self._kept_storages = None
         ctx.resident.saved(self.saved_bytes)  # one change: the mark sees the group as a whole
         handler = self.handler
         if (
@@ -213,7 +235,8 @@ class OffloadGroup:
             self._to(GroupState.KEPT)
             return
         try:
-            self._offload()
+            with profile_range(self, "offload"):
+                self._offload()
         except BaseException:
             # The bytes are accounted as saved: as a kept group, discard() or autograd frees them.
             self._to(GroupState.KEPT)
@@ -232,8 +255,8 @@ class OffloadGroup:
             buf = ctx.pool.acquire(storage.nbytes)
             if buf.fence is not None:
                 self._wait(d2h, buf.fence, "reuse_after_reload")
-                d2h.require(buf.fence.mark, rule="R3", what=f"offload of {self.name!r} writing a reused host buffer")
-            d2h.require(storage.save_mark, rule="R1", what=f"offload of {self.name!r} reading a saved tensor")
+                d2h.require(buf.fence.mark, rule="R3", what="offload of {!r} writing a reused host buffer", subject=self.name)
+            d2h.require(storage.save_mark, rule="R1", what="offload of {!r} reading a saved tensor", subject=self.name)
             storage.host = buf
             refs = alive(storage)
             storage.device_bytes = byte_view(refs[0].tensor, storage.start, storage.nbytes)
@@ -255,10 +278,11 @@ class OffloadGroup:
         """
         if self.state in (GroupState.RESIDENT, GroupState.RELEASED):
             return
-        internal_assert(self.state is GroupState.OFFLOADING, f"release_device of {self!r}")
+        if self.state is not GroupState.OFFLOADING:
+            internal_assert(False, f"release_device of {self!r}")
         compute = self._ctx.streams.compute
         self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
-        compute.require(self._d2h_event.mark, rule="R2", what=f"release of offloaded tensors of {self.name!r}")
+        compute.require(self._d2h_event.mark, rule="R2", what="release of offloaded tensors of {!r}", subject=self.name)
         for storage in self._storages.values():
             if storage.live and not storage.pinned:
                 storage.device_bytes = None
@@ -281,6 +305,10 @@ class OffloadGroup:
         if self.state is not GroupState.ON_HOST:
             self._expect((GroupState.RELOADING, GroupState.RESIDENT, GroupState.KEPT, GroupState.RELEASED), "reload")
             return
+        with profile_range(self, "reload"):
+            self._reload()
+
+    def _reload(self) -> None:
         ctx = self._ctx
         streams = ctx.streams
         h2d = streams.h2d
@@ -298,9 +326,12 @@ class OffloadGroup:
         if "reload_after_alloc" not in ctx.skip_waits:
             h2d.wait_stream(streams.compute)
         for storage in pending:
-            h2d.require(alloc_mark, rule="R4", what=f"reload of {self.name!r} writing its device buffer")
+            h2d.require(alloc_mark, rule="R4", what="reload of {!r} writing its device buffer", subject=self.name)
             h2d.require(
-                self._d2h_event.mark, rule="R4", what=f"reload of {self.name!r} reading a host buffer before its offload finished"
+                self._d2h_event.mark,
+                rule="R4",
+                what="reload of {!r} reading a host buffer before its offload finished",
+                subject=self.name,
             )
             src, dst = storage.host.view(), storage.device_bytes
             _, timing = h2d.launch(
@@ -349,9 +380,10 @@ class OffloadGroup:
         self._expect((GroupState.RESIDENT,), "unpack a tensor of")
         compute = self._ctx.streams.compute
         if self._h2d_event is not None:
-            compute.require(self._h2d_event.mark, rule="R2", what=f"use of a reloaded tensor of {self.name!r}")
+            compute.require(self._h2d_event.mark, rule="R2", what="use of a reloaded tensor of {!r}", subject=self.name)
         storage = ref.storage
-        internal_assert(storage.device_bytes is not None, f"unpack of a freed storage in {self!r}")
+        if storage.device_bytes is None:
+            internal_assert(False, f"unpack of a freed storage in {self!r}")
         offset = (ref.offset_bytes - storage.start) // ref.dtype.itemsize
         return torch.empty(0, dtype=ref.dtype, device=storage.device_bytes.device).set_(
             storage.device_bytes.untyped_storage(), offset, ref.size, ref.stride
@@ -376,12 +408,12 @@ class OffloadGroup:
             # they are freed, or the allocator could hand their memory out under the copy (R2).
             compute = ctx.streams.compute
             self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
-            compute.require(self._d2h_event.mark, rule="R2", what=f"free of the originals of {self.name!r} (offload cancelled)")
+            compute.require(self._d2h_event.mark, rule="R2", what="free of the originals of {!r} (offload cancelled)", subject=self.name)
         if storage.host is not None:
             ctx.pool.release(storage.host, self._d2h_event)
             storage.host = None
         storage.device_bytes = None
-        storage.refs = []
+        storage.forget_refs()
         ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:
@@ -402,5 +434,15 @@ class OffloadGroup:
             storage.device_bytes = None
             for ref in alive(storage):
                 ref.tensor = None
-            storage.refs = []
+            storage.forget_refs()
         self._to(GroupState.DISCARDED)
+
+
+def profile_range(group: OffloadGroup, step: str) -> ContextManager:
+    """A `torch.profiler.record_function` range for ``step`` of ``group`` (``offload``,
+    ``reload``, ``wait_offload``, ``wait_reload``, ``prefetch``), or a no-op context when
+    `OffloadConfig.profile_ranges` is off (no range object is made then)."""
+    if not group._ctx.profile_ranges:
+        return _NO_RANGE
+    key = group.handler.key
+    return record_function(f"chunk_offload::{step} {group.name}[{group.index}] mb={key.microbatch} vp={key.vp_stage}")

@@ -19,14 +19,14 @@ decided in `ordering.py` (NOTE [Reload order]).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .actions import ChunkKey
 from .errors import ChunkOffloadError
-from .group import EngineContext, GroupState, OffloadGroup
+from .group import EngineContext, GroupState, OffloadGroup, profile_range
 from .saved import SavedRef, check_version
 from .ordering import prefetch_selection, reload_ahead_selection
 
@@ -44,6 +44,29 @@ class _KeptRef:
         self.tensor = tensor.detach()  # no grad_fn: see SavedRef.tensor
         self.version = tensor._version
         self.group_name = group_name
+
+
+class _GroupStates(Sequence[tuple[GroupState, int]]):
+    """The chunk's groups as ``(state, saved_bytes)`` pairs, read on access.
+
+    The ordering rules (`ordering.py`) take this sequence; a lazy view lets the rule that
+    looks at one neighbour read one group, not build a list of all of them at each group's
+    backward (quadratic in the groups of a chunk).
+    """
+
+    __slots__ = ("_groups",)
+
+    def __init__(self, groups: list[OffloadGroup]) -> None:
+        self._groups = groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __getitem__(self, i: int | slice):  # one pair, or a list of pairs for a slice
+        if isinstance(i, slice):
+            return [(g.state, g.saved_bytes) for g in self._groups[i]]
+        group = self._groups[i]
+        return group.state, group.saved_bytes
 
 
 class ChunkOffloadHandler:
@@ -68,6 +91,7 @@ class ChunkOffloadHandler:
         self.reload_ahead_bytes = reload_ahead_bytes
         """In backward, reload earlier groups while the bytes reloaded ahead fit (None: one group ahead)."""
         self.groups: list[OffloadGroup] = []
+        self._states = _GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
         self._unreleased = 0
         self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
@@ -140,9 +164,10 @@ class ChunkOffloadHandler:
         self._release_held()
 
     def _release_held(self) -> None:
-        holding, self._holding = self._holding, []
-        for group in holding:
-            group.release_device()
+        if self._holding:
+            holding, self._holding = self._holding, []
+            for group in holding:
+                group.release_device()
 
     def begin_group_backward(self, group: OffloadGroup) -> None:
         """Backward reached ``group``: make it resident and prefetch the group before it."""
@@ -157,7 +182,7 @@ class ChunkOffloadHandler:
 
     def _reload_ahead(self, index: int) -> None:
         """Backward reached group ``index``: start the reloads NOTE [Reload order] picks."""
-        for i in reload_ahead_selection(self._group_states(), index, self.reload_ahead_bytes):
+        for i in reload_ahead_selection(self._states, index, self.reload_ahead_bytes):
             self.groups[i].reload()
 
     def prefetch(self, budget_bytes: int | None = None) -> int:
@@ -166,13 +191,12 @@ class ChunkOffloadHandler:
         Which groups: `chunk_offload.core.ordering.prefetch_selection` (NOTE [Reload order]).
         """
         issued = 0
-        for i in prefetch_selection(self._group_states(), budget_bytes):
-            self.groups[i].reload()
-            issued += self.groups[i].saved_bytes
+        for i in prefetch_selection(self._states, budget_bytes):
+            group = self.groups[i]
+            with profile_range(group, "prefetch"):
+                group.reload()
+            issued += group.saved_bytes
         return issued
-
-    def _group_states(self) -> list[tuple[GroupState, int]]:
-        return [(g.state, g.saved_bytes) for g in self.groups]
 
     def group_bytes(self) -> list[int]:
         """Saved bytes of each committed group, in forward order."""

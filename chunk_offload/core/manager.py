@@ -100,6 +100,7 @@ class OffloadManager:
             stats=self._stats,
             on_backward_start=self._on_backward_start,
             measure_time=self.config.measure_time,
+            profile_ranges=self.config.profile_ranges,
         )
         self._marks = GroupMarks()
         self._window: IterationWindow | None = None  # not None while an iteration is open

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupMarks", "ModuleOffload"]
 
+_NO_STORAGES: frozenset[int] = frozenset()
+
 
 class GroupMarks:
     """Opens and commits the groups of the running chunk; owns the saved-tensor hooks it pushed."""
@@ -36,15 +38,21 @@ class GroupMarks:
         """`OffloadManager.group_start` on the running chunk's ``handler``."""
         if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
             return tensors
-        flat, _ = _flatten(tensors)
+        self.open(handler, _flatten(tensors)[0], name)
+        return tensors
+
+    def open(self, handler: ChunkOffloadHandler, inputs: list[torch.Tensor], name: str) -> None:
+        """Open group ``name`` on ``handler`` with input tensors ``inputs`` and push its hooks.
+
+        The caller checked that gradients are enabled and no foreign saved-tensor hook is active.
+        """
         # A plain call, no autograd node on the inputs: see NOTE [No node on group inputs].
         group = handler.open_group(name)
-        group.input_nodes = {node for t in flat if (node := t.grad_fn) is not None}
-        group.activations = _leaf_activation_storages(flat)
+        group.input_nodes = [node for t in inputs if (node := t.grad_fn) is not None]
+        group.activations = _leaf_activation_storages(inputs)
         hooks = handler.saved_tensors_hooks
         hooks.__enter__()
         self._hooks_pushed.append(hooks)
-        return tensors
 
     def commit(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str) -> Any:
         """`OffloadManager.group_commit` on the running chunk's ``handler``."""
@@ -52,20 +60,28 @@ class GroupMarks:
             return tensors
         if handler.current is None and foreign_saved_tensors_hooks(handler):
             return tensors  # group_start skipped it: another saved-tensor hook owns this region
-        if handler.current is None or handler.current.name != name:
+        group = handler.current
+        if group is None or group.name != name:
             handler.commit_group(name)  # raises the precise error
         self._hooks_pushed.pop().__exit__(None, None, None)
-        flat, rebuild = _flatten(tensors)
         # Only outputs the group created pass through GroupCommit: a leaf (a parameter returned
         # as a bias) or an input handed back unchanged would have its gradient contributions
         # summed in another order (NOTE [No node on group inputs] in functions.py).
-        inputs, handler.current.input_nodes = handler.current.input_nodes, set()  # no graph refs kept
-        marked = [i for i, t in enumerate(flat) if t.grad_fn is not None and t.grad_fn not in inputs]
+        inputs, group.input_nodes = group.input_nodes, ()  # no graph refs kept
+        commit = self._functions.commit
+        if type(tensors) is torch.Tensor:  # the common case, without flattening
+            node = tensors.grad_fn
+            if node is None or node in inputs:
+                commit.apply(group)
+                return tensors
+            return commit.apply(group, tensors)[0]
+        flat, spec = _flatten(tensors)
+        marked = [i for i, t in enumerate(flat) if (node := t.grad_fn) is not None and node not in inputs]
         out = list(flat)
-        aliases = self._functions.commit.apply(handler, name, *(flat[i] for i in marked))
+        aliases = commit.apply(group, *(flat[i] for i in marked))
         for i, alias in zip(marked, aliases):
             out[i] = alias
-        return rebuild(out)
+        return _unflatten(out, spec)
 
     def pop_all(self) -> None:
         """Leave every saved-tensor hook still pushed (the chunk ends)."""
@@ -82,6 +98,7 @@ class ModuleOffload:
 
     def __init__(self, manager: "OffloadManager", module: nn.Module, name: str, on_remove: Callable[["ModuleOffload"], None]) -> None:
         self._manager = weakref.ref(manager)
+        self._marks: GroupMarks = manager._marks  # the manager's own, opened without its re-checks
         self.module = module
         self.name = name
         self._on_remove = on_remove
@@ -106,9 +123,10 @@ class ModuleOffload:
         if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
             self._opened.append(False)
             return None
-        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        values = (*args, *kwargs.values()) if kwargs else args
+        inputs = [a for a in values if isinstance(a, torch.Tensor)]
         try:
-            manager.group_start(inputs, self.name)
+            self._marks.open(handler, inputs, self.name)
         except BaseException:
             self._opened.append(False)  # the always_call post hook runs next and must not commit
             raise
@@ -119,7 +137,7 @@ class ModuleOffload:
         manager = self.manager
         if not self._opened.pop() or manager is None:
             return None
-        return manager.group_commit(output, self.name)
+        return self._marks.commit(manager.current_handler, output, self.name)
 
     def remove(self) -> None:
         """Remove the hooks; later calls of the module are not offloaded (idempotent)."""
@@ -142,13 +160,17 @@ def _leaf_activation_storages(tensors: list[torch.Tensor]) -> frozenset[int]:
     Such an input is an activation handed to the group (a pipeline stage's received input, a
     detached chunk input), not a parameter, so the policy's leaf rule must not keep it.
     """
-    storages = set()
-    for t in tensors:
-        base = view_base(t)
-        root = base if base is not None else t
-        if type(root) is torch.Tensor and root.is_leaf and root.requires_grad and t.layout == torch.strided:
-            storages.add(storage_key(t))
-    return frozenset(storages)
+    storages = [
+        storage_key(t)
+        for t in tensors
+        if type(root := _root(t)) is torch.Tensor and root.is_leaf and root.requires_grad and t.layout == torch.strided
+    ]
+    return frozenset(storages) if storages else _NO_STORAGES
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    base = view_base(tensor)
+    return base if base is not None else tensor
 
 
 def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
@@ -159,19 +181,31 @@ def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
     return top is not None and getattr(top[0], "__self__", None) is not handler
 
 
-def _flatten(tensors: Any):
-    """Tensors among the pytree leaves of ``tensors`` and a function that puts replacements back.
+def _flatten(tensors: Any) -> tuple[list[torch.Tensor], Any]:
+    """Tensors among the pytree leaves of ``tensors``, and what `_unflatten` needs to put
+    replacements back.
 
     Any pytree torch's utilities handle works (a tensor, tuples, lists, dicts, namedtuples, nested
-    ones, registered output classes); leaves that are not tensors are kept as they are.
+    ones, registered output classes); leaves that are not tensors are kept as they are. A tensor
+    and a plain tuple or list of tensors (what most layers take and return) skip torch's pytree.
     """
+    if isinstance(tensors, torch.Tensor):
+        return [tensors], None
+    if type(tensors) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in tensors):
+        return list(tensors), type(tensors)
     leaves, spec = tree_flatten(tensors)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    return [leaves[i] for i in positions], (leaves, positions, spec)
 
-    def rebuild(out: list) -> Any:
-        items = list(leaves)
-        for i, t in zip(positions, out):
-            items[i] = t
-        return tree_unflatten(items, spec)
 
-    return [leaves[i] for i in positions], rebuild
+def _unflatten(out: list[torch.Tensor], spec: Any) -> Any:
+    """The structure `_flatten` returned ``spec`` for, with its tensors replaced by ``out``."""
+    if spec is None:
+        return out[0]
+    if spec is tuple or spec is list:
+        return spec(out)
+    leaves, positions, tree_spec = spec
+    items = list(leaves)
+    for i, t in zip(positions, out):
+        items[i] = t
+    return tree_unflatten(items, tree_spec)

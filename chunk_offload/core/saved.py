@@ -24,11 +24,15 @@ __all__ = ["SavedRef", "Storage", "alive", "byte_view", "check_version", "versio
 class Storage:
     """One device storage saved in a group (through one or more views) and its copies."""
 
-    __slots__ = ("key", "refs", "start", "nbytes", "device_bytes", "host", "on_host", "live", "save_mark", "pinned")
+    __slots__ = ("key", "first", "more", "start", "nbytes", "device_bytes", "host", "on_host", "live", "save_mark", "pinned")
 
     def __init__(self, key: int, save_mark: Mark | None) -> None:
         self.key = key
-        self.refs: list[weakref.ref[SavedRef]] = []  # weak: autograd owns the SavedRefs
+        # Weak references to the SavedRefs of the views saved in it (autograd owns them): the
+        # first one, and a list only for a storage saved through several views (rare), so that
+        # the common case allocates no list per saved tensor.
+        self.first: weakref.ref[SavedRef] | None = None
+        self.more: list[weakref.ref[SavedRef]] | None = None
         self.start = 0
         self.nbytes = 0
         self.device_bytes: torch.Tensor | None = None  # uint8 span on device (original or reloaded)
@@ -37,6 +41,20 @@ class Storage:
         self.live = 0  # SavedRefs autograd still holds
         self.save_mark = save_mark  # last compute moment a view of it was saved (R1)
         self.pinned = False  # another view of it stays on device in this group: copying frees nothing
+
+    def add(self, ref: "SavedRef") -> None:
+        """Count ``ref``, a view saved in this storage, as live."""
+        if self.first is None:
+            self.first = weakref.ref(ref)
+        elif self.more is None:
+            self.more = [weakref.ref(ref)]
+        else:
+            self.more.append(weakref.ref(ref))
+        self.live += 1
+
+    def forget_refs(self) -> None:
+        """Stop listing the saved views (the storage was freed or discarded)."""
+        self.first = self.more = None
 
 
 class SavedRef:
@@ -53,33 +71,40 @@ class SavedRef:
         # zero-bubble input-gradient steps) never frees by reference counting.
         self.tensor: torch.Tensor | None = tensor.detach()
         self.version = tensor._version
-        # Autograd's version counter is read through ``tensor`` while it is held, and through a
-        # storage-less probe made when the original is dropped (`drop_original`), so that groups
-        # kept on device never pay for one.
+        # While the original is held, its version counter and its view (dtype, size, stride,
+        # offset) are read from it; `drop_original` records them with a storage-less probe of the
+        # counter, so that groups kept on device never pay for either.
         self.probe: torch.Tensor | None = None
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset_bytes = tensor.storage_offset() * tensor.element_size()
 
     def drop_original(self) -> None:
-        """Stop holding the device original, keeping a probe of its version counter."""
-        if self.tensor is not None:
-            self.probe = version_probe(self.tensor)
+        """Stop holding the device original; keep its view and a probe of its version counter."""
+        tensor = self.tensor
+        if tensor is not None:
+            self.dtype = tensor.dtype
+            self.size = tensor.size()
+            self.stride = tensor.stride()
+            self.offset_bytes = tensor.storage_offset() * tensor.element_size()
+            self.probe = version_probe(tensor)
             self.tensor = None
 
     def check_version(self, group_name: str) -> None:
         """Raise autograd's error if the saved tensor changed in place since it was saved."""
-        counter = self.tensor if self.tensor is not None else self.probe
-        if counter is not None:  # neither: the group was discarded, and unpack says so
-            check_version(counter, self.version, self.size, group_name)
+        if self.tensor is not None:
+            check_version(self.tensor, self.version, self.tensor.shape, group_name)
+        elif self.probe is not None:  # neither: the group was discarded, and unpack says so
+            check_version(self.probe, self.version, self.size, group_name)
 
     def span(self) -> tuple[int, int]:
-        """Bytes ``[start, end)`` of the storage this view touches."""
-        if self.tensor.numel() == 0:
-            return self.offset_bytes, self.offset_bytes
-        extent = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride))
-        return self.offset_bytes, self.offset_bytes + extent * self.tensor.element_size()
+        """Bytes ``[start, end)`` of the storage this view touches (the original must be held)."""
+        tensor = self.tensor
+        itemsize = tensor.element_size()
+        start = tensor.storage_offset() * itemsize
+        if tensor.is_contiguous():  # also an empty tensor: nbytes is 0
+            return start, start + tensor.nbytes
+        if tensor.numel() == 0:
+            return start, start
+        extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+        return start, start + extent * itemsize
 
     def __del__(self) -> None:
         group = self.group
@@ -109,7 +134,12 @@ def check_version(probe: torch.Tensor, version: int, size, group_name: str) -> N
 
 
 def alive(storage: Storage) -> list[SavedRef]:
-    return [ref for weak in storage.refs if (ref := weak()) is not None]
+    """The SavedRefs of ``storage`` that autograd still holds."""
+    first = storage.first() if storage.first is not None else None
+    refs = [first] if first is not None else []
+    if storage.more is not None:
+        refs += [ref for weak in storage.more if (ref := weak()) is not None]
+    return refs
 
 
 def byte_view(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:

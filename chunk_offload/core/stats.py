@@ -168,8 +168,9 @@ class ResidentBytes:
     host_at_saved_peak = property(lambda self: self.total.host_at_saved_peak)
 
     def _changed(self, *, check_device: bool, check_saved: bool) -> None:
-        self.total.update(self.resident, self.host, check_device=check_device, check_saved=check_saved)
-        self.window.update(self.resident, self.host, check_device=check_device, check_saved=check_saved)
+        if check_device or check_saved:  # a change that can raise neither mark skips them
+            self.total.update(self.resident, self.host, check_device=check_device, check_saved=check_saved)
+            self.window.update(self.resident, self.host, check_device=check_device, check_saved=check_saved)
         if self.trace is not None:
             self.trace.append(self.resident)
             if self.device_trace is not None and self.device_bytes is not None:

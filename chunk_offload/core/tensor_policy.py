@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._torch_compat import is_wrapper_subclass, storage_key, view_base
+from ._torch_compat import is_wrapper_subclass, key_of_storage, storage_key, view_base
 from .errors import ChunkOffloadError
 
 __all__ = ["OffloadPolicy", "mark_not_offloadable", "is_marked_not_offloadable"]
@@ -53,6 +53,9 @@ def _marked(tensor: torch.Tensor, storage: torch.UntypedStorage | None) -> bool:
     if base is not None and _carries_keep_mark(base):
         return True
     return storage is not None and bool(getattr(storage, _KEEP_ATTR, False))
+
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter, nn.Buffer)
 
 
 def _plain_tensors(tensor: torch.Tensor):
@@ -110,16 +113,24 @@ class OffloadPolicy:
             self._add_storages(module, visited)
 
     def _add_storages(self, module: nn.Module, visited: set[int]) -> None:
-        for sub in module.modules():
-            if id(sub) in visited:
+        # A walk over the ``_modules`` dicts rather than `nn.Module.modules`, which builds every
+        # submodule's dotted name: this runs over the whole model at each iteration's start.
+        stack = [module]
+        protected = self._protected
+        while stack:
+            sub = stack.pop()
+            if sub is None or id(sub) in visited:
                 continue
             visited.add(id(sub))
+            stack += sub._modules.values()
             for tensor in (*sub._parameters.values(), *sub._buffers.values()):
                 if tensor is None:
                     continue
-                for plain in _plain_tensors(tensor):
-                    if plain.layout == torch.strided and plain.numel() > 0 and plain.device.type != "meta":
-                        self._protected[storage_key(plain)] = plain.untyped_storage()
+                plains = (tensor,) if type(tensor) in _PLAIN_TYPES else _plain_tensors(tensor)
+                for plain in plains:
+                    if plain.layout == torch.strided and not plain.is_meta and plain.numel() > 0:
+                        storage = plain.untyped_storage()
+                        protected[key_of_storage(storage)] = storage
 
     def should_offload(self, tensor: torch.Tensor, activations: frozenset[int] = frozenset()) -> bool:
         """True for a large strided activation on the offload device that is not protected.
@@ -135,18 +146,19 @@ class OffloadPolicy:
             on_device = self._on_device[device] = device.type == self.device_type
         if not on_device:
             return False
-        if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
+        if tensor.nbytes < self.min_offload_bytes:  # numel * element_size
             return False
         storage_obj = tensor.untyped_storage()
-        storage = storage_key(tensor)
+        storage = key_of_storage(storage_obj)
         if storage in self._protected:
             return False
         if storage not in activations:
             base = view_base(tensor)
-            if base is None and tensor.is_leaf and tensor.requires_grad:
-                return False  # a leaf that requires grad is a parameter in all but type
+            if base is None:
+                if tensor.is_leaf and tensor.requires_grad:
+                    return False  # a leaf that requires grad is a parameter in all but type
             # (a view made without grad mode, e.g. in a custom Function's forward, also reports
             # is_leaf and requires_grad; its base decides)
-            if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
+            elif isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
                 return False
         return not _marked(tensor, storage_obj)

@@ -66,8 +66,8 @@ class CountingStream:
     def tick(self):
         return self.inner.tick()
 
-    def require(self, mark, *, rule: str, what: str) -> None:
-        self.inner.require(mark, rule=rule, what=what)
+    def require(self, mark, *, rule: str, what: str, subject: object = None) -> None:
+        self.inner.require(mark, rule=rule, what=what, subject=subject)
 
 
 class CountingStreams(StreamBackend):

@@ -147,6 +147,20 @@ def test_require_without_wait_raises_naming_the_rule(make_streams):
     assert isinstance(info.value, ChunkOffloadError)
 
 
+def test_require_fills_its_message_template_with_the_subject_only_on_failure(make_streams):
+    streams = make_streams()
+    saved = streams.compute.tick()
+    with pytest.raises(HappensBeforeError, match=r"R1 violated: offload of 'core_attn' reading a saved tensor: stream 'd2h'"):
+        streams.d2h.require(saved, rule="R1", what="offload of {!r} reading a saved tensor", subject="core_attn")
+    streams.d2h.wait_stream(streams.compute)
+
+    class NoFormat:  # formatting it would raise: a passing check must not build the message
+        def __repr__(self) -> str:
+            raise AssertionError("message built for a check that passed")
+
+    streams.d2h.require(saved, rule="R1", what="offload of {!r}", subject=NoFormat())
+
+
 def test_require_passes_after_wait_stream_and_fails_for_a_later_mark(make_streams):
     streams = make_streams()
     saved = streams.compute.tick()

@@ -29,7 +29,6 @@ also runs ours.
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import Callable, NamedTuple
 
 import torch
@@ -51,11 +50,11 @@ class Timing:
 
     __slots__ = ("_seconds", "_start", "_end", "_done")
 
-    def __init__(self, seconds: float | None = None, start=None, end=None, done: threading.Event | None = None) -> None:
+    def __init__(self, seconds: float | None = None, start=None, end=None, done=None) -> None:
         self._seconds = seconds
         self._start = start
         self._end = end
-        self._done = done  # CPU copy streams: set by the worker once the work ran (or was skipped)
+        self._done = done  # CPU copy streams: a flag (``set``/``wait``) the worker sets once the work ran (or was skipped)
 
     def seconds(self) -> float:
         """Block until the timed work is done and return its duration in seconds."""
@@ -97,11 +96,13 @@ class VectorClocks:
             if step > clock.get(sid, 0):
                 clock[sid] = step
 
-    def require(self, stream_id: int, mark: Mark | None, rule: str, what: str) -> None:
+    def require(self, stream_id: int, mark: Mark | None, rule: str, what: str, subject: object = None) -> None:
         if not self.enabled or mark is None:
             return
         known = self._clocks[stream_id].get(mark.stream, 0)
         if known < mark.step:
+            if subject is not None:
+                what = what.format(subject)
             raise HappensBeforeError(
                 rule,
                 f"{what}: stream '{self._names[stream_id]}' has waited on stream "
@@ -157,9 +158,13 @@ class Stream:
         """A named moment of this stream (a tensor saved or allocated now), for `require`."""
         return self._vc.tick(self.id)
 
-    def require(self, mark: Mark | None, *, rule: str, what: str) -> None:
-        """Raise `HappensBeforeError` unless this stream is known to come after ``mark``."""
-        self._vc.require(self.id, mark, rule, what)
+    def require(self, mark: Mark | None, *, rule: str, what: str, subject: object = None) -> None:
+        """Raise `HappensBeforeError` unless this stream is known to come after ``mark``.
+
+        ``what`` names the access; with ``subject`` it is a `str.format` template filled with
+        it, so that the message costs nothing unless the check fails (it runs per saved tensor).
+        """
+        self._vc.require(self.id, mark, rule, what, subject)
 
     def synchronize(self) -> None:
         """Block the host until all work issued to this stream is done."""

@@ -25,25 +25,53 @@ __all__ = ["CpuStreams"]
 # ----------------------------------------------------------------------------- CPU
 
 
+class _Flag:
+    """A one-shot "done" flag that one thread sets once and any thread waits for.
+
+    A held lock that `set` releases: one object per event or timed copy, where a
+    `threading.Event` builds four (itself, a condition, its lock and a deque) for each.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        self._lock.release()
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+    def wait(self) -> None:
+        with self._lock:  # acquirable only once set; released at once for the next waiter
+            pass
+
+
 class _CpuEvent(Event):
     def __init__(self, clocks, mark, done: bool = False) -> None:
         super().__init__(clocks, mark)
-        self._done = threading.Event()
+        # None: done when made (the compute stream's events, several per group): no flag.
+        self._done: _Flag | None = None if done else _Flag()
         self.error: BaseException | None = None
-        if done:
-            self._done.set()
 
     def set(self, error: BaseException | None) -> None:
         self.error = error
         self._done.set()
 
+    def wait_done(self) -> None:
+        """Block until the event's work ran (without raising its error)."""
+        if self._done is not None:
+            self._done.wait()
+
     def synchronize(self) -> None:
-        self._done.wait()
+        self.wait_done()
         if self.error is not None:
             raise ChunkOffloadError(f"a copy on a CPU copy stream failed: {self.error!r}") from self.error
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self._done is None or self._done.is_set()
 
 
 class _Delay:
@@ -73,8 +101,9 @@ class _CpuComputeStream(Stream):
         return mark, Timing(time.perf_counter() - start) if timed else None
 
     def tick(self):
-        self._delay()
-        return super().tick()
+        if self._delay.max_seconds > 0:  # runs per saved tensor: no call when delays are off
+            self._delay()
+        return self._vc.tick(self.id)
 
     def record_event(self) -> Event:
         clocks = self._vc.snapshot(self.id)
@@ -90,7 +119,14 @@ class _CpuComputeStream(Stream):
 
 
 class _CpuCopyStream(Stream):
-    """A worker thread executing launched work, event records and waits in issue order."""
+    """A worker thread executing launched work, event records and waits in issue order.
+
+    NOTE [Batched issue]
+    Launches and waits are handed to the worker in one batch with the next event record (or
+    at once for timed work, whose timing the host may wait on): every hand-over wakes the
+    worker, which costs more than the copy of a small tensor. Nothing waits on unrecorded work:
+    the host and the other streams wait on events only, and recording one sends the batch.
+    """
 
     def __init__(self, name, clocks, delay: _Delay, link_bytes_per_s: float | None = None) -> None:
         super().__init__(name, clocks)
@@ -99,40 +135,50 @@ class _CpuCopyStream(Stream):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._stopped = False
+        self._batch: list[tuple] = []  # operations not handed to the worker yet (NOTE [Batched issue])
+        # The last event recorded: `synchronize` with nothing issued since waits on it instead of
+        # a round trip to the worker.
+        self._last_event: _CpuEvent | None = None
         self._thread = threading.Thread(target=self._run, name=f"chunk_offload-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            op, arg, timing, nbytes = self._queue.get()
-            if op == "stop":
-                return
-            if op == "wait":
-                arg._done.wait()
-                if arg.error is not None and self._error is None:
-                    self._error = arg.error
-            elif op == "record":
-                arg.set(self._error)
-            else:
-                if self._error is None:
-                    self._delay()
-                    start = time.perf_counter()
-                    try:
-                        arg()
-                        if self._link_bytes_per_s:
-                            time.sleep(nbytes / self._link_bytes_per_s)  # the simulated link's transfer time
-                    except BaseException as exc:  # surfaced to the host by the next event
-                        self._error = exc
-                    if timing is not None:
-                        timing._seconds = time.perf_counter() - start
+            for op, arg, timing, nbytes in self._queue.get():
+                if op == "stop":
+                    return
+                self._execute(op, arg, timing, nbytes)
+
+    def _execute(self, op: str, arg, timing: Timing | None, nbytes: int) -> None:
+        """Run one operation on the worker thread."""
+        if op == "wait":
+            arg.wait_done()
+            if arg.error is not None and self._error is None:
+                self._error = arg.error
+        elif op == "record":
+            arg.set(self._error)
+        else:
+            if self._error is None:
+                self._delay()
+                start = time.perf_counter()
+                try:
+                    arg()
+                    if self._link_bytes_per_s:
+                        time.sleep(nbytes / self._link_bytes_per_s)  # the simulated link's transfer time
+                except BaseException as exc:  # surfaced to the host by the next event
+                    self._error = exc
                 if timing is not None:
-                    timing._done.set()
+                    timing._seconds = time.perf_counter() - start
+            if timing is not None:
+                timing._done.set()
 
     def launch(self, fn, *, timed=False, nbytes=0):
         self._check_running()
         mark = self._vc.tick(self.id)
-        timing = Timing(0.0, done=threading.Event()) if timed else None
-        self._queue.put(("run", fn, timing, nbytes))
+        timing = Timing(0.0, done=_Flag()) if timed else None
+        self._batch.append(("run", fn, timing, nbytes))
+        if timed:
+            self._flush()
         return mark, timing
 
     def record_event(self) -> Event:
@@ -140,13 +186,26 @@ class _CpuCopyStream(Stream):
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
         event = _CpuEvent(clocks, mark)
-        self._queue.put(("record", event, None, 0))
+        self._last_event = event
+        self._batch.append(("record", event, None, 0))
+        self._flush()
         return event
 
     def wait_event(self, event, *, timed=False):
         self._vc.merge(self.id, event.clocks)
-        self._queue.put(("wait", event, None, 0))
+        self._batch.append(("wait", event, None, 0))
         return None
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        self._queue.put(batch)
+
+    def synchronize(self) -> None:
+        if self._batch or self._last_event is None:
+            super().synchronize()
+            return
+        self._check_running()
+        self._last_event.synchronize()  # the worker has nothing after it (and raises its error, if any)
 
     def _check_running(self) -> None:
         # An event recorded on a stopped worker would never complete: waiting on it would hang.
@@ -155,7 +214,8 @@ class _CpuCopyStream(Stream):
 
     def stop(self) -> None:
         self._stopped = True
-        self._queue.put(("stop", None, None, 0))
+        self._batch.append(("stop", None, None, 0))
+        self._flush()
 
 
 class CpuStreams(StreamBackend):
