@@ -148,7 +148,7 @@ def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 def _comparable(record: IterationRecord) -> dict[str, Any]:
     """Every field of a record except times (wall time, copy and wait seconds)."""
     counts = [f.name for f in fields(GroupStats) if not f.name.endswith("_time_s")]
-    out = {f.name: getattr(record, f.name) for f in fields(IterationRecord) if f.name not in ("groups", "wall_time_s")}
+    out = {f.name: getattr(record, f.name) for f in fields(IterationRecord) if f.name not in ("groups", "wall_time_s", "action_starts_s")}
     out["groups"] = {name: {c: getattr(g, c) for c in counts} for name, g in record.groups.items()}
     return out
 
