@@ -110,7 +110,7 @@ def _nothing_copied_notes(reports: list[StageReport]) -> list[str]:
             "(--chunk-offload-min-offload-bytes, default 1 MiB); a small model needs a lower threshold"
         )
     if fit:
-        notes.append(f"{_ranks(fit)} copied nothing: their peak without offload fits their device budget (see the budgets below)")
+        notes.append(f"{_ranks(fit)} copied nothing: the peak without offload fits the device budget (see the budgets below)")
     if kept:
         notes.append(
             f"{_ranks(kept)} copied nothing: the plan kept every chunk on device (each backward follows its forward "

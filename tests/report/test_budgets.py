@@ -50,7 +50,7 @@ def test_budget_table_has_a_row_per_rank():
         assert (int(values["predicted peak (B)"]), int(values["peak with (B)"])) == (report.predicted_peak_with, report.peak_with)
         assert int(values["host cap (B)"]) == report.host_cap and int(values["node host budget (B)"]) == 1 << 20
     assert body[0][7] == "core_attn:3,qkv_linear:1" and body[1][7] == "none"
-    assert "rank 1 copied nothing: their peak without offload fits their device budget" in table
+    assert "rank 1 copied nothing: the peak without offload fits the device budget" in table
     assert "the plan kept every chunk on device" not in table
 
 

@@ -190,7 +190,7 @@ def _assert_budget_table(fixed: list[RankResult]) -> None:
         assert int(row[8]) == extra["host_cap"] and int(row[9]) == _HOST_BUDGET
         assert (row[7] == "none") == (extra["copied"] == 0)
     fitting = [r.rank for r in fixed if r.extra["copied"] == 0]
-    assert f"copied nothing: their peak without offload fits their device budget" in table and fitting
+    assert f"copied nothing: the peak without offload fits the device budget" in table and fitting
 
 
 def test_pipeline_2_virtual_2_and_expert_parallel_2():
