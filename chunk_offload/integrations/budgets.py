@@ -17,6 +17,10 @@ NOTE [Device budget]
   overhead is what the device holds besides them at its peak, ``device_peak_bytes -
   peak_resident_bytes`` of a record (parameters, optimizer state, workspace), the largest seen
   so far, so the choice only becomes more cautious.
+- Bytes per group are the largest each group of each chunk saved so far (reset when the chunks or
+  their group counts change): a peak is a sum of group bytes, so with MoE layers, whose expert
+  groups follow the routing, the choice holds for any iteration that saves no more than one
+  before it did. Dense layers save the same bytes every iteration: predicted == measured.
 - An infeasible budget warns once per rank (`budget_shortfall_message`) and offloads every group.
 - ``"auto"``: every pipeline rank's lowest peak (plus its overhead) is all-gathered over the
   pipeline (`Exchange`, NOTE [Deferred exchanges]); the budget is `level_budget` of them, the
@@ -108,6 +112,7 @@ class Budgets:
         """Every node rank's host need, in node order, once gathered."""
         self.host_caps: list[int] | None = None
         """Every node rank's cap, in node order, once split."""
+        self._group_bytes: dict[tuple[int, int], list[int]] = {}
         self._choice_plan: Plan | None = None
         self._key: tuple | None = None
         self._lowest_key: tuple | None = None
@@ -149,12 +154,23 @@ class Budgets:
         usable = plan is not None and record is not None and all(tuple(c) in record.group_bytes for c in plan.chunks)
         new_policy = None
         if self.device_budget is not None:
+            if usable:
+                self._update_group_bytes(record.group_bytes)
             budget = self._budget(plan, record, usable)
             if usable and budget is not None:
                 new_policy = self._choose(plan, record, budget, pp_rank=pp_rank)
         if self._node is not None:
             self._split_host(plan, record, new_policy or policy, usable)
         return new_policy
+
+    def _update_group_bytes(self, recorded: dict[tuple[int, int], list[int]]) -> None:
+        """The largest bytes per group so far (NOTE [Device budget]); reset when the chunks or group counts change."""
+        known = self._group_bytes
+        if known.keys() != recorded.keys() or any(len(known[c]) != len(b) for c, b in recorded.items()):
+            self._group_bytes = {c: list(b) for c, b in recorded.items()}
+            return
+        for chunk, sizes in recorded.items():
+            known[chunk] = [max(a, b) for a, b in zip(known[chunk], sizes)]
 
     def _budget(self, plan: Plan | None, record: IterationRecord | None, usable: bool) -> int | None:
         """The activation budget for the next choice (None: not known yet)."""
@@ -163,10 +179,10 @@ class Budgets:
         if self.device_budget != "auto":
             return max(0, self.device_budget - self.overhead_bytes)
         if usable:
-            key = (plan, record.group_bytes)
+            key = (plan, self._group_bytes)
             if key != self._lowest_key:
-                self._lowest_key = key
-                self._lowest = choose_offload(plan, record.group_bytes, 0, **self._plan_budgets).lowest_peak_bytes
+                self._lowest_key = (plan, {c: list(b) for c, b in self._group_bytes.items()})
+                self._lowest = choose_offload(plan, self._group_bytes, 0, **self._plan_budgets).lowest_peak_bytes
         # Every rank posts once per iteration, usable or not (a collective).
         peaks = self._level.post(self._lowest + self.overhead_bytes if usable else 0)
         if peaks is not None:
@@ -175,11 +191,12 @@ class Budgets:
 
     def _choose(self, plan: Plan, record: IterationRecord, budget: int, *, pp_rank: int) -> PlanPolicy | None:
         timing = CopyTiming.from_record(record, plan)
-        key = (plan, record.group_bytes, budget, timing is not None)
+        sizes = {c: list(b) for c, b in self._group_bytes.items()}  # a copy: the running maxima change in place
+        key = (plan, sizes, budget, timing is not None)
         if key == self._key:
             return None
         self._key = key
-        self.choice = choose_offload(plan, record.group_bytes, budget, timing=timing, **self._plan_budgets)
+        self.choice = choose_offload(plan, sizes, budget, timing=timing, **self._plan_budgets)
         self._choice_plan = plan
         if not self.choice.fits and not self._warned:
             self._warned = True

@@ -133,3 +133,20 @@ def test_host_pool_set_capacity_releases_free_buffers_above_the_cap() -> None:
         pool.set_capacity(-1)
     pool.set_capacity(None)
     assert pool.capacity_bytes is None
+
+
+def test_choices_use_the_largest_bytes_each_group_saved_so_far() -> None:
+    """MoE expert groups change with the routing: the choice must hold for the largest bytes seen."""
+    plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
+    first, second = _record(plan, [1000, 3000, 2000], offload=False), _record(plan, [1500, 2000, 2000], offload=True)
+    envelope = {c: [1500, 3000, 2000] for c in first.group_bytes}
+    budget = (choose_offload(plan, envelope, 0).lowest_peak_bytes + first.peak_saved_bytes) // 2
+    budgets = Budgets(device_budget_bytes=budget, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None)
+    budgets.after_iteration(plan, first, budgets.policy(plan), pp_rank=0)
+    policy = budgets.after_iteration(plan, second, budgets.policy(plan), pp_rank=0)
+    assert budgets.choice == choose_offload(plan, envelope, budget)
+    for record in (first, second):  # each iteration's own bytes peak at or under the envelope's prediction
+        assert simulate(plan, record.group_bytes, policy=policy).peak_resident_bytes <= budgets.choice.predicted_peak_bytes <= budget
+    fewer = _record(plan, [500, 500], offload=True)  # other group counts: start over from these bytes
+    budgets.after_iteration(plan, fewer, policy, pp_rank=0)
+    assert budgets.choice == choose_offload(plan, fewer.group_bytes, budget)
