@@ -7,8 +7,9 @@ budget the next runs use (NOTE below), kept in an object the runs of the spawn s
 - a fixed budget (``device_budget_bytes``) with a node host budget (``host_budget_bytes``): every
   rank's measured peak (CPU accounting) is at or under the budget, ranks that fit copy nothing,
   the predicted peak equals the measured one, and the host caps split the node budget by need;
-- ``"auto"`` (PP=4 only, with ``iterations="auto"``: the deferred exchange): every rank's peak
-  is at or under the levelled budget, which is the largest lowest peak of the pipeline.
+- ``"auto"`` (PP=4 only, with ``iterations="auto"``: the deferred exchanges, and the host budget):
+  every rank's peak is at or under the levelled budget, which is the largest lowest peak of the
+  pipeline, and the host caps are set within the node budget.
 
 Losses and gradients of every run equal the baseline's bit for bit.
 
@@ -120,7 +121,8 @@ def _runs(cfg: TinyGPTConfig, modules: tuple[str, ...], *, host: bool, auto: boo
     runs = [Run(config=cfg, hooks=Hooks(wrap_model=h.wrap_model, wrap_forward_backward=h.wrap_forward_backward, report=h.report)) for h in (measure, fixed)]
     if auto:
         n = cfg.num_microbatches
-        levelled = _Budgeted(modules, options={**_BASE, "iterations": "auto", "num_microbatches": n}, wrap_schedule=False, auto=True)
+        options = {**_BASE, "iterations": "auto", "num_microbatches": n, **({"host_budget_bytes": _HOST_BUDGET} if host else {})}
+        levelled = _Budgeted(modules, options=options, wrap_schedule=False, auto=True)
         runs.append(Run(config=cfg, hooks=Hooks(wrap_model=levelled.wrap_model, wrap_forward_backward=levelled.wrap_forward_backward, report=levelled.report)))
     return runs
 
@@ -175,6 +177,10 @@ def test_pipeline_4_budget_auto_and_host_split():
         assert r.extra["peak"] <= leveled, f"rank {r.rank}: peak {r.extra['peak']} over the levelled budget {leveled}"
         assert r.extra["report"].leveled_budget == leveled
     _assert_same_numerics(base, levelled, "auto budget")
+    # Under automatic iterations the node's needs are gathered one iteration late (NOTE [Deferred exchanges]).
+    caps = [r.extra["host_cap"] for r in levelled]
+    assert levelled[0].extra["host_caps"] == caps and 0 < sum(caps) <= _HOST_BUDGET
+    assert all(r.extra["pool_cap"] == r.extra["host_cap"] for r in levelled)
     _assert_budget_table(fixed)
 
 
