@@ -1,51 +1,381 @@
-"""The search behind `choose_offload` (NOTE [Budget choice] in budget.py)."""
+"""The search behind `choose_offload` (NOTE [Budget choice] in budget.py).
+
+`simulate` replays every accounting event of a plan in Python; the search needs the peak of
+thousands of candidate choices, so it works on an equivalent model instead. Every event of the
+engine's order gets a fixed position (`_Layout`): a group's save, the release that follows each
+commit, the reload points of each backward group, the prefetch points, the frees. Saves and
+frees do not depend on the choice: they give the baseline profile of resident bytes. A copied
+group takes its bytes off the profile from its release to its reload; only the reload point
+depends on the choice, and only on the choices within its own chunk (`_Layout.reloads` runs the
+engine's reload rules, `prefetch_selection` and `reload_ahead_selection`, on that chunk). The
+peak of a choice is then the maximum of the profile; `choose_offload` checks its final choice
+with `simulate` itself.
+"""
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .plan import Plan
-from .plan_policy import PlanPolicy
-from .simulate import simulate
+import numpy as np
 
-__all__ = ["search_offload"]
+from ..core import GroupState, prefetch_selection, reload_ahead_selection
+from ..core.actions import ActionKind
+from .plan import Plan
+
+__all__ = ["SearchResult", "model_peak", "search_offload"]
+
+# The searches tried, best (fewest bytes) taken, the first of equals: additions at the peak by
+# reach, additions at the peak cheapest first (each then pruned), and pruning from every group copied.
+_RULES = ("reach", "peak", "reverse")
 
 Chunk = tuple[int, int]
+_ON_HOST, _RESIDENT = GroupState.ON_HOST, GroupState.RESIDENT
+
+
+class _Layout:
+    """Fixed event positions of one plan, in `simulate`'s (the engine's) order."""
+
+    def __init__(self, plan: Plan, sizes: Mapping[Chunk, Sequence[int]], prefetch_bytes: int | None, reload_ahead_bytes: int | None) -> None:
+        self.sizes = {chunk: list(sizes[chunk]) for chunk in plan.chunks}
+        self.reload_ahead_bytes = reload_ahead_bytes
+        self.release: dict[Chunk, list[int]] = {}
+        self.free: dict[Chunk, list[int]] = {}
+        self.reload_self: dict[Chunk, list[int]] = {}
+        self.reload_ahead: dict[Chunk, list[int]] = {}
+        self.prefetch: dict[Chunk, tuple[int, int | None]] = {}  # chunk -> (position, budget)
+        deltas: list[tuple[int, int]] = []
+        weights = {a.chunk for a in plan.actions if a.kind is ActionKind.WEIGHT}
+        forwarded: set[Chunk] = set()
+        actions = plan.actions
+        take = itertools.count().__next__  # the next position
+
+        def request(step: int) -> None:  # PlanPolicy.prefetch_on, skipped as simulate skips it
+            following = actions[step + 1] if step + 1 < len(actions) else None
+            if prefetch_bytes != 0 and following is not None and following.kind is ActionKind.BACKWARD and following.chunk in forwarded:
+                self.prefetch[following.chunk] = (take(), prefetch_bytes)
+
+        for step, action in enumerate(actions):
+            chunk, n = action.chunk, len(self.sizes[action.chunk])
+            free = self.free.setdefault(chunk, [0] * n)
+            if action.kind is ActionKind.FORWARD:
+                request(step)
+                commits = []
+                for g in range(n):
+                    deltas.append((take(), self.sizes[chunk][g]))  # the group's save
+                    commits.append(take())  # its commit releases the group held before it
+                self.release[chunk] = commits[1:] + [take()]  # the chunk's end releases the last
+                forwarded.add(chunk)
+            elif action.kind is ActionKind.BACKWARD:
+                rs, ra = [0] * n, [0] * n
+                for g in reversed(range(n)):
+                    rs[g], ra[g] = take(), take()
+                    if g == n - 1:
+                        request(step)
+                    if chunk not in weights:
+                        free[g] = take()
+                self.reload_self[chunk], self.reload_ahead[chunk] = rs, ra
+            else:
+                for g in reversed(range(n)):
+                    free[g] = take()
+        self.positions = take()
+        profile = np.zeros(self.positions + 1, dtype=np.int64)
+        for position, nbytes in deltas:
+            profile[position] += nbytes
+        for chunk, free in self.free.items():
+            for g, position in enumerate(free):
+                profile[position] -= self.sizes[chunk][g]
+        self.baseline = np.cumsum(profile)[: self.positions]
+
+    def earliest_reload(self, chunk: Chunk, g: int) -> int:
+        """No choice reloads group ``g`` of ``chunk`` before this position: its chunk's prefetch,
+        else backward's one-ahead reload (with a reload-ahead budget: the chunk's first backward step)."""
+        rs, ra = self.reload_self[chunk], self.reload_ahead[chunk]
+        if self.reload_ahead_bytes is not None:
+            first = rs[-1]
+        else:
+            first = ra[g + 1] if g + 1 < len(rs) else rs[g]
+        return min(first, self.prefetch[chunk][0]) if chunk in self.prefetch else first
+
+    def latest_reload(self, chunk: Chunk, g: int) -> int:
+        """No choice reloads group ``g`` of ``chunk`` after this position (its own backward step)."""
+        return self.reload_self[chunk][g]
+
+    def prefetched(self, chunk: Chunk, copied: set[int] | frozenset[int]) -> list[int]:
+        """The groups of ``copied`` the chunk's prefetch reloads (`prefetch_selection`)."""
+        if chunk not in self.prefetch or not copied:
+            return []
+        sizes = self.sizes[chunk]
+        budget = self.prefetch[chunk][1]
+        if budget is None:  # prefetch_selection's one-group rule, without building the list
+            top = max((g for g in copied if sizes[g] > 0), default=None)
+            return [] if top is None else [top]
+        states = [_ON_HOST if g in copied and b > 0 else GroupState.KEPT for g, b in enumerate(sizes)]
+        return prefetch_selection(list(zip(states, sizes)), budget)
+
+    def reloads(self, chunk: Chunk, copied: set[int] | frozenset[int]) -> dict[int, int]:
+        """Group -> position of its reload, for the groups ``copied`` of ``chunk``."""
+        sizes = self.sizes[chunk]
+        rs, ra, budget = self.reload_self[chunk], self.reload_ahead[chunk], self.reload_ahead_bytes
+        early = self.prefetched(chunk, copied)
+        at = dict.fromkeys(early, self.prefetch[chunk][0]) if early else {}
+        if budget is None:
+            # Backward reloads the group before the running one (reload_ahead_selection's
+            # one-ahead rule); the last group, unless prefetched, when its own backward starts.
+            n = len(sizes)
+            for g in copied:
+                if g not in at and sizes[g] > 0:
+                    at[g] = ra[g + 1] if g + 1 < n else rs[g]
+            return at
+        states = [_ON_HOST if g in copied and b > 0 and g not in at else GroupState.KEPT for g, b in enumerate(sizes)]
+        for g in early:
+            states[g] = _RESIDENT
+        for g in reversed(range(len(sizes))):
+            if states[g] is _ON_HOST:
+                states[g], at[g] = _RESIDENT, rs[g]
+            for i in reload_ahead_selection(list(zip(states, sizes)), g, budget):
+                states[i], at[i] = _RESIDENT, ra[g]
+        return at
+
+
+class _Profile:
+    """Resident bytes at every position for the current choice; groups added and removed."""
+
+    def __init__(self, layout: _Layout) -> None:
+        self.layout = layout
+        self.values = layout.baseline.copy()
+        self.copied: dict[Chunk, set[int]] = {chunk: set() for chunk in layout.sizes}
+        self.spans: dict[Chunk, dict[int, tuple[int, int]]] = {chunk: {} for chunk in layout.sizes}
+
+    def spans_for(self, chunk: Chunk, copied: set[int]) -> dict[int, tuple[int, int]]:
+        release, sizes = self.layout.release[chunk], self.layout.sizes[chunk]
+        return {g: (release[g], at) for g, at in self.layout.reloads(chunk, copied).items() if sizes[g] > 0}
+
+    def set(self, chunk: Chunk, copied: set[int]) -> int:
+        """Copy exactly the groups ``copied`` of ``chunk`` (only the spans that change are redrawn);
+        returns the highest value where bytes came back on device (-1 if nowhere)."""
+        old, new = self.spans[chunk], self.spans_for(chunk, copied)
+        sizes, values, raised = self.layout.sizes[chunk], self.values, -1
+        for g, span in old.items():
+            if new.get(g) != span:
+                values[span[0] : span[1]] += sizes[g]
+        for g, span in new.items():
+            if old.get(g) != span:
+                values[span[0] : span[1]] -= sizes[g]
+        for g, span in old.items():
+            if new.get(g) != span and span[0] < span[1]:
+                raised = max(raised, int(values[span[0] : span[1]].max()))
+        self.copied[chunk], self.spans[chunk] = set(copied), new
+        return raised
+
+    def covered(self, chunk: Chunk, spans: dict[int, tuple[int, int]], position: int) -> int:
+        sizes = self.layout.sizes[chunk]
+        return sum(sizes[g] for g, (start, end) in spans.items() if start <= position < end)
+
+    def peak(self) -> int:
+        return max(int(self.values.max()), 0) if self.layout.positions else 0
+
+
+class _Search:
+    """Greedy additions at the peak, then pruning (NOTE [Budget choice])."""
+
+    def __init__(self, layout: _Layout, order: list[Chunk], slack: Mapping[Chunk, Sequence[float]], target: int) -> None:
+        self.layout, self.order, self.target = layout, order, target
+        self.keys = [(chunk, g) for chunk in order for g in range(len(layout.sizes[chunk]))]
+        self.nbytes = np.array([layout.sizes[c][g] for c, g in self.keys], dtype=np.int64)
+        self.slack = np.array([slack[c][g] for c, g in self.keys], dtype=np.float64)
+        self.release = np.array([layout.release[c][g] for c, g in self.keys], dtype=np.int64)
+        self.free = np.array([layout.free[c][g] for c, g in self.keys], dtype=np.int64)
+        self.early = np.array([layout.earliest_reload(c, g) for c, g in self.keys], dtype=np.int64)
+        self.latest = np.array([layout.latest_reload(c, g) for c, g in self.keys], dtype=np.int64)
+        self.index = {key: i for i, key in enumerate(self.keys)}
+
+    def forward(self, rule: str) -> _Profile | None:
+        """Add groups at the peak until it fits (``rule``: which unit first, see `_pick`); None
+        when stuck (no single group or pair lowers the peak)."""
+        profile = _Profile(self.layout)
+        chosen = np.zeros(len(self.keys), dtype=bool)
+        while True:
+            position = int(profile.values.argmax()) if self.layout.positions else 0
+            excess = profile.peak() - self.target
+            if excess <= 0:
+                return profile
+            units = self._units(profile, chosen, position)
+            if not units:
+                return None
+            for i in self._pick(rule, units, profile, excess):
+                chosen[i] = True
+                chunk, g = self.keys[i]
+                profile.set(chunk, profile.copied[chunk] | {g})
+
+    def _pick(self, rule: str, units: list[tuple[int, int, list[int]]], profile: _Profile, excess: int) -> list[int]:
+        """The unit to add; hiding units first under both rules.
+
+        ``"peak"``: the cheapest unit that covers the excess alone, else the one that lowers the
+        peak most. ``"reach"``: the most excess removed per byte copied over the unit's whole
+        time off device (it may lower later peaks too), the excess counted up to the peak's.
+        """
+        if rule == "reach":
+            over = np.concatenate(([0], np.cumsum(np.clip(profile.values - self.target, 0, excess))))
+
+            def key(unit):
+                nbytes, gain, (i, *_) = unit
+                start, end = self.release[i], self.latest[i]
+                value = min(int(over[end] - over[start]), gain * int(end - start))
+                return (self.slack[i] < 0, -value / nbytes, nbytes, -self.slack[i], i)
+
+            return min(units, key=key)[2]
+        covering = [u for u in units if u[1] >= excess]
+        if covering:
+            return min(covering, key=lambda u: (self.slack[u[2][0]] < 0, u[0], -self.slack[u[2][0]], u[2][0]))[2]
+        return min(units, key=lambda u: (self.slack[u[2][0]] < 0, -u[1], u[0], -self.slack[u[2][0]], u[2][0]))[2]
+
+    def _units(self, profile: _Profile, chosen: np.ndarray, position: int) -> list[tuple[int, int, list[int]]]:
+        """(bytes, bytes lowered at ``position``, group indices) for each way to lower the peak."""
+        live = ~chosen & (self.nbytes > 0) & (self.release <= position) & (position < self.free)
+        safe = live & (position < self.early)  # on host at the peak whatever else is copied
+        units = []
+        for pick in self._best_safe(np.nonzero(safe)[0], profile.peak() - self.target):
+            units.append((int(self.nbytes[pick]), int(self.nbytes[pick]), [int(pick)]))
+        unsure: dict[Chunk, list[int]] = {}
+        for i in np.nonzero(live & ~safe)[0]:
+            unsure.setdefault(self.keys[i][0], []).append(int(i))
+        for chunk, indices in unsure.items():
+            units.extend(self._chunk_units(profile, chunk, indices, position))
+        return units
+
+    def _best_safe(self, indices: np.ndarray, excess: int) -> list[int]:
+        """The cheapest safe group covering ``excess`` and the largest one, by preference."""
+        if not len(indices):
+            return []
+        hides_not = self.slack[indices] < 0
+        size = self.nbytes[indices]
+        picks = [int(indices[np.lexsort((indices, -self.slack[indices], -size, hides_not))[0]])]
+        covering = size >= excess
+        if covering.any():
+            sub = indices[covering]
+            picks.append(int(sub[np.lexsort((sub, -self.slack[sub], self.nbytes[sub], self.slack[sub] < 0))[0]]))
+        return picks
+
+    def _chunk_units(self, profile: _Profile, chunk: Chunk, indices: list[int], position: int) -> list[tuple[int, int, list[int]]]:
+        """Units from a chunk whose reloads may start before the peak: one group, or a group with
+        the cheapest group above it (which then takes the prefetch that would bring it back)."""
+        layout = self.layout
+        copied = profile.copied[chunk]
+        sizes = layout.sizes[chunk]
+        cheapest: list[tuple[int, int] | None] = [None] * (len(sizes) + 1)  # (bytes, group) above each group
+        for h in reversed(range(len(sizes))):
+            here = (sizes[h], h) if h not in copied and sizes[h] > 0 else None
+            cheapest[h] = min(filter(None, (here, cheapest[h + 1])), default=None)
+        prefetch = layout.prefetch.get(chunk)
+        if layout.reload_ahead_bytes is None and (prefetch is None or prefetch[1] is None):
+            gain_of = self._one_ahead_gains(chunk, copied, position)
+        else:
+            now = profile.covered(chunk, profile.spans[chunk], position)
+
+            def gain_of(*added: int) -> int:
+                return profile.covered(chunk, profile.spans_for(chunk, copied | set(added)), position) - now
+
+        units = []
+        for i in indices:
+            g = self.keys[i][1]
+            gain = gain_of(g)
+            if gain > 0:
+                units.append((sizes[g], gain, [i]))
+                continue
+            shield = cheapest[g + 1]
+            if shield is not None:
+                nbytes, h = shield
+                gain = gain_of(g, h)
+                if gain > 0:
+                    units.append((sizes[g] + nbytes, gain, [i, self.index[(chunk, h)]]))
+        return units
+
+    def _one_ahead_gains(self, chunk: Chunk, copied: set[int], position: int):
+        """Bytes on host at ``position`` that copying one or two more groups adds, in O(1), under
+        the default reloads: a prefetch of the highest copied group, one group ahead in backward."""
+        layout = self.layout
+        sizes, rs, ra = layout.sizes[chunk], layout.reload_self[chunk], layout.reload_ahead[chunk]
+        n = len(sizes)
+        prefetch = layout.prefetch.get(chunk)
+        top = max((g for g in copied if sizes[g] > 0), default=None)
+
+        def away(h: int, prefetched: bool) -> int:  # h's bytes if h is on host at the position
+            back = prefetch[0] if prefetched else ra[h + 1] if h + 1 < n else rs[h]
+            return sizes[h] if back > position else 0
+
+        def gain(*added: int) -> int:
+            if prefetch is None:
+                return sum(away(g, False) for g in added)
+            new_top = max(added) if top is None else max(top, *added)
+            total = sum(away(g, g == new_top) for g in added)
+            if top is not None and new_top != top:  # the prefetch now brings back the new top instead
+                total += away(top, False) - away(top, True)
+            return total
+
+        return gain
+
+    def everything(self) -> _Profile:
+        profile = _Profile(self.layout)
+        for chunk, sizes in self.layout.sizes.items():
+            profile.set(chunk, {g for g, b in enumerate(sizes) if b > 0})
+        return profile
+
+    def prune(self, profile: _Profile) -> _Profile:
+        """Keep on device again, largest (then least hiding) first, every group the peak fits without.
+
+        The profile fits before each try, so only where bytes came back can it stop fitting."""
+        copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
+        for i in sorted(copied, key=lambda i: (-int(self.nbytes[i]), self.slack[i] >= 0, self.slack[i], -i)):
+            chunk, g = self.keys[i]
+            if profile.set(chunk, profile.copied[chunk] - {g}) > self.target:
+                profile.set(chunk, profile.copied[chunk] | {g})
+        return profile
+
+    def copied_bytes(self, profile: _Profile) -> int:
+        return sum(self.layout.sizes[chunk][g] for chunk, groups in profile.copied.items() for g in groups)
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    offloaded: dict[Chunk, frozenset[int]]
+    peak: int
+    baseline_peak: int
+    lowest_peak: int
 
 
 def search_offload(
     plan: Plan,
     sizes: Mapping[Chunk, Sequence[int]],
-    target: int,
+    budget: int,
     *,
     prefetch_bytes: int | None,
     reload_ahead_bytes: int | None,
     slack: Mapping[Chunk, Sequence[float]],
-) -> dict[Chunk, frozenset[int]]:
-    """Groups to copy so that the predicted peak is at most ``target`` (reachable), few bytes."""
+) -> SearchResult:
+    """Groups to copy so that the predicted peak is at most ``budget`` (else the lowest peak),
+    copying few bytes: nothing if the baseline fits; else greedy additions at the peak, then
+    pruning (from every group copied where the greedy finds no group or pair that lowers the peak)."""
+    layout = _Layout(plan, sizes, prefetch_bytes, reload_ahead_bytes)
+    search = _Search(layout, plan.chunks, slack, budget)
+    everything = search.everything()
+    baseline, lowest = _Profile(layout).peak(), everything.peak()
+    if baseline <= budget:
+        return SearchResult({}, baseline, baseline, lowest)
+    search.target = max(budget, lowest)
+    results = []
+    for rule in _RULES:
+        grown = search.forward(rule) if rule != "reverse" else None
+        results.append(search.prune(grown if grown is not None else search.everything()))
+    best = min(results, key=search.copied_bytes)  # the first of equals
+    offloaded = {chunk: frozenset(groups) for chunk, groups in best.copied.items() if groups}
+    return SearchResult(offloaded, best.peak(), baseline, lowest)
 
-    def peak(chosen: set[tuple[Chunk, int]]) -> int:
-        groups: dict[Chunk, set[int]] = {}
-        for chunk, g in chosen:
-            groups.setdefault(chunk, set()).add(g)
-        policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, offload_groups=groups)
-        return simulate(plan, sizes, policy=policy).peak_resident_bytes
 
-    order = {chunk: i for i, chunk in enumerate(plan.chunks)}
-    candidates = sorted(
-        ((chunk, g) for chunk, bs in sizes.items() for g, b in enumerate(bs) if b > 0),
-        key=lambda cg: (slack[cg[0]][cg[1]] < 0, -sizes[cg[0]][cg[1]], order[cg[0]], cg[1]),
-    )
-    chosen: set[tuple[Chunk, int]] = set()
-    for candidate in candidates:
-        if peak(chosen) <= target:
-            break
-        chosen.add(candidate)
-    for candidate in sorted(chosen, key=lambda cg: (-sizes[cg[0]][cg[1]], order[cg[0]], cg[1])):
-        chosen.discard(candidate)
-        if peak(chosen) > target:
-            chosen.add(candidate)
-    out: dict[Chunk, set[int]] = {}
-    for chunk, g in chosen:
-        out.setdefault(chunk, set()).add(g)
-    return {chunk: frozenset(groups) for chunk, groups in sorted(out.items())}
+def model_peak(plan: Plan, sizes: Mapping[Chunk, Sequence[int]], copied: Mapping[Chunk, Sequence[int]], *, prefetch_bytes: int | None = None, reload_ahead_bytes: int | None = None) -> int:
+    """The model's peak for one choice (tests compare it with `simulate`)."""
+    profile = _Profile(_Layout(plan, sizes, prefetch_bytes, reload_ahead_bytes))
+    for chunk, groups in copied.items():
+        profile.set(tuple(chunk), set(groups))
+    return profile.peak()

@@ -10,13 +10,20 @@ cannot meet its budget.
 
 NOTE [Budget choice]
 A rank whose baseline peak fits offloads nothing. Otherwise, starting from nothing offloaded,
-while the predicted peak exceeds the budget: at the moment of the peak, the candidates are the
-groups live then that would be on host at that moment if copied; if one candidate alone covers
-the excess, the cheapest such is taken, else the largest; groups whose copy hides behind compute
-are preferred either way (`CopyTiming`: a copy out and back takes less time than the measured
-compute between the chunk's forward and its backward; without timing, a longer lifespan in
-actions). A pruning pass then keeps a group on device again, largest first, wherever the peak
-still fits without it. The peak is `simulate`'s, prefetch and reload-ahead budgets included.
+while the predicted peak exceeds the budget, a unit is added at the moment of the peak: a group
+live then that would be on host at that moment if copied (or such a group with the cheapest
+group above it in its chunk, when alone it would be the one its chunk's prefetch brings back).
+Two rules pick the unit: "peak" (if one unit alone covers the excess, the cheapest such, else
+the one lowering the peak most) and "reach" (the most excess removed per byte over the unit's
+whole time on host, so one copy lowers several later peaks). Units whose copy hides behind
+compute come first under both (`CopyTiming`: a copy out and back takes less time than the
+measured compute between the chunk's forward and its backward; without timing, a longer
+lifespan in actions). Each result, and every group copied, is then pruned: a group is kept on
+device again, largest first, wherever the peak still fits without it. The result copying the
+fewest bytes is taken. The peak is `simulate`'s, prefetch and reload-ahead budgets included
+(the search runs on an exact model of it, `_budget_search`; the final choice is simulated).
+Deterministic; on a 70B-like plan (PP=8, VPP=2, 32 microbatches, 3,200 groups) about a second
+of CPU at most.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..core.actions import Action, ActionKind
-from ..core.errors import ChunkOffloadError
+from ..core.errors import ChunkOffloadError, internal_assert
 from ..core.stats import IterationRecord
 from ._budget_search import search_offload
 from .plan import Plan
@@ -137,30 +144,23 @@ def choose_offload(
         )
     lookup = _lookup(group_bytes)
     sizes = {chunk: lookup(*chunk) for chunk in plan.chunks}
-
-    def peak(offloaded: Mapping[tuple[int, int], frozenset[int]]) -> tuple[int, int]:
-        policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, offload_groups=offloaded)
-        run = simulate(plan, sizes, policy=policy)
-        return run.peak_resident_bytes, run.bytes_offloaded
-
-    everything = {chunk: frozenset(g for g, b in enumerate(bs) if b > 0) for chunk, bs in sizes.items()}
-    baseline = simulate(plan, sizes, offload=False).peak_saved_bytes
-    lowest, _ = peak(everything)
-    target = max(budget_bytes, lowest)
-    if baseline <= budget_bytes:
-        offloaded: dict[tuple[int, int], frozenset[int]] = {}
-    else:
-        offloaded = search_offload(
-            plan, sizes, target, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, slack=_slack(plan, sizes, timing)
-        )
-    predicted, copied = peak(offloaded)
+    found = search_offload(
+        plan, sizes, budget_bytes, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, slack=_slack(plan, sizes, timing)
+    )
+    # The search works on a model of simulate's accounting; the choice is checked by simulate itself.
+    policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, offload_groups=found.offloaded)
+    predicted = simulate(plan, sizes, policy=policy)
+    internal_assert(
+        predicted.peak_resident_bytes == found.peak and predicted.peak_saved_bytes == found.baseline_peak,
+        f"choose_offload: the search's peak {found.peak} differs from simulate's {predicted.peak_resident_bytes}",
+    )
     return OffloadChoice(
         budget_bytes=budget_bytes,
-        offloaded={chunk: groups for chunk, groups in offloaded.items() if groups},
-        predicted_peak_bytes=predicted,
-        baseline_peak_bytes=baseline,
-        lowest_peak_bytes=lowest,
-        bytes_offloaded=copied,
+        offloaded=found.offloaded,
+        predicted_peak_bytes=predicted.peak_resident_bytes,
+        baseline_peak_bytes=predicted.peak_saved_bytes,
+        lowest_peak_bytes=found.lowest_peak,
+        bytes_offloaded=predicted.bytes_offloaded,
     )
 
 

@@ -1,0 +1,102 @@
+"""The search behind `choose_offload`: its model of the accounting equals `simulate`, its choices
+are minimal, close to the optimum on small cases, and it is fast on a 70B-like plan."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from chunk_offload.schedule import Plan, PlanPolicy, choose_offload, megatron_plan, simulate
+from chunk_offload.schedule._budget_search import model_peak
+
+PLANS = [
+    *(megatron_plan(pp_size=4, pp_rank=r, num_microbatches=6) for r in range(4)),
+    *(megatron_plan(pp_size=2, pp_rank=r, num_microbatches=4, vp_size=2) for r in range(2)),
+    megatron_plan(pp_size=2, pp_rank=0, num_microbatches=6, vp_size=3, microbatch_group_size_per_vp_stage=3),
+    Plan.from_order(["0F0", "0F1", "0B0", "0F2", "0B1", "0W0", "0B2", "0W1", "0W2"], source="zero bubble"),
+]
+BUDGETS = [(None, None), (0, None), (150, None), (10**9, None), (None, 120), (300, 1000)]
+
+
+def _sizes(plan: Plan, rng: random.Random) -> dict[tuple[int, int], list[int]]:
+    return {chunk: [rng.choice([0, 1, 50, 100, 300, 1000]) for _ in range(rng.randint(0, 6))] for chunk in plan.chunks}
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.source}-{p.pp_rank}")
+def test_model_equals_simulate(plan):
+    """The search's position model gives simulate's peak for any choice and reload budgets
+    (kept and empty groups anywhere, prefetch and reload-ahead budgets, weight steps)."""
+    rng = random.Random(plan.pp_rank)
+    for _ in range(30):
+        sizes = _sizes(plan, rng)
+        copied = {chunk: {g for g in range(len(b)) if rng.random() < 0.5} for chunk, b in sizes.items()}
+        for prefetch, ahead in BUDGETS:
+            policy = PlanPolicy(plan, prefetch_bytes=prefetch, reload_ahead_bytes=ahead, offload_groups=copied)
+            expected = simulate(plan, sizes, policy=policy).peak_resident_bytes
+            assert model_peak(plan, sizes, copied, prefetch_bytes=prefetch, reload_ahead_bytes=ahead) == expected
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.source}-{p.pp_rank}")
+def test_choices_fit_and_are_minimal(plan):
+    """Every budget from the lowest peak up is met, and keeping any one chosen group on device
+    again would break it (the pruning pass)."""
+    rng = random.Random(10 + plan.pp_rank)
+    for _ in range(6):
+        sizes = _sizes(plan, rng)
+        for prefetch, ahead in BUDGETS[:3] + BUDGETS[4:5]:
+            low = choose_offload(plan, sizes, 0, prefetch_bytes=prefetch, reload_ahead_bytes=ahead)
+            budget = rng.randint(low.lowest_peak_bytes, max(low.baseline_peak_bytes, low.lowest_peak_bytes))
+            choice = choose_offload(plan, sizes, budget, prefetch_bytes=prefetch, reload_ahead_bytes=ahead)
+            assert choice.fits and choice.lowest_peak_bytes == low.lowest_peak_bytes
+            for chunk, groups in choice.offloaded.items():
+                for g in groups:
+                    fewer = {c: set(gs) - ({g} if c == chunk else set()) for c, gs in choice.offloaded.items()}
+                    assert model_peak(plan, sizes, fewer, prefetch_bytes=prefetch, reload_ahead_bytes=ahead) > budget
+
+
+def test_close_to_the_optimum_on_small_cases():
+    """Against every subset of groups (brute force, up to 12 groups): never more than 1.5x the
+    fewest bytes that fit, and the optimum in most cases."""
+    rng = random.Random(5)
+    plans = [megatron_plan(pp_size=3, pp_rank=0, num_microbatches=3), megatron_plan(pp_size=2, pp_rank=0, num_microbatches=2, vp_size=2)]
+    optimal = cases = 0
+    for _ in range(30):
+        plan = rng.choice(plans)
+        sizes = {chunk: [rng.choice([10, 30, 50, 100]) for _ in range(3)] for chunk in plan.chunks}
+        keys = [(chunk, g) for chunk in plan.chunks for g in range(3)]
+        everything = choose_offload(plan, sizes, 0)
+        budget = rng.randint(everything.lowest_peak_bytes, everything.baseline_peak_bytes)
+        best = min(
+            sum(sizes[c][g] for c, g in subset)
+            for k in range(len(keys) + 1)
+            for subset in itertools.combinations(keys, k)
+            if model_peak(plan, sizes, _grouped(subset)) <= budget
+        )
+        choice = choose_offload(plan, sizes, budget)
+        assert choice.fits and choice.bytes_offloaded <= 1.5 * best
+        optimal += choice.bytes_offloaded == best
+        cases += 1
+    assert optimal >= 0.75 * cases
+
+
+def _grouped(subset) -> dict[tuple[int, int], set[int]]:
+    out: dict[tuple[int, int], set[int]] = {}
+    for chunk, g in subset:
+        out.setdefault(chunk, set()).add(g)
+    return out
+
+
+def test_fast_on_a_70b_like_plan():
+    """PP=8, 32 microbatches, VPP=2, 5 layers of 10 groups per chunk (3,200 groups on rank 0)."""
+    layer = [16, 48, 64, 16, 16, 16, 64, 64, 32, 8]
+    sizes = {vp: [b << 20 for b in layer * 5] for vp in range(2)}
+    first, last = (megatron_plan(pp_size=8, pp_rank=r, num_microbatches=32, vp_size=2) for r in (0, 7))
+    budget = (simulate(first, sizes, offload=False).peak_saved_bytes + simulate(last, sizes, offload=False).peak_saved_bytes) // 2
+    started = time.process_time()
+    choice = choose_offload(first, sizes, budget)
+    seconds = time.process_time() - started
+    assert choice.fits and 0 < choice.bytes_offloaded
+    assert seconds < 5, f"choose_offload took {seconds:.2f} s of CPU"
