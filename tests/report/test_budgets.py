@@ -70,3 +70,23 @@ def test_stage_report_refuses_unknown_budget_fields():
 
     with pytest.raises(ChunkOffloadError, match=r"unknown budget fields \['device_budget_gb'\]"):
         stage_report(baseline=None, offloaded=None, plan=None, rank=0, budgets={"device_budget_gb": 1})
+
+
+def test_plot_draws_the_budget_line(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from chunk_offload.report import plot_memory
+
+    labels: list[str] = []
+    original = Axes.axhline
+
+    def axhline(self, y=0, *args, **kwargs):
+        labels.append(kwargs.get("label"))
+        return original(self, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "axhline", axhline)
+    reports = [_budgeted(0, fits_without=False), replace(_budgeted(1, fits_without=True), device_budget="auto", leveled_budget=3 << 10)]
+    plot_memory(reports, tmp_path / "budget.png")
+    expected = [reports[0].device_budget / 1024, reports[1].leveled_budget / 1024]  # the sample reports plot in KiB
+    assert [label for label in labels if label] == [f"device budget {kib:.1f} KiB" for kib in expected]
