@@ -27,6 +27,7 @@ from ..core import (
     StreamBackend,
 )
 from ..schedule import Plan
+from .budgets import Budgets
 from .plan_tracking import PlanTracking
 
 __all__ = ["AttachedManager", "ScheduleOptions"]
@@ -73,6 +74,11 @@ class AttachedManager:
     def plan(self) -> Plan | None:
         """This rank's plan (see the integration's NOTE on observed orders)."""
         return self.tracking.plan
+
+    @property
+    def budgets(self) -> Budgets:
+        """The rank's device and host budget decisions: ``choice``, ``leveled_budget``, ``host_cap``, ..."""
+        return self.tracking.budgets
 
     @property
     def config(self) -> OffloadConfig:

@@ -95,7 +95,7 @@ class _Budgeted(OffloadHooks):
         manager = self.manager
         stage_report = manager.report()
         gathered = gather_reports(stage_report)
-        budgets = manager.tracking.budgets
+        budgets = manager.budgets
         records = manager.records
         manager.close()
         return {

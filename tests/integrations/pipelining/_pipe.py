@@ -211,7 +211,7 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
             name: dict(groups=g.groups, bytes_offloaded=g.bytes_offloaded, bytes_reloaded=g.bytes_reloaded)
             for name, g in stats.groups.items()
         }
-        budgets = manager.tracking.budgets
+        budgets = manager.budgets
         if budgets.active:
             choice = budgets.choice
             result.budgets = dict(
