@@ -10,6 +10,8 @@
   Megatron's schedule with `chunk_offload.schedule.simulate`) and copy against compute time;
 - `recommend`, `Recommendation`: per stage, the cheapest module set that fits a budget without
   stalling;
+- `choose_groups`, `GroupChoice`: per stage, the groups (of single chunks) to offload for a
+  budget, as `chunk_offload.schedule.choose_offload` will choose them at run time;
 - ``chunk-offload plan`` (`chunk_offload.planner.cli.main`): all of it on the command line.
 
 Megatron is imported only to build plans (`chunk_offload.schedule.megatron_plan`).
@@ -22,6 +24,7 @@ from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, PO
 from .model import expert_tokens, layer_backward_flops, layer_forward_flops, layer_groups, layer_saved_bytes, saved_tensors
 from .saved import SavedTensor, group_bytes
 from .recommend import Recommendation, recommend
+from .group_choice import GroupChoice, choose_groups
 
 __all__ = [
     "ALIASES",
@@ -31,6 +34,7 @@ __all__ = [
     "DTYPE_BYTES",
     "GB",
     "GPTDims",
+    "GroupChoice",
     "Hardware",
     "OFFLOAD_MODULE_NAMES",
     "NORMALIZATIONS",
@@ -42,6 +46,7 @@ __all__ = [
     "StagePlanner",
     "TRANSFORMER_IMPLS",
     "canonical_modules",
+    "choose_groups",
     "core_attention_flops",
     "estimate_stages",
     "expert_tokens",

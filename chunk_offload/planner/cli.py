@@ -10,7 +10,9 @@ virtual stages, 8 microbatches)::
 
 prints a table per stage (bytes per module per layer and per chunk, on one tensor-parallel rank, chunks in flight at the
 peak, the predicted peak without and with offload and the drop, copy against compute time per
-layer) and, with ``--budget-gb``, the cheapest module set per stage that fits without stalls.
+layer) and, with ``--budget-gb``, the cheapest module set per stage that fits without stalls,
+and the groups of single chunks a device budget makes each stage offload (the choice training
+with ``--chunk-offload-device-budget`` makes from the same bytes: `choose_groups`).
 ``--json PATH`` writes the same as JSON. Byte counts are decimal (1 GB = 1e9 bytes).
 """
 
@@ -28,6 +30,7 @@ from ..core.errors import ChunkOffloadError
 from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
 from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
+from .group_choice import GroupChoice, choose_groups
 from .recommend import Recommendation, recommend
 
 __all__ = ["build_parser", "main"]
@@ -242,10 +245,11 @@ def _plan(args: argparse.Namespace) -> _Result:
         if missing:
             raise ChunkOffloadError(f"module(s) {missing} not in this model; it has {present}")
     stages = planner.estimate(modules)
-    recommendations = None
+    recommendations = group_choices = None
     if args.budget_gb is not None:
         recommendations = recommend(planner, budget_bytes=round(args.budget_gb * GB), candidates=modules)
-    text = _format(dims, pipeline, hardware, planner, modules, stages, recommendations)
+        group_choices = choose_groups(planner, stages, budget_bytes=round(args.budget_gb * GB))
+    text = _format(dims, pipeline, hardware, planner, modules, stages, recommendations, group_choices)
     data = {
         "model": asdict(dims),
         "byte_model": _byte_model(dims),
@@ -257,6 +261,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         "schedule": planner.plans[0].source,
         "stages": [s.to_dict() for s in stages],
         "recommendations": None if recommendations is None else [r.to_dict() for r in recommendations],
+        "group_choices": None if group_choices is None else [c.to_dict() for c in group_choices],
     }
     return _Result(text, data)
 
@@ -296,6 +301,7 @@ def _format(
     modules: list[str],
     stages: list[StageEstimate],
     recommendations: list[Recommendation] | None,
+    group_choices: list[GroupChoice] | None = None,
 ) -> str:
     moe = f", {dims.num_experts} experts top-{dims.moe_router_topk} EP={dims.expert_parallel}" if dims.num_experts else ""
     mlp = ("SwiGLU" + ("" if dims.bias_swiglu_fusion else " (unfused)")) if dims.swiglu else "GELU"
@@ -352,4 +358,7 @@ def _format(
     if recommendations is not None:
         lines += ["", f"budget {recommendations[0].budget_bytes / 1e9:g} GB per stage:"]
         lines += [f"  {r.describe()}" for r in recommendations]
+    if group_choices is not None:
+        lines += ["", "per group, as a device budget chooses at run time (offload groups of single chunks):"]
+        lines += [f"  {c.describe()}" for c in group_choices]
     return "\n".join(lines) + "\n"

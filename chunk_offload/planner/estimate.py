@@ -135,6 +135,8 @@ class StageEstimate:
     """vp stage -> module -> bytes offloaded by one chunk (all its layers)."""
     group_bytes: dict[int, list[int]]
     """vp stage -> bytes of each offload group of one chunk, in forward order."""
+    group_names: dict[int, list[str]]
+    """vp stage -> module name of each offload group of one chunk (parallel to ``group_bytes``)."""
     chunks_in_flight_peak: int
     """Most chunks whose forward ran and whose backward has not, over the plan."""
     kept_chunks: list[tuple[int, int]]
@@ -201,6 +203,7 @@ class StageEstimate:
             "module_bytes_per_layer": self.module_bytes_per_layer,
             "chunk_module_bytes": {str(vp): b for vp, b in self.chunk_module_bytes.items()},
             "group_bytes": {str(vp): b for vp, b in self.group_bytes.items()},
+            "group_names": {str(vp): n for vp, n in self.group_names.items()},
             "chunks_in_flight_peak": self.chunks_in_flight_peak,
             "kept_chunks": [list(c) for c in self.kept_chunks],
             "peak_saved_bytes": self.peak_saved_bytes,
@@ -330,6 +333,7 @@ class StagePlanner:
             module_bytes_per_layer=module_bytes_per_layer,
             chunk_module_bytes={v: _per_name(g) for v, g in groups.items()},
             group_bytes=group_bytes,
+            group_names={v: [name for name, _ in g] for v, g in groups.items()},
             chunks_in_flight_peak=max(plan.in_flight(), default=0),
             kept_chunks=list(simulation.kept),
             simulation=simulation,

@@ -73,10 +73,11 @@ class CopyTiming:
     def hides(self, plan: Plan, chunk: tuple[int, int], nbytes: int) -> float:
         """Seconds of compute left after a copy of ``nbytes`` out and back in chunk ``chunk``'s
         window (from the action after its forward to its backward); >= 0: the copy hides."""
-        forward = plan.index(ActionKind.FORWARD, *chunk)
-        backward = plan.index(ActionKind.BACKWARD, *chunk)
-        window = self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
+        window = self._window(plan.index(ActionKind.FORWARD, *chunk), plan.index(ActionKind.BACKWARD, *chunk))
         return window - 2 * nbytes / self.bytes_per_s
+
+    def _window(self, forward: int, backward: int) -> float:
+        return self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,9 +168,16 @@ def choose_offload(
 def _slack(plan: Plan, sizes: Mapping[tuple[int, int], Sequence[int]], timing: CopyTiming | None) -> dict[tuple[int, int], list[float]]:
     """Per group: how well its copy hides (>= 0: hides; larger: better): with ``timing`` the
     compute seconds left over its copy out and back, else the chunk's lifespan in actions - 1."""
-    if timing is None:
-        return {chunk: [float(plan.lifespan(*chunk) - 1)] * len(bs) for chunk, bs in sizes.items()}
-    return {chunk: [timing.hides(plan, chunk, b) for b in bs] for chunk, bs in sizes.items()}
+    step = {(a.kind, a.chunk): i for i, a in enumerate(plan.actions)}
+    out = {}
+    for chunk, bs in sizes.items():
+        forward, backward = step[(ActionKind.FORWARD, chunk)], step[(ActionKind.BACKWARD, chunk)]
+        if timing is None:
+            out[chunk] = [float(backward - forward - 2)] * len(bs)  # the lifespan - 1
+        else:
+            window = timing._window(forward, backward)
+            out[chunk] = [window - 2 * b / timing.bytes_per_s for b in bs]
+    return out
 
 
 def budget_shortfall_message(choice: OffloadChoice, *, rank: int) -> str:

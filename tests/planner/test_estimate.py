@@ -21,7 +21,7 @@ import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.planner import GPTDims, Hardware, PipelineConfig, StagePlanner, estimate_stages, layer_forward_flops, stage_layers
-from chunk_offload.schedule import megatron_plan
+from chunk_offload.schedule import choose_offload, megatron_plan
 from tests._megatron import Hooks, Run, TinyGPTConfig, spawn_runs
 
 from ._stage_hooks import RecordHooks
@@ -123,6 +123,23 @@ def test_predicted_drop_equals_measured(measured, name: str):
                 else:
                     assert stage.drop > 0, what
                     assert measured_drop / stage.drop == 1.0, what  # R
+
+
+@pytest.mark.parametrize("name", ["pp2", "pp2_vpp2", "pp4"])
+def test_budget_choice_from_predicted_bytes_equals_the_one_from_measured_bytes(measured, name: str):
+    """`chunk-offload plan --budget-gb` chooses before launch what training chooses from the
+    baseline's measured bytes: `choose_offload` on the planner's bytes == on the measured ones."""
+    case = _CASES[name]
+    cfg = case.config
+    stages = StagePlanner(_dims(cfg, case.attention), _pipeline(cfg), min_offload_bytes=1).estimate(case.modules)
+    first, last = stages[0].peak_saved_bytes, stages[-1].peak_saved_bytes
+    for result in measured[name][0]:
+        stage = stages[result.pipeline_rank]
+        plan = stage.simulation.plan
+        for budget in (last, (last + first) // 2):
+            predicted = choose_offload(plan, stage.group_bytes, budget)
+            assert choose_offload(plan, result.steps[0]["group_bytes"], budget) == predicted
+            assert predicted.fits and predicted.baseline_peak_bytes == result.steps[0]["peak_saved_bytes"]
 
 
 def test_plan_policy_keeps_the_last_stage_chunks():
