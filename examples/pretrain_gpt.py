@@ -15,6 +15,9 @@ module and the copy and wait times. ``--chunk-offload-report PATH`` also writes 
 ``PATH.png`` (memory over one iteration per stage) and ``PATH.md``. ``--save-state DIR`` writes
 every rank's parameters after the last step, so two runs (with and without ``--chunk-offload-modules``)
 can be compared bit for bit: the baseline iteration changes nothing in the numerics.
+``--chunk-offload-device-budget BYTES|auto`` bounds each rank's peak: every rank chooses the fewest
+groups to offload that fit (a rank that fits copies nothing), and the report adds a table of the
+budgets, the groups chosen per module and the predicted and measured peaks.
 """
 
 from __future__ import annotations
@@ -103,6 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.chunk_offload_modules and not args.chunk_offload_baseline and args.iterations < 2:
         p.error(f"--chunk-offload-modules needs --iterations >= 2 (got {args.iterations}): the first iteration is the report's baseline without offload")
+    if args.chunk_offload_device_budget is not None and args.chunk_offload_schedule != "plan":
+        p.error(
+            f"--chunk-offload-device-budget needs --chunk-offload-schedule plan (got {args.chunk_offload_schedule}): "
+            "the budget's choices are decisions of the plan"
+        )
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // args.pipeline_model_parallel_size
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage

@@ -314,6 +314,19 @@ class HostPool:
         buf.fence = None
         buf.tensor = None  # the memory returns to the allocator (NOTE [Releasing host memory])
 
+    def set_capacity(self, capacity_bytes: int | None) -> None:
+        """Change the cap (``None``: no cap); free buffers above a lower cap are released now.
+
+        Buffers in use are never taken back: until they are released the pool may hold more than
+        the new cap, and new requests meet the cap as usual. Used by the integrations to apply a
+        node's host budget once each rank's share is known (`chunk_offload.schedule.node_host_cap`).
+        """
+        capacity = _check_capacity(capacity_bytes)
+        with self._lock:
+            self.capacity_bytes = capacity
+            if capacity is not None and self._allocated > capacity:
+                self._release_lru(self._allocated - capacity)
+
     def trim(self) -> int:
         """Release every free buffer now (waiting for copies still reading them); return the bytes released.
 

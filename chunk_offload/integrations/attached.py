@@ -3,14 +3,17 @@
 An integration binds an engine (`chunk_offload.core.OffloadManager`, held as ``engine``, not
 subclassed) to a framework's model chunks or pipeline stages, and drives its scopes
 (`begin_iteration` / `end_iteration`, `begin_chunk` / `end_chunk`) from hooks. This base
-holds the engine and the `PlanTracking`, forwards the engine's user-facing results (`stats`,
+holds the engine and the `PlanTracking` (which owns the device and host budget decisions, see
+`budgets.py`), forwards the engine's user-facing results (`stats`,
 `last_iteration`, `live_chunks`, `close`, ...) and removes the module hooks on `detach`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
+import torch.distributed as dist
 from torch import nn
 
 from ..core import (
@@ -24,9 +27,28 @@ from ..core import (
     StreamBackend,
 )
 from ..schedule import Plan
+from .budgets import Budgets
 from .plan_tracking import PlanTracking
 
-__all__ = ["AttachedManager"]
+__all__ = ["AttachedManager", "ScheduleOptions"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleOptions:
+    """The schedule and budget keywords every integration's ``attach`` takes (checked by `PlanTracking`).
+
+    ``schedule_policy``: ``"plan"`` (decisions from the rank's plan), None (reload at group start)
+    or a `SchedulePolicy`. ``prefetch_bytes`` / ``reload_ahead_bytes``: `PlanPolicy`'s budgets.
+    ``device_budget_bytes``: bytes this rank's device may use (an int, or ``"auto"``: the smallest
+    budget every pipeline rank meets), see `budgets.py`. ``host_budget_bytes``: pinned host bytes
+    of the whole node, split among its ranks by need.
+    """
+
+    schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan"
+    prefetch_bytes: int | None = None
+    reload_ahead_bytes: int | None = None
+    device_budget_bytes: int | Literal["auto"] | None = None
+    host_budget_bytes: int | None = None
 
 
 class AttachedManager:
@@ -37,21 +59,26 @@ class AttachedManager:
         *,
         config: OffloadConfig | None,
         streams: StreamBackend | None,
-        schedule_policy: SchedulePolicy | Literal["plan"] | None,
-        prefetch_bytes: int | None,
-        reload_ahead_bytes: int | None,
+        options: ScheduleOptions,
+        pipeline_group: dist.ProcessGroup | None = None,
+        blocking_exchanges: bool = True,
     ) -> None:
         # Every argument is checked before the engine starts its streams.
-        self.tracking = PlanTracking(schedule_policy, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+        self.tracking = PlanTracking(options)
         self.engine = OffloadManager(config, streams=streams, schedule_policy=self.tracking.engine_policy)
         """The offload engine this integration drives."""
-        self.tracking.bind(self.engine)
+        self.tracking.bind(self.engine, pipeline_group=pipeline_group, blocking=blocking_exchanges)
 
     # ------------------------------------------------------------------ the engine's results
     @property
     def plan(self) -> Plan | None:
         """This rank's plan (see the integration's NOTE on observed orders)."""
         return self.tracking.plan
+
+    @property
+    def budgets(self) -> Budgets:
+        """The rank's device and host budget decisions: ``choice``, ``leveled_budget``, ``host_cap``, ..."""
+        return self.tracking.budgets
 
     @property
     def config(self) -> OffloadConfig:

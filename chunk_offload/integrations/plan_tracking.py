@@ -3,7 +3,9 @@
 - `check_schedule_policy`: ``"plan"``, None or a `SchedulePolicy`, refused otherwise;
 - `PlanTracking`: the rank's current plan and, under ``schedule_policy="plan"``, the
   `PlanPolicy` built from it on the engine; `observed_plan` turns the order a schedule really
-  ran (a list of `Action`s) into a plan, and `diff` says how it differs from the current one.
+  ran (a list of `Action`s) into a plan, and `diff` says how it differs from the current one;
+  `after_iteration` applies the device and host budgets (`budgets.Budgets`) after each complete
+  training iteration.
 
 A plan read from a schedule's tables is checked against the order the schedule really ran; on a
 difference the integration warns with both orders side by side (`chunk_offload.core.diff_actions`)
@@ -12,10 +14,16 @@ and the observed order becomes the plan (NOTE [Observed order wins] in pipelinin
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from ..core import Action, ChunkOffloadError, OffloadManager, SchedulePolicy
+import torch.distributed as dist
+
+from ..core import Action, ChunkOffloadError, IterationRecord, OffloadManager, SchedulePolicy
 from ..schedule import Plan, PlanPolicy
+from .budgets import Budgets
+
+if TYPE_CHECKING:
+    from .attached import ScheduleOptions
 
 __all__ = ["PlanTracking", "check_schedule_policy"]
 
@@ -34,41 +42,77 @@ class PlanTracking:
     Construct it (which checks the arguments) before the engine, then `bind` the engine.
     """
 
-    def __init__(
-        self,
-        schedule_policy: SchedulePolicy | Literal["plan"] | None,
-        *,
-        prefetch_bytes: int | None,
-        reload_ahead_bytes: int | None,
-    ) -> None:
+    def __init__(self, options: "ScheduleOptions") -> None:
+        schedule_policy = options.schedule_policy
         check_schedule_policy(schedule_policy)
         self.from_plan = isinstance(schedule_policy, str)
-        given = {k: v for k, v in (("prefetch_bytes", prefetch_bytes), ("reload_ahead_bytes", reload_ahead_bytes)) if v is not None}
+        self.budgets = Budgets(
+            device_budget_bytes=options.device_budget_bytes,
+            host_budget_bytes=options.host_budget_bytes,
+            prefetch_bytes=options.prefetch_bytes,
+            reload_ahead_bytes=options.reload_ahead_bytes,
+        )
+        """The rank's device and host budget decisions."""
+        planned = (
+            ("prefetch_bytes", options.prefetch_bytes, "--chunk-offload-prefetch-bytes"),
+            ("reload_ahead_bytes", options.reload_ahead_bytes, "--chunk-offload-reload-ahead-bytes"),
+            ("device_budget_bytes", options.device_budget_bytes, "--chunk-offload-device-budget"),
+        )
+        given = {k: v for k, v, _ in planned if v is not None}
         if given and not self.from_plan:
-            # Both budgets are read by PlanPolicy only: without the plan they would be dropped silently.
+            # PlanPolicy alone reads them: without the plan they would be dropped silently.
             raise ChunkOffloadError(
                 f"{', '.join(f'{k}={v!r}' for k, v in given.items())} needs schedule_policy='plan' "
                 f"(--chunk-offload-schedule plan), got schedule_policy={schedule_policy!r} "
-                "(--chunk-offload-schedule group-start): prefetch and reload-ahead budgets are planned; "
-                "drop them or use the plan"
+                "(--chunk-offload-schedule group-start): prefetch and reload-ahead budgets and the device budget are "
+                "planned; drop them or use the plan"
             )
         """Whether the engine's policy is built from the plan (``schedule_policy="plan"``)."""
         self.engine_policy: SchedulePolicy | None = None if self.from_plan else schedule_policy
         """The policy the engine starts with (None: the engine's default)."""
-        self._budgets = PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+        self._budgets = PlanPolicy.check_budgets(prefetch_bytes=options.prefetch_bytes, reload_ahead_bytes=options.reload_ahead_bytes)
         self._engine: OffloadManager | None = None
         self.plan: Plan | None = None
         """The rank's current plan (None: none known)."""
 
-    def bind(self, engine: OffloadManager) -> None:
-        """The engine whose `schedule_policy` `use` sets."""
+    def bind(self, engine: OffloadManager, *, pipeline_group: dist.ProcessGroup | None = None, blocking: bool = True) -> None:
+        """The engine whose `schedule_policy` `use` sets.
+
+        With a budget that needs an exchange this is a COLLECTIVE over the default group
+        (`Budgets.bind`); ``pipeline_group``: the rank's pipeline ranks, ``blocking``: NOTE
+        [Deferred exchanges] in ``exchange.py``.
+        """
         self._engine = engine
+        self.budgets.bind(pipeline_group=pipeline_group, blocking=blocking)
 
     def use(self, plan: Plan | None) -> None:
         """Make ``plan`` the current plan; with ``"plan"`` the engine's decisions follow it (none without one)."""
         self.plan = plan
-        if self.from_plan:
-            self._engine.schedule_policy = PlanPolicy(plan, **self._budgets) if plan is not None else SchedulePolicy()
+        if not self.from_plan:
+            return
+        if plan is None:
+            self._engine.schedule_policy = SchedulePolicy()
+        elif self.budgets.device_budget is not None:
+            self._engine.schedule_policy = self.budgets.policy(plan)
+        else:
+            self._engine.schedule_policy = PlanPolicy(plan, **self._budgets)
+
+    def after_iteration(self, record: IterationRecord | None) -> None:
+        """After each complete training iteration (its record, None if discarded): apply the budgets.
+
+        Every rank calls it once per training iteration, after any change of plan; a no-op
+        without budgets (NOTEs [Device budget] and [Node host budget] in ``budgets.py``).
+        """
+        budgets = self.budgets
+        if not budgets.active:
+            return
+        pp_rank = self.plan.pp_rank if self.plan is not None else 0
+        policy = budgets.after_iteration(self.plan, record, self._engine.schedule_policy, pp_rank=pp_rank)
+        if policy is not None and self.from_plan:
+            self._engine.schedule_policy = policy
+        cap = budgets.host_cap
+        if cap is not None and self._engine.pool.capacity_bytes != cap:
+            self._engine.pool.set_capacity(cap)
 
     def diff(self, observed: Sequence[Action]) -> str | None:
         """How ``observed`` differs from the current plan (None: equal, or no plan)."""

@@ -19,7 +19,8 @@ _UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
 
 def plot_memory(reports: Sequence[StageReport], path: str | Path, *, dpi: int = 110) -> Path:
     """Draw one panel per rank: the measure after each accounting change of the baseline
-    iteration and of the offload iteration, with their peaks, and save it as a PNG at ``path``.
+    iteration and of the offload iteration, with their peaks (and the device budget, if any),
+    and save it as a PNG at ``path``.
 
     The x axis is the fraction of the iteration's accounting changes: the offload iteration has
     more of them (every copy is one), so both lines span the same width.
@@ -33,7 +34,7 @@ def plot_memory(reports: Sequence[StageReport], path: str | Path, *, dpi: int = 
     reports = list(reports)
     if not reports:
         raise ChunkOffloadError("no stage reports to plot; pass the list gather_reports returned on rank 0")
-    top = max(max(r.peak_without, r.peak_with, *r.trace_without, *r.trace_with, 1) for r in reports)
+    top = max(max(r.peak_without, r.peak_with, *r.trace_without, *r.trace_with, _budget(r) or 0, 1) for r in reports)
     scale, unit = next((s, u) for s, u in _UNITS if top >= s)
     figure = Figure(figsize=(8.0, 1.0 + 2.2 * len(reports)), layout="constrained")
     axes = figure.subplots(len(reports), 1, squeeze=False, sharex=True)[:, 0]
@@ -46,6 +47,9 @@ def plot_memory(reports: Sequence[StageReport], path: str | Path, *, dpi: int = 
                 steps = max(len(trace) - 1, 1)
                 ax.step([i / steps for i in range(len(trace))], [b / scale for b in trace], where="post", color=color, label=f"{label} (peak {peak / scale:.1f} {unit})")
             ax.axhline(peak / scale, color=color, linestyle=":", linewidth=0.8)
+        budget = _budget(report)
+        if budget is not None:
+            ax.axhline(budget / scale, color="tab:green", linestyle="--", linewidth=1.0, label=f"device budget {budget / scale:.1f} {unit}")
         ratio = "-" if report.ratio is None else f"{report.ratio:.2%}"
         ax.set_title(
             f"rank {report.rank}, pipeline stage {report.pp_rank}/{report.pp_size}, {report.vp_size} virtual: "
@@ -53,7 +57,7 @@ def plot_memory(reports: Sequence[StageReport], path: str | Path, *, dpi: int = 
             fontsize=9,
         )
         ax.set_ylabel(unit)
-        highest = max(report.peak_without, report.peak_with, *report.trace_without, *report.trace_with, 1)
+        highest = max(report.peak_without, report.peak_with, *report.trace_without, *report.trace_with, budget or 0, 1)
         ax.set_ylim(0, 1.3 * highest / scale)  # headroom for the legend above the peaks
         ax.legend(loc="upper right", fontsize=8, ncols=2)
     axes[-1].set_xlabel("progress through one iteration (fraction of accounting changes)")
@@ -63,3 +67,8 @@ def plot_memory(reports: Sequence[StageReport], path: str | Path, *, dpi: int = 
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, format="png", dpi=dpi)
     return path
+
+
+def _budget(report: StageReport) -> int | None:
+    """The rank's device budget in bytes (the levelled one for ``"auto"``), or None."""
+    return report.leveled_budget if report.device_budget == "auto" else report.device_budget

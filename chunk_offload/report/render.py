@@ -20,12 +20,16 @@ FORMAT = "chunk_offload.stage_reports/1"
 # Its drop and R cells show "-", and a line below the table says why nothing was copied, from what
 # the report holds: no saved byte of the offloaded modules was tracked at all (predicted peak
 # without offload 0: every tensor below min_offload_bytes, or the modules saved nothing), or
-# bytes were tracked but the plan kept every chunk on device (its backward follows at once).
+# bytes were tracked but the plan kept every chunk on device (its backward follows at once), or
+# the rank's peak fits its device budget (the budget's choice offloads nothing).
 
-_COLUMNS = (
+_RANK_COLUMNS = (
     # header, alignment (markdown), cell
     ("rank", "r", lambda r: str(r.rank)),
     ("pp", "r", lambda r: f"{r.pp_rank}/{r.pp_size}"),
+)
+_COLUMNS = (
+    *_RANK_COLUMNS,
     ("vp", "r", lambda r: str(r.vp_size)),
     ("peak without (B)", "r", lambda r: str(r.peak_without)),
     ("peak with (B)", "r", lambda r: str(r.peak_with)),
@@ -37,6 +41,24 @@ _COLUMNS = (
     ("wait ms", "r", lambda r: f"{r.wait_ms:.2f}"),
     ("bytes offloaded per module", "l", lambda r: ",".join(f"{n}:{b}" for n, b in r.bytes_per_module.items()) or "-"),
 )
+
+
+# The budgets, in a second table shown when a rank has one (NOTE [Device budget] in integrations/budgets.py).
+_BUDGET_COLUMNS = (
+    *_RANK_COLUMNS,
+    ("device budget (B)", "r", lambda r: _or_dash(r.device_budget)),
+    ("levelled (B)", "r", lambda r: _or_dash(r.leveled_budget)),
+    ("predicted peak (B)", "r", lambda r: str(r.predicted_peak_with)),
+    ("peak with (B)", "r", lambda r: str(r.peak_with)),
+    ("fits", "l", lambda r: "-" if r.budget_fits is None else ("yes" if r.budget_fits else "NO (lowest peak)")),
+    ("groups offloaded per module", "l", lambda r: ",".join(f"{n}:{k}" for n, k in r.offloaded_groups.items()) or "none"),
+    ("host cap (B)", "r", lambda r: _or_dash(r.host_cap)),
+    ("node host budget (B)", "r", lambda r: _or_dash(r.host_budget)),
+)
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
 
 
 def format_table(reports: Sequence[StageReport]) -> str:
@@ -51,16 +73,25 @@ def format_table(reports: Sequence[StageReport]) -> str:
     for base, offload in pairs:
         if base is not None and offload is not None:
             lines.append(f"peak without: iteration {base + 1} (baseline, nothing copied); peak with: iteration {offload + 1} (offload)")
-    cells = [[header for header, _, _ in _COLUMNS]] + [[cell(r) for _, _, cell in _COLUMNS] for r in reports]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+    lines += ["", *_table(_COLUMNS, reports)]  # a blank line: Markdown needs it before a table
+    lines += _nothing_copied_notes(reports)
+    if any(r.device_budget is not None or r.host_budget is not None for r in reports):
+        lines += ["", "budgets (predicted peak: simulate's, under the budget's choice; peak with: measured):", ""]
+        lines += _table(_BUDGET_COLUMNS, reports)
+    return "\n".join(lines)
+
+
+def _table(columns: Sequence[tuple], reports: list[StageReport]) -> list[str]:
+    """The lines of a Markdown table with a row per report."""
+    cells = [[header for header, _, _ in columns]] + [[cell(r) for _, _, cell in columns] for r in reports]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
 
     def row(values: list[str]) -> str:
-        padded = (v.rjust(w) if align == "r" else v.ljust(w) for v, w, (_, align, _) in zip(values, widths, _COLUMNS))
+        padded = (v.rjust(w) if align == "r" else v.ljust(w) for v, w, (_, align, _) in zip(values, widths, columns))
         return "| " + " | ".join(padded) + " |"
 
-    rule = "|" + "|".join(("-" * (w + 1) + ":") if align == "r" else (":" + "-" * (w + 1)) for w, (_, align, _) in zip(widths, _COLUMNS)) + "|"
-    lines += ["", row(cells[0]), rule, *(row(c) for c in cells[1:])]  # a blank line: Markdown needs it before a table
-    return "\n".join(lines + _nothing_copied_notes(reports))
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if align == "r" else (":" + "-" * (w + 1)) for w, (_, align, _) in zip(widths, columns)) + "|"
+    return [row(cells[0]), rule, *(row(c) for c in cells[1:])]
 
 
 def _copied_nothing(report: StageReport) -> bool:
@@ -70,13 +101,16 @@ def _copied_nothing(report: StageReport) -> bool:
 def _nothing_copied_notes(reports: list[StageReport]) -> list[str]:
     """One line per reason for the ranks that copied nothing. See NOTE [Ranks that copied nothing]."""
     below = [r.rank for r in reports if _copied_nothing(r) and r.predicted_peak_without == 0]
-    kept = [r.rank for r in reports if _copied_nothing(r) and r.predicted_peak_without > 0]
+    fit = [r.rank for r in reports if _copied_nothing(r) and r.predicted_peak_without > 0 and r.budget_fits and not r.offloaded_groups]
+    kept = [r.rank for r in reports if _copied_nothing(r) and r.predicted_peak_without > 0 and r.rank not in fit]
     notes = []
     if below:
         notes.append(
             f"{_ranks(below)} copied nothing: no saved tensor of the offloaded modules reached min_offload_bytes "
             "(--chunk-offload-min-offload-bytes, default 1 MiB); a small model needs a lower threshold"
         )
+    if fit:
+        notes.append(f"{_ranks(fit)} copied nothing: the peak without offload fits the device budget (see the budgets below)")
     if kept:
         notes.append(
             f"{_ranks(kept)} copied nothing: the plan kept every chunk on device (each backward follows its forward "

@@ -88,6 +88,18 @@ class StageReport:
     """0-based number of the baseline iteration in the run (None: not known)."""
     offload_iteration: int | None = None
     """0-based number of the offload iteration in the run (None: not known)."""
+    device_budget: int | str | None = None
+    """The rank's device budget as given: bytes, ``"auto"``, or None (no budget)."""
+    leveled_budget: int | None = None
+    """With ``"auto"``: the levelled budget (the largest lowest peak of the pipeline's ranks)."""
+    offloaded_groups: dict[str, int] = field(default_factory=dict)
+    """With a device budget: per offloaded module, the groups the budget's choice copies to host."""
+    budget_fits: bool | None = None
+    """With a device budget: whether the choice's predicted peak fits it (False: lowest peak taken)."""
+    host_budget: int | None = None
+    """The node's host budget (``--chunk-offload-host-budget``), or None."""
+    host_cap: int | None = None
+    """This rank's host pool cap, its share of the node's host budget (None: no budget, or not split yet)."""
 
     @property
     def measured_drop(self) -> int:
@@ -130,9 +142,13 @@ class StageReport:
                     f"{report.theoretical_drop}) which give {value!r}"
                 )
         report.bytes_per_module = dict(report.bytes_per_module)
+        report.offloaded_groups = dict(report.offloaded_groups)
         report.trace_without = list(report.trace_without)
         report.trace_with = list(report.trace_with)
         return report
+
+
+_BUDGET_FIELDS = ("device_budget", "leveled_budget", "offloaded_groups", "budget_fits", "host_budget", "host_cap")
 
 
 def _plain(value: Any) -> Any:
@@ -152,6 +168,7 @@ def stage_report(
     policy: SchedulePolicy | None = None,
     baseline_iteration: int | None = None,
     offload_iteration: int | None = None,
+    budgets: Mapping[str, Any] | None = None,
 ) -> StageReport:
     """Build a rank's `StageReport` from a baseline record, an offload record and the rank's plan.
 
@@ -163,7 +180,13 @@ def stage_report(
         policy: the schedule policy the manager used (None: the engine's default decisions);
             the simulation applies the same one.
         baseline_iteration, offload_iteration: 0-based numbers of the two iterations in the run.
+        budgets: the budget fields (``device_budget``, ``leveled_budget``, ``offloaded_groups``,
+            ``budget_fits``, ``host_budget``, ``host_cap``) as the integration's budgets summarize them.
     """
+    budget_fields = {f.name for f in fields(StageReport)} & set(_BUDGET_FIELDS)
+    unknown = sorted(set(budgets or {}) - budget_fields)
+    if unknown:
+        raise ChunkOffloadError(f"stage_report: unknown budget fields {unknown}; valid: {sorted(budget_fields)}")
     if baseline.offload:
         raise ChunkOffloadError("stage_report: the baseline record ran with offload; pass a record of an iteration with offload=False")
     if not offloaded.offload:
@@ -203,6 +226,7 @@ def stage_report(
         trace_with=[int(b) for b in traces[1]],
         baseline_iteration=baseline_iteration,
         offload_iteration=offload_iteration,
+        **dict(budgets or {}),
     )
 
 

@@ -68,6 +68,12 @@ def test_offload_needs_a_second_iteration_after_the_baseline(capsys):
         (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
         (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "--num-layers must be divisible by --pipeline-model-parallel-size (2), got 3"),
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+        (["--chunk-offload-device-budget", "lots"], "expected 'auto' or a byte count >= 0 such as 60GiB or 600KiB"),
+        (["--chunk-offload-host-budget", "2GB"], "argument --chunk-offload-host-budget: expected a byte count >= 0"),
+        (
+            ["--chunk-offload-device-budget", "auto", "--chunk-offload-schedule", "group-start"],
+            "--chunk-offload-device-budget needs --chunk-offload-schedule plan",
+        ),
     ],
 )
 def test_bad_arguments_are_usage_errors(capsys, argv, message):

@@ -144,3 +144,19 @@ def test_model_provider_and_the_readme_snippet(plain_runs: dict, tmp_path: Path)
     for name in ("launched", "snippet"):
         reports = json.loads((tmp_path / f"{name}.json").read_text())["reports"]
         assert all(sum(r["bytes_per_module"].values()) > 0 for r in reports), reports  # VPP: both stages copy
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--chunk-offload-device-budget", "lots", "expected 'auto' or a byte count >= 0"),
+        ("--chunk-offload-host-budget", "auto", "expected a byte count >= 0"),
+    ],
+)
+def test_bad_budget_is_a_usage_error_through_megatrons_parser(flag: str, value: str, message: str, tmp_path: Path) -> None:
+    """Megatron-LM's own parser (our flags composed into it by the launcher) answers with exit code 2."""
+    cmd = [sys.executable, "-m", "chunk_offload.megatron_lm", str(SCRIPT), *COMMON, "--chunk-offload-modules", "core_attn", flag, value]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"argument {flag}: {message}" in proc.stderr and "Traceback" not in proc.stderr

@@ -20,6 +20,11 @@ Flags (group "chunk-offload"); every value lands in ``args.chunk_offload_*``:
 * ``--chunk-offload-host-pool-bytes N``: cap on pinned host memory (unset: no cap).
 * ``--chunk-offload-on-exhausted fallback|error``: what happens at the cap.
 * ``--chunk-offload-baseline``: track the same groups and bytes but copy nothing.
+* ``--chunk-offload-device-budget BYTES|auto``: device bytes per rank; the manager chooses what
+  to offload (``attach(..., device_budget_bytes=...)``, NOTE [Device budget] in
+  ``integrations/budgets.py``); ``auto`` levels the pipeline ranks' peaks.
+* ``--chunk-offload-host-budget BYTES``: pinned host bytes of the node, split among its ranks
+  by need (``host_budget_bytes``).
 * ``--chunk-offload-iterations wrap|auto``: ``wrap`` (default): each call of
   ``manager.wrap(get_forward_backward_func())`` is one iteration; ``auto``: the manager opens and
   closes iterations itself, with Megatron's ``get_num_microbatches()`` forwards per model chunk
@@ -86,6 +91,8 @@ _DESTS = {
     "prefetch-bytes": "chunk_offload_prefetch_bytes",
     "reload-ahead-bytes": "chunk_offload_reload_ahead_bytes",
     "iterations": "chunk_offload_iterations",
+    "device-budget": "chunk_offload_device_budget",
+    "host-budget": "chunk_offload_host_budget",
 }
 _SCHEDULE_CHOICES = ("plan", "group-start")
 
@@ -108,6 +115,18 @@ def _byte_count(text: str) -> int:
             f"expected a byte count >= 0 such as 1048576 or 1MiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
         )
     return int(match.group(1)) * _SIZE_UNITS[unit]
+
+
+def _device_budget(text: str) -> int | str:
+    """argparse ``type``: ``auto`` or a byte count (`_byte_count`)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _byte_count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or a byte count >= 0 such as 60GiB or 600KiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
+        ) from None
 
 
 class _ModulesAction(argparse.Action):
@@ -234,6 +253,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ),
     )
     group.add_argument(
+        *names("device-budget"),
+        dest=_DESTS["device-budget"],
+        type=_device_budget,
+        default=None,
+        metavar="BYTES|auto",
+        help=(
+            "With --chunk-offload-schedule plan: device bytes this rank may use; each rank offloads the fewest groups "
+            "whose predicted peak fits (a rank that fits offloads nothing). CUDA: bounds max_memory_allocated; CPU: "
+            "the saved-bytes accounting. 'auto': the smallest budget every pipeline rank meets. Default: no budget."
+        ),
+    )
+    group.add_argument(
+        *names("host-budget"),
+        dest=_DESTS["host-budget"],
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help=(
+            "Pinned host bytes of the whole node, split among its ranks by what each rank's plan puts on host "
+            "(early stages get more); each rank's host pool cap follows after the first iteration. Default: no budget."
+        ),
+    )
+    group.add_argument(
         *names("iterations"),
         dest=_DESTS["iterations"],
         choices=ITERATION_MODES,
@@ -335,6 +377,8 @@ def attach_from_args(
         schedule_policy="plan" if getattr(args, _DESTS["schedule"]) == "plan" else None,
         prefetch_bytes=getattr(args, _DESTS["prefetch-bytes"]),
         reload_ahead_bytes=getattr(args, _DESTS["reload-ahead-bytes"]),
+        device_budget_bytes=getattr(args, _DESTS["device-budget"]),
+        host_budget_bytes=getattr(args, _DESTS["host-budget"]),
         baseline_iterations=baseline_iterations,
         iterations=getattr(args, _DESTS["iterations"]) if iterations is None else iterations,
     )

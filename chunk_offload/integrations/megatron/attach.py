@@ -41,7 +41,7 @@ from torch import nn
 
 from ...core import Action, ActionKind, ChunkOffloadError, IterationRecord, OffloadConfig, SchedulePolicy, StreamBackend
 from ...schedule import megatron_plan
-from ..attached import AttachedManager
+from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
 from .auto import ITERATION_MODES, AutoIterations, check_iterations
 from .modules import canonical_names, resolve
@@ -70,7 +70,8 @@ class MegatronOffloadManager(AttachedManager):
     training loops that call ``get_forward_backward_func()`` themselves (Megatron-LM's
     ``pretrain``); ``num_microbatches`` (an int, or a callable returning the current count; None:
     Megatron's ``get_num_microbatches()``) is the forwards per chunk in one iteration. See NOTE
-    [Automatic iterations] in ``auto.py``.
+    [Automatic iterations] in ``auto.py``. ``options``: the schedule and budget keywords of
+    `attach` (`ScheduleOptions`; None: the defaults).
     """
 
     def __init__(
@@ -80,15 +81,14 @@ class MegatronOffloadManager(AttachedManager):
         *,
         config: OffloadConfig | None = None,
         streams: StreamBackend | None = None,
-        schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
-        prefetch_bytes: int | None = None,
-        reload_ahead_bytes: int | None = None,
+        options: ScheduleOptions | None = None,
         baseline_iterations: int = 0,
         iterations: Literal["wrap", "auto"] = "wrap",
         num_microbatches: int | Callable[[], int] | None = None,
     ) -> None:
         offload_modules = canonical_names(offload_modules)  # fail before the streams start
-        PlanTracking(schedule_policy, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+        options = options if options is not None else ScheduleOptions()
+        PlanTracking(options)
         if isinstance(baseline_iterations, bool) or not isinstance(baseline_iterations, int) or baseline_iterations < 0:
             raise ChunkOffloadError(f"baseline_iterations must be an int >= 0, got {baseline_iterations!r}")
         check_iterations(iterations, num_microbatches)
@@ -97,12 +97,10 @@ class MegatronOffloadManager(AttachedManager):
             raise ChunkOffloadError(
                 f"attach expects a GPTModel chunk or a list of them (one per virtual stage), got {model_chunks!r:.200}"
             )
+        # NOTE [Deferred exchanges] (exchange.py): auto iterations close where ranks wait on each other.
         super().__init__(
-            config=config,
-            streams=streams,
-            schedule_policy=schedule_policy,
-            prefetch_bytes=prefetch_bytes,
-            reload_ahead_bytes=reload_ahead_bytes,
+            config=config, streams=streams, options=options, pipeline_group=_pipeline_group() if options.device_budget_bytes == "auto" else None,
+            blocking_exchanges=iterations == "wrap"
         )
         self.baseline_iterations = baseline_iterations
         self._baseline_records: list[IterationRecord] = []
@@ -271,6 +269,7 @@ class MegatronOffloadManager(AttachedManager):
         self._training_calls += 1
         self._keep_record(self.engine.last_iteration)
         self._check_plan()
+        self.tracking.after_iteration(self.engine.last_iteration)
 
     @property
     def training_calls(self) -> int:
@@ -376,6 +375,13 @@ class MegatronOffloadManager(AttachedManager):
         self._remove_module_offloads()
 
 
+def _pipeline_group() -> Any:
+    """Megatron's pipeline group of this rank (None before model parallelism is initialized)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+
+
 def _on_backward(output: Any, callback: Callable[[], None]) -> bool:
     """Call ``callback`` once when the gradient of the chunk's output tensor is computed; False if it never can be."""
     tensor = output if isinstance(output, torch.Tensor) else None
@@ -403,6 +409,8 @@ def attach(
     schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
     prefetch_bytes: int | None = None,
     reload_ahead_bytes: int | None = None,
+    device_budget_bytes: int | Literal["auto"] | None = None,
+    host_budget_bytes: int | None = None,
     baseline_iterations: int = 0,
     iterations: Literal["wrap", "auto"] = "wrap",
     num_microbatches: int | Callable[[], int] | None = None,
@@ -410,19 +418,28 @@ def attach(
     """Offload ``offload_modules`` of megatron-core GPTModel ``model_chunks`` (one per virtual stage).
 
     ``offload_modules``: names from `chunk_offload.integrations.megatron.OFFLOAD_MODULE_NAMES`
-    (a list or a comma-separated string). ``config``: the engine's `OffloadConfig`. The other
+    (a list or a comma-separated string). ``config``: the engine's `OffloadConfig`.
+    ``schedule_policy``, ``prefetch_bytes``, ``reload_ahead_bytes``, ``device_budget_bytes``
+    (bytes or ``"auto"``) and ``host_budget_bytes`` (the node's pinned host bytes) are
+    `ScheduleOptions`' (NOTEs [Device budget] and [Node host budget] in ``integrations/budgets.py``;
+    with ``"auto"`` or a host budget, attaching is a collective: every rank attaches). The other
     keywords are `MegatronOffloadManager`'s. Wrap Megatron's ``get_forward_backward_func()`` with
     the returned manager's `wrap`, or pass ``iterations="auto"`` when the training loop calls it
     itself (Megatron-LM's ``pretrain``).
     """
+    options = ScheduleOptions(
+        schedule_policy=schedule_policy,
+        prefetch_bytes=prefetch_bytes,
+        reload_ahead_bytes=reload_ahead_bytes,
+        device_budget_bytes=device_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+    )
     return MegatronOffloadManager(
         model_chunks,
         offload_modules,
         config=config,
         streams=streams,
-        schedule_policy=schedule_policy,
-        prefetch_bytes=prefetch_bytes,
-        reload_ahead_bytes=reload_ahead_bytes,
+        options=options,
         baseline_iterations=baseline_iterations,
         iterations=iterations,
         num_microbatches=num_microbatches,

@@ -56,6 +56,7 @@ def build_stage_report(manager: "MegatronOffloadManager") -> StageReport:
         policy=manager.schedule_policy,
         baseline_iteration=baseline,
         offload_iteration=manager.training_calls - 1,  # the latest training call
+        budgets=manager.budgets.summary(records[-1]) if manager.budgets.active else None,
     )
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from ...core import Action, ActionKind, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend, diff_actions
 from ...schedule import Plan
-from ..attached import AttachedManager
+from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
 from . import order
 
@@ -69,6 +69,8 @@ class PipelineOffloadManager(AttachedManager):
         plan_mismatch: the difference the first iteration found, or None.
         observed_order: the actions of the last training iteration, as they ran.
         registered: offload-module name -> qualified names of the submodules it matched, per stage.
+
+    ``options``: the schedule and budget keywords of `attach` (`ScheduleOptions`; None: the defaults).
     """
 
     def __init__(
@@ -78,11 +80,10 @@ class PipelineOffloadManager(AttachedManager):
         *,
         config: OffloadConfig | None = None,
         streams: StreamBackend | None = None,
-        schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
-        prefetch_bytes: int | None = None,
-        reload_ahead_bytes: int | None = None,
+        options: ScheduleOptions | None = None,
     ) -> None:
-        PlanTracking(schedule_policy, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+        options = options if options is not None else ScheduleOptions()
+        PlanTracking(options)
         if not order.is_schedule(schedule):
             raise ChunkOffloadError(
                 f"attach expects a torch.distributed.pipelining schedule (Schedule1F1B, ScheduleInterleaved1F1B, ...), "
@@ -101,13 +102,8 @@ class PipelineOffloadManager(AttachedManager):
             listed = order.listed_plan(schedule)
         except ChunkOffloadError as e:
             listed_error = str(e).removeprefix("chunk_offload: ").split("\n")[0]
-        super().__init__(
-            config=config,
-            streams=streams,
-            schedule_policy=schedule_policy,
-            prefetch_bytes=prefetch_bytes,
-            reload_ahead_bytes=reload_ahead_bytes,
-        )
+        # The stages' group is the pipeline ('auto' budgets gather over it); step() ends on every rank alike.
+        super().__init__(config=config, streams=streams, options=options, pipeline_group=getattr(stages[0], "group", None))
         self.schedule = schedule
         self.stages = stages
         self.listed_actions: list[Action] | None = listed_actions
@@ -144,6 +140,7 @@ class PipelineOffloadManager(AttachedManager):
             with self.engine.iteration():
                 result = step(*args, **kwargs)
             self._check_order()
+            self.tracking.after_iteration(self.engine.last_iteration)
             return result
 
         setattr(wrapped, _MARK, True)
@@ -311,21 +308,25 @@ def attach(
     schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan",
     prefetch_bytes: int | None = None,
     reload_ahead_bytes: int | None = None,
+    device_budget_bytes: int | Literal["auto"] | None = None,
+    host_budget_bytes: int | None = None,
 ) -> PipelineOffloadManager:
     """Offload ``offload_modules`` of this rank's stages under ``schedule`` (a pipelining schedule).
 
     ``offload_modules``: fnmatch patterns over qualified submodule names of each stage's
     ``submod`` (each pattern is its own group name), or a mapping group name -> pattern(s) and/or
     nn.Module classes, e.g. ``{"attn": "layers.*.attention", "norm": nn.LayerNorm}``.
-    ``config``: the engine's `OffloadConfig`; the other keywords are `PipelineOffloadManager`'s.
+    ``config``: the engine's `OffloadConfig`; the other keywords are `PipelineOffloadManager`'s:
+    ``device_budget_bytes`` (bytes or ``"auto"``, over the stages' group) and ``host_budget_bytes``
+    (the node's pinned host bytes) are `ScheduleOptions`' (NOTEs in ``integrations/budgets.py``).
+    With either, attaching is a collective: every rank attaches.
     Then call ``schedule.step(...)`` as usual; `PipelineOffloadManager.detach` undoes it.
     """
-    return PipelineOffloadManager(
-        schedule,
-        offload_modules,
-        config=config,
-        streams=streams,
+    options = ScheduleOptions(
         schedule_policy=schedule_policy,
         prefetch_bytes=prefetch_bytes,
         reload_ahead_bytes=reload_ahead_bytes,
+        device_budget_bytes=device_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
     )
+    return PipelineOffloadManager(schedule, offload_modules, config=config, streams=streams, options=options)

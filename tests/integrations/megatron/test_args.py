@@ -34,6 +34,8 @@ LONG_FLAGS = (
     "--chunk-offload-prefetch-bytes",
     "--chunk-offload-reload-ahead-bytes",
     "--chunk-offload-iterations",
+    "--chunk-offload-device-budget",
+    "--chunk-offload-host-budget",
 )
 SHORT_FLAGS = tuple(flag.replace("--chunk-offload-", "--offload-") for flag in LONG_FLAGS)
 """Spellings that 0.1.0 never released and that no longer exist."""
@@ -146,6 +148,33 @@ def test_byte_counts(value: str, expected: int) -> None:
     args = parser().parse_args(["--chunk-offload-min-offload-bytes", value, "--chunk-offload-host-pool-bytes", value])
     assert args.chunk_offload_min_offload_bytes == expected
     assert args.chunk_offload_host_pool_bytes == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "60GB", "automatic", "600 KiB x", ""])
+def test_bad_device_budget_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(parser(), ["--chunk-offload-device-budget", value], capsys)
+    assert "--chunk-offload-device-budget" in err and "expected 'auto' or a byte count >= 0" in err and repr(value) in err
+
+
+@pytest.mark.parametrize("value", ["-1", "auto", "2 GB", "x"])
+def test_bad_host_budget_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(parser(), ["--chunk-offload-host-budget", value], capsys)
+    assert "--chunk-offload-host-budget" in err and "byte count >= 0" in err and repr(value) in err
+
+
+def test_budget_flags() -> None:
+    assert (parser().parse_args([]).chunk_offload_device_budget, parser().parse_args([]).chunk_offload_host_budget) == (None, None)
+    args = parser().parse_args(["--chunk-offload-device-budget", "600KiB", "--chunk-offload-host-budget", "64GiB"])
+    assert (args.chunk_offload_device_budget, args.chunk_offload_host_budget) == (600 << 10, 64 << 30)
+    assert parser().parse_args(["--chunk-offload-device-budget", "AUTO"]).chunk_offload_device_budget == "auto"
+
+
+def test_device_budget_needs_the_plan() -> None:
+    args = parser().parse_args(
+        ["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", "--chunk-offload-device-budget", "1MiB"]
+    )
+    with pytest.raises(ChunkOffloadError, match=r"device_budget_bytes=1048576 needs schedule_policy='plan'"):
+        attach_from_args(nn.Linear(2, 2), args)
 
 
 def test_on_exhausted_baseline_report() -> None:

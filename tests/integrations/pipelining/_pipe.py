@@ -52,6 +52,10 @@ class Case:
     """Seeds the delays."""
     eval_after: bool = False
     """Call ``schedule.eval`` after training (torch 2.13's V schedules fail in eval on their own)."""
+    device_budget_bytes: int | str | None = None
+    """`attach`'s ``device_budget_bytes`` for the offload run."""
+    host_budget_bytes: int | None = None
+    """`attach`'s ``host_budget_bytes`` for the offload run."""
 
 
 @dataclass(kw_only=True)
@@ -89,6 +93,8 @@ class CaseResult:
     saved tensors were all released right after it."""
     eval_unchanged: bool = False
     """``schedule.eval`` after training left the offload counters and live chunks untouched."""
+    budgets: dict[str, object] = field(default_factory=dict)
+    """After the offload run: what its budgets decided (levelled budget, the choice's peaks, host caps)."""
     seconds: float = 0.0
 
 
@@ -146,7 +152,14 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
     run = "offload" if offload else "baseline"
     if offload:
         streams = chunk_offload.CpuStreams(max_delay_s=case.max_delay_s, seed=case.seed)
-        manager = attach(schedule, OFFLOAD_MODULES, config=OffloadConfig(min_offload_bytes=0), streams=streams)
+        manager = attach(
+            schedule,
+            OFFLOAD_MODULES,
+            config=OffloadConfig(min_offload_bytes=0),
+            streams=streams,
+            device_budget_bytes=case.device_budget_bytes,
+            host_budget_bytes=case.host_budget_bytes,
+        )
         result.registered = {name: sum(len(q) for q in per_stage) for name, per_stage in manager.registered.items()}
         result.registered_per_stage = {name: [len(q) for q in per_stage] for name, per_stage in manager.registered.items()}
         result.listed = None if manager.listed_plan is None else [str(a) for a in manager.listed_plan.actions]
@@ -198,6 +211,17 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
             name: dict(groups=g.groups, bytes_offloaded=g.bytes_offloaded, bytes_reloaded=g.bytes_reloaded)
             for name, g in stats.groups.items()
         }
+        budgets = manager.budgets
+        if budgets.active:
+            choice = budgets.choice
+            result.budgets = dict(
+                leveled=budgets.leveled_budget,
+                predicted=None if choice is None else choice.predicted_peak_bytes,
+                lowest=None if choice is None else choice.lowest_peak_bytes,
+                host_cap=budgets.host_cap,
+                host_caps=budgets.host_caps,
+                pool_cap=manager.pool.capacity_bytes,
+            )
         plan = manager.plan
         result.plan = None if plan is None else [str(a) for a in plan.actions]
         result.plan_source = None if plan is None else plan.source

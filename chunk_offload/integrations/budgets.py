@@ -1,0 +1,239 @@
+"""`Budgets`: a rank's device budget (what to offload) and its share of the node's host budget.
+
+Both integrations hold one, through `PlanTracking`, and call `Budgets.after_iteration` with each
+complete training iteration's record; it returns the `PlanPolicy` the engine runs next.
+
+NOTE [Device budget]
+- The first iteration without a record offloads every group of every chunk (the lowest peak).
+- After each complete iteration (a baseline or an offloaded one), `choose_offload` picks the
+  groups to offload from the record's bytes per group, so that `simulate`'s peak fits the
+  budget with the fewest bytes copied, preferring copies that hide behind compute (the record's
+  `CopyTiming`); a rank that fits offloads nothing. It is recomputed only when the plan, the
+  bytes per group, the budget or the availability of a timing changes. The choice is data of the
+  policy: ``PlanPolicy(plan, ..., offload_groups=choice)``.
+- The measure (NOTE [Report measure] in ``report/stage.py``): on CPU the budget bounds the
+  accounting of device-resident saved bytes, exactly. On CUDA it bounds
+  ``torch.cuda.max_memory_allocated``: the saved bytes get ``budget - overhead``, where the
+  overhead is what the device holds besides them at its peak, ``device_peak_bytes -
+  peak_resident_bytes`` of a record (parameters, optimizer state, workspace), the largest seen
+  so far, so the choice only becomes more cautious.
+- Bytes per group are the largest each group of each chunk saved so far (reset when the chunks or
+  their group counts change): a peak is a sum of group bytes, so with MoE layers, whose expert
+  groups follow the routing, the choice holds for any iteration that saves no more than one
+  before it did. Dense layers save the same bytes every iteration: predicted == measured.
+- An infeasible budget warns once per rank (`budget_shortfall_message`) and offloads every group.
+- ``"auto"``: every pipeline rank's lowest peak (plus its overhead) is all-gathered over the
+  pipeline (`Exchange`, NOTE [Deferred exchanges]); the budget is `level_budget` of them, the
+  smallest every rank meets. Until it is known every group is offloaded.
+
+NOTE [Node host budget]
+After the first record, each rank's host need (`simulate`'s host bytes at the saved peak, under
+the policy then in force) is all-gathered over the ranks of its node (by host name), and the
+node's budget is split by need (`chunk_offload.schedule.split_host_budget`: early stages get
+more). Each rank's host pool takes its share as cap (`HostPool.set_capacity`). Split once.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import warnings
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+from ..core import ChunkOffloadError, IterationRecord, SchedulePolicy
+from ..schedule import (
+    CopyTiming,
+    OffloadChoice,
+    Plan,
+    PlanPolicy,
+    budget_shortfall_message,
+    choose_offload,
+    level_budget,
+    simulate,
+    split_host_budget,
+)
+from .exchange import Exchange, dedicated_group, node_ranks
+
+__all__ = ["Budgets", "check_device_budget", "check_host_budget"]
+
+logger = logging.getLogger(__name__)
+
+_SIZE_HINT = "pass an int number of bytes, e.g. 64 << 30 for 64 GiB"
+
+
+def _bytes_or_none(name: str, value: Any, accepted: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ChunkOffloadError(f"{name} must be {accepted}, got {value!r}; {_SIZE_HINT}")
+    return int(value)
+
+
+def check_device_budget(value: Any) -> int | Literal["auto"] | None:
+    """Raise unless ``value`` is None, ``"auto"`` or an int >= 0; return it."""
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    accepted = "an int number of bytes >= 0, 'auto' (the smallest budget every pipeline rank meets) or None (no budget)"
+    return _bytes_or_none("device_budget_bytes", value, accepted)
+
+
+def check_host_budget(value: Any) -> int | None:
+    """Raise unless ``value`` is None or an int >= 0; return it."""
+    return _bytes_or_none("host_budget_bytes", value, "an int number of bytes >= 0 (pinned host memory of the whole node) or None")
+
+
+class Budgets:
+    """One rank's budget decisions (NOTEs [Device budget] and [Node host budget])."""
+
+    def __init__(
+        self,
+        *,
+        device_budget_bytes: int | Literal["auto"] | None,
+        host_budget_bytes: int | None,
+        prefetch_bytes: int | None,
+        reload_ahead_bytes: int | None,
+    ) -> None:
+        self.device_budget = check_device_budget(device_budget_bytes)
+        """The device budget as given: bytes, ``"auto"`` or None."""
+        self.host_budget = check_host_budget(host_budget_bytes)
+        """The node's host budget as given, or None."""
+        self._plan_budgets = {"prefetch_bytes": prefetch_bytes, "reload_ahead_bytes": reload_ahead_bytes}
+        self.leveled_budget: int | None = None
+        """``"auto"``: the levelled budget (the largest lowest peak of the pipeline), once known."""
+        self.choice: OffloadChoice | None = None
+        """The latest offload choice (None: none yet, or no device budget)."""
+        self.overhead_bytes = 0
+        """CUDA: device bytes besides the saved ones at the peak (NOTE [Device budget]); 0 on CPU."""
+        self.host_cap: int | None = None
+        """This rank's host pool cap from the node budget, once split."""
+        self.host_needs: list[int] | None = None
+        """Every node rank's host need, in node order, once gathered."""
+        self.host_caps: list[int] | None = None
+        """Every node rank's cap, in node order, once split."""
+        self._group_bytes: dict[tuple[int, int], list[int]] = {}
+        self._choice_plan: Plan | None = None
+        self._key: tuple | None = None
+        self._lowest_key: tuple | None = None
+        self._lowest = 0
+        self._warned = False
+        self._level: Exchange | None = None
+        self._node: Exchange | None = None
+        self._node_posted = False
+
+    @property
+    def active(self) -> bool:
+        """Whether a device or a host budget is set."""
+        return self.device_budget is not None or self.host_budget is not None
+
+    def bind(self, *, pipeline_group: dist.ProcessGroup | None, blocking: bool) -> None:
+        """COLLECTIVE over the default group when a budget needs one: create the exchanges' groups.
+
+        ``pipeline_group``: this rank's pipeline (None: the default group); ``blocking``: NOTE [Deferred exchanges].
+        """
+        initialized = dist.is_available() and dist.is_initialized()
+        if self.device_budget == "auto":
+            ranks = dist.get_process_group_ranks(pipeline_group or dist.group.WORLD) if initialized else [0]
+            self._level = Exchange(dedicated_group(ranks), blocking=blocking)
+        if self.host_budget is not None:
+            self._node = Exchange(dedicated_group(node_ranks()), blocking=blocking)
+
+    # ------------------------------------------------------------------ policies
+    def policy(self, plan: Plan) -> PlanPolicy:
+        """The policy for ``plan``: the choice made for it, else every group offloaded."""
+        if self.choice is not None and self._choice_plan is plan:
+            return PlanPolicy(plan, offload_groups=self.choice, **self._plan_budgets)
+        return PlanPolicy(plan, min_lifespan=0, **self._plan_budgets)
+
+    def after_iteration(self, plan: Plan | None, record: IterationRecord | None, policy: SchedulePolicy, *, pp_rank: int) -> PlanPolicy | None:
+        """Decide after a complete training iteration; the new policy, or None to keep ``policy``.
+
+        Every rank calls it once per training iteration (its exchanges are collectives).
+        """
+        usable = plan is not None and record is not None and all(tuple(c) in record.group_bytes for c in plan.chunks)
+        new_policy = None
+        if self.device_budget is not None:
+            if usable:
+                self._update_group_bytes(record.group_bytes)
+            budget = self._budget(plan, record, usable)
+            if usable and budget is not None:
+                new_policy = self._choose(plan, record, budget, pp_rank=pp_rank)
+        if self._node is not None:
+            self._split_host(plan, record, new_policy or policy, usable)
+        return new_policy
+
+    def _update_group_bytes(self, recorded: dict[tuple[int, int], list[int]]) -> None:
+        """The largest bytes per group so far (NOTE [Device budget]); reset when the chunks or group counts change."""
+        known = self._group_bytes
+        if known.keys() != recorded.keys() or any(len(known[c]) != len(b) for c, b in recorded.items()):
+            self._group_bytes = {c: list(b) for c, b in recorded.items()}
+            return
+        for chunk, sizes in recorded.items():
+            known[chunk] = [max(a, b) for a, b in zip(known[chunk], sizes)]
+
+    def _budget(self, plan: Plan | None, record: IterationRecord | None, usable: bool) -> int | None:
+        """The activation budget for the next choice (None: not known yet)."""
+        if usable and record.device_peak_bytes is not None:
+            self.overhead_bytes = max(self.overhead_bytes, record.device_peak_bytes - record.peak_resident_bytes)
+        if self.device_budget != "auto":
+            return max(0, self.device_budget - self.overhead_bytes)
+        if usable:
+            key = (plan, self._group_bytes)
+            if key != self._lowest_key:
+                self._lowest_key = (plan, {c: list(b) for c, b in self._group_bytes.items()})
+                self._lowest = choose_offload(plan, self._group_bytes, 0, **self._plan_budgets).lowest_peak_bytes
+        # Every rank posts once per iteration, usable or not (a collective).
+        peaks = self._level.post(self._lowest + self.overhead_bytes if usable else 0)
+        if peaks is not None:
+            self.leveled_budget = level_budget(peaks)
+        return None if self.leveled_budget is None else max(0, self.leveled_budget - self.overhead_bytes)
+
+    def _choose(self, plan: Plan, record: IterationRecord, budget: int, *, pp_rank: int) -> PlanPolicy | None:
+        timing = CopyTiming.from_record(record, plan)
+        sizes = {c: list(b) for c, b in self._group_bytes.items()}  # a copy: the running maxima change in place
+        key = (plan, sizes, budget, timing is not None)
+        if key == self._key:
+            return None
+        self._key = key
+        self.choice = choose_offload(plan, sizes, budget, timing=timing, **self._plan_budgets)
+        self._choice_plan = plan
+        if not self.choice.fits and not self._warned:
+            self._warned = True
+            warnings.warn(budget_shortfall_message(self.choice, rank=pp_rank), RuntimeWarning, stacklevel=2)
+        logger.info(
+            "chunk_offload: pipeline rank %d: budget %d bytes, predicted peak %d, %d bytes offloaded per iteration",
+            pp_rank, budget, self.choice.predicted_peak_bytes, self.choice.bytes_offloaded,
+        )
+        return self.policy(plan)
+
+    def _split_host(self, plan: Plan | None, record: IterationRecord | None, policy: SchedulePolicy, usable: bool) -> None:
+        if not self._node_posted:
+            self._node_posted = True
+            if usable:
+                need = simulate(plan, record.group_bytes, policy=policy).host_bytes_at_saved_peak
+            else:
+                need = record.host_bytes_at_saved_peak if record is not None else 0
+            needs = self._node.post(need)
+        elif self.host_needs is None:
+            needs = self._node.take()
+        else:
+            return
+        if needs is None:
+            return
+        self.host_needs = needs
+        self.host_caps = split_host_budget(self.host_budget, needs)
+        self.host_cap = self.host_caps[self._node.rank]
+
+    def summary(self, record: IterationRecord | None) -> dict[str, Any]:
+        """The report's budget fields (`chunk_offload.report.stage_report`'s ``budgets``); ``record``
+        names the groups of the choice (its ``group_names``)."""
+        choice = self.choice
+        return {
+            "device_budget": self.device_budget,
+            "leveled_budget": self.leveled_budget,
+            "offloaded_groups": choice.offloaded_by_name(record.group_names) if choice is not None and record is not None else {},
+            "budget_fits": choice.fits if choice is not None else None,
+            "host_budget": self.host_budget,
+            "host_cap": self.host_cap,
+        }

@@ -1,0 +1,50 @@
+"""A device budget (``"auto"``) and a node host budget under `Schedule1F1B`, 2 gloo ranks.
+
+One spawn: a baseline and a run with ``device_budget_bytes="auto"`` and ``host_budget_bytes``.
+The schedule's list for its last rank is wrong (NOTE [Observed order wins]), so that rank's plan
+changes after the first iteration and its choice is made for the observed plan. Checked: losses
+and gradients bit-identical, every rank's measured peak (CPU accounting) at or under the
+levelled budget, which is the largest lowest peak, the predicted peak equal to the measured one,
+and the host caps within the node budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ._pipe import ITERATIONS, Case, spawn_cases
+
+_HOST_BUDGET = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    (ranks,) = spawn_cases([Case(schedule="Schedule1F1B", device_budget_bytes="auto", host_budget_bytes=_HOST_BUDGET)])
+    return ranks
+
+
+def test_numerics_unchanged(ranks):
+    for r in ranks:
+        for lb, lo in zip(r.losses["baseline"], r.losses["offload"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(lb, lo, strict=True))
+        for gb, go in zip(r.grads["baseline"], r.grads["offload"], strict=True):
+            assert gb.keys() == go.keys() and all(torch.equal(gb[n], go[n]) for n in gb)
+
+
+def test_auto_levels_the_peaks(ranks):
+    leveled = max(r.budgets["lowest"] for r in ranks)
+    for r in ranks:
+        last = r.records[-1]
+        assert len(r.records) == ITERATIONS
+        assert r.budgets["leveled"] == leveled
+        assert last["peak_resident_bytes"] <= leveled
+        assert r.budgets["predicted"] == last["peak_resident_bytes"]
+    # The first iteration, before any record, offloads every group: the lowest peak.
+    assert all(r.records[0]["bytes_offloaded"] > 0 for r in ranks)
+
+
+def test_host_caps_split_the_node_budget(ranks):
+    caps = [r.budgets["host_cap"] for r in ranks]
+    assert ranks[0].budgets["host_caps"] == caps and sum(caps) <= _HOST_BUDGET
+    assert all(r.budgets["pool_cap"] == r.budgets["host_cap"] for r in ranks)

@@ -1,0 +1,152 @@
+"""The budget keywords of both integrations, `Budgets` in one process, and the host pool's cap setter.
+
+The multi-rank behaviour (choices under real schedules, the exchanges, the node split) is tested
+in ``megatron/test_budget.py`` and ``pipelining/test_budget.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from chunk_offload import ChunkOffloadError
+from chunk_offload.core import Action, ActionKind, HostPool, IterationRecord
+from chunk_offload.integrations.attached import ScheduleOptions
+from chunk_offload.integrations.budgets import Budgets
+from chunk_offload.integrations.exchange import Exchange
+from chunk_offload.integrations.megatron import attach as megatron_attach
+from chunk_offload.integrations.pipelining import attach as pipelining_attach
+from chunk_offload.integrations.plan_tracking import PlanTracking
+from chunk_offload.schedule import Plan, choose_offload, megatron_plan, simulate
+
+ATTACHES = {"megatron": lambda **kw: megatron_attach(nn.Linear(2, 2), "core_attn", **kw), "pipelining": lambda **kw: pipelining_attach(object(), ["x"], **kw)}
+
+
+@pytest.mark.parametrize("which", sorted(ATTACHES))
+@pytest.mark.parametrize("value", [-1, 1.5, True, "60GiB", "Auto"])
+def test_bad_device_budget_is_refused(which: str, value: object) -> None:
+    with pytest.raises(ChunkOffloadError, match=rf"^chunk_offload: device_budget_bytes must be an int number of bytes >= 0, 'auto' .*got {value!r}"):
+        ATTACHES[which](device_budget_bytes=value)
+
+
+@pytest.mark.parametrize("which", sorted(ATTACHES))
+@pytest.mark.parametrize("value", [-1, 2.0, "auto", False])
+def test_bad_host_budget_is_refused(which: str, value: object) -> None:
+    with pytest.raises(ChunkOffloadError, match=rf"^chunk_offload: host_budget_bytes must be an int number of bytes >= 0 .*got {value!r}"):
+        ATTACHES[which](host_budget_bytes=value)
+
+
+@pytest.mark.parametrize("which", sorted(ATTACHES))
+@pytest.mark.parametrize("value", [1 << 20, "auto"])
+def test_device_budget_needs_the_plan(which: str, value: object) -> None:
+    with pytest.raises(ChunkOffloadError, match=rf"device_budget_bytes={value!r} needs schedule_policy='plan'"):
+        ATTACHES[which](device_budget_bytes=value, schedule_policy=None)
+
+
+def _record(plan: Plan, group_bytes: list[int], *, offload: bool) -> IterationRecord:
+    sim = simulate(plan, {vp: group_bytes for vp in range(plan.vp_size)})
+    chunks = {tuple(c): list(group_bytes) for c in plan.chunks}
+    return IterationRecord(
+        offload=offload,
+        peak_resident_bytes=sim.peak_saved_bytes,
+        peak_saved_bytes=sim.peak_saved_bytes,
+        host_bytes_at_saved_peak=0,
+        device_peak_bytes=None,
+        resident_trace=None,
+        device_trace=None,
+        group_bytes=chunks,
+        groups={},
+        order=list(plan.actions),
+        wall_time_s=0.0,
+        group_names={c: [f"g{i}" for i in range(len(group_bytes))] for c in chunks},
+        action_starts_s=[0.0] * len(plan.actions),
+    )
+
+
+def test_budgets_choose_once_per_change_and_warn_once_when_infeasible() -> None:
+    plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
+    record = _record(plan, [1000, 3000, 2000], offload=False)
+    lowest = choose_offload(plan, record.group_bytes, 0).lowest_peak_bytes
+    baseline = record.peak_saved_bytes
+    budgets = Budgets(device_budget_bytes=(lowest + baseline) // 2, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None)
+    budgets.bind(pipeline_group=None, blocking=True)
+    first = budgets.policy(plan)
+    assert all(first.offload_chunk(_key(c)) for c in plan.chunks)  # before any record: every group offloaded
+    policy = budgets.after_iteration(plan, record, first, pp_rank=0)
+    choice = budgets.choice
+    assert choice.fits and choice.predicted_peak_bytes <= (lowest + baseline) // 2 < baseline
+    assert simulate(plan, record.group_bytes, policy=policy).peak_resident_bytes == choice.predicted_peak_bytes
+    assert budgets.after_iteration(plan, record, policy, pp_rank=0) is None  # nothing changed: no new choice
+    tight = Budgets(device_budget_bytes=lowest - 1, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tight.after_iteration(plan, record, first, pp_rank=0)
+        tight.after_iteration(plan, _record(plan, [1000, 3000, 2001], offload=False), first, pp_rank=0)
+    shortfalls = [str(w.message) for w in caught if "device budget" in str(w.message)]
+    assert len(shortfalls) == 1 and "pipeline rank 0" in shortfalls[0]
+    assert tight.choice.predicted_peak_bytes == tight.choice.lowest_peak_bytes
+    assert tight.summary(record)["budget_fits"] is False
+
+
+def test_budgets_auto_and_host_split_in_one_process() -> None:
+    plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
+    record = _record(plan, [1000, 3000, 2000], offload=False)
+    budgets = Budgets(device_budget_bytes="auto", host_budget_bytes=10 << 20, prefetch_bytes=None, reload_ahead_bytes=None)
+    budgets.bind(pipeline_group=None, blocking=True)
+    policy = budgets.after_iteration(plan, record, budgets.policy(plan), pp_rank=0)
+    assert budgets.leveled_budget == budgets.choice.lowest_peak_bytes == budgets.choice.predicted_peak_bytes
+    need = simulate(plan, record.group_bytes, policy=policy).host_bytes_at_saved_peak
+    assert budgets.host_needs == [need] and budgets.host_cap == (10 << 20) // 512 * 512
+
+
+def _key(chunk):
+    from chunk_offload.core import ChunkKey
+
+    return ChunkKey(*chunk)
+
+
+def test_plan_tracking_takes_the_options() -> None:
+    tracking = PlanTracking(ScheduleOptions(device_budget_bytes="auto", host_budget_bytes=0))
+    assert tracking.budgets.active and tracking.budgets.device_budget == "auto" and tracking.budgets.host_budget == 0
+    assert not PlanTracking(ScheduleOptions()).budgets.active
+
+
+def test_exchange_without_distributed_is_this_rank_alone() -> None:
+    blocking, deferred = Exchange(None, blocking=True), Exchange(None, blocking=False)
+    assert blocking.post(7) == [7] and blocking.take() is None
+    assert deferred.post(7) is None and deferred.post(8) == [7] and deferred.take() == [8]
+
+
+def test_host_pool_set_capacity_releases_free_buffers_above_the_cap() -> None:
+    pool = HostPool()
+    held = [pool.acquire(4096) for _ in range(4)]
+    for buf in held[:3]:
+        pool.release(buf, None)
+    assert pool.stats().allocated_bytes == 4 * 4096
+    pool.set_capacity(2 * 4096)
+    stats = pool.stats()
+    assert pool.capacity_bytes == 2 * 4096 and stats.allocated_bytes == 2 * 4096 and stats.in_use_bytes == 4096
+    with pytest.raises(ChunkOffloadError, match="capacity_bytes must be >= 0 or None, got -1"):
+        pool.set_capacity(-1)
+    pool.set_capacity(None)
+    assert pool.capacity_bytes is None
+
+
+def test_choices_use_the_largest_bytes_each_group_saved_so_far() -> None:
+    """MoE expert groups change with the routing: the choice must hold for the largest bytes seen."""
+    plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
+    first, second = _record(plan, [1000, 3000, 2000], offload=False), _record(plan, [1500, 2000, 2000], offload=True)
+    envelope = {c: [1500, 3000, 2000] for c in first.group_bytes}
+    budget = (choose_offload(plan, envelope, 0).lowest_peak_bytes + first.peak_saved_bytes) // 2
+    budgets = Budgets(device_budget_bytes=budget, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None)
+    budgets.after_iteration(plan, first, budgets.policy(plan), pp_rank=0)
+    policy = budgets.after_iteration(plan, second, budgets.policy(plan), pp_rank=0)
+    assert budgets.choice == choose_offload(plan, envelope, budget)
+    for record in (first, second):  # each iteration's own bytes peak at or under the envelope's prediction
+        assert simulate(plan, record.group_bytes, policy=policy).peak_resident_bytes <= budgets.choice.predicted_peak_bytes <= budget
+    fewer = _record(plan, [500, 500], offload=True)  # other group counts: start over from these bytes
+    budgets.after_iteration(plan, fewer, policy, pp_rank=0)
+    assert budgets.choice == choose_offload(plan, fewer.group_bytes, budget)
