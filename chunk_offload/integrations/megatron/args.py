@@ -93,6 +93,7 @@ _DESTS = {
     "iterations": "chunk_offload_iterations",
     "device-budget": "chunk_offload_device_budget",
     "host-budget": "chunk_offload_host_budget",
+    "profile-ranges": "chunk_offload_profile_ranges",
 }
 _SCHEDULE_CHOICES = ("plan", "group-start")
 
@@ -221,6 +222,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         dest=_DESTS["baseline"],
         action="store_true",
         help="Track the same groups and bytes but copy nothing: the baseline run of a memory comparison.",
+    )
+    group.add_argument(
+        *names("profile-ranges"),
+        dest=_DESTS["profile-ranges"],
+        action="store_true",
+        help="Name each group's offload, reload and waits in torch.profiler traces (NVTX ranges under nsys on CUDA).",
     )
     group.add_argument(
         *names("schedule"),
@@ -364,6 +371,7 @@ def attach_from_args(
         on_exhausted=getattr(args, _DESTS["on-exhausted"]),
         offload=not getattr(args, _DESTS["baseline"]),
         trace=report if trace is None else trace,  # the report's plot of memory over one iteration
+        profile_ranges=getattr(args, _DESTS["profile-ranges"]),
     )
     if measure_time is not None:
         config.measure_time = measure_time

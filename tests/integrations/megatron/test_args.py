@@ -36,6 +36,7 @@ LONG_FLAGS = (
     "--chunk-offload-iterations",
     "--chunk-offload-device-budget",
     "--chunk-offload-host-budget",
+    "--chunk-offload-profile-ranges",
 )
 SHORT_FLAGS = tuple(flag.replace("--chunk-offload-", "--offload-") for flag in LONG_FLAGS)
 """Spellings that 0.1.0 never released and that no longer exist."""
@@ -184,6 +185,11 @@ def test_on_exhausted_baseline_report() -> None:
     assert args.chunk_offload_on_exhausted == "error"
     assert args.chunk_offload_baseline is True
     assert args.chunk_offload_report == "out/report.json"
+
+
+def test_profile_ranges_flag() -> None:
+    assert parser().parse_args([]).chunk_offload_profile_ranges is False
+    assert parser().parse_args(["--chunk-offload-profile-ranges"]).chunk_offload_profile_ranges is True
 
 
 def test_schedule_flags() -> None:
@@ -359,6 +365,7 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
         "--chunk-offload-on-exhausted", "error",
         "--chunk-offload-report", "report.json",
         "--chunk-offload-schedule", "group-start",
+        "--chunk-offload-profile-ranges",
     ]  # fmt: skip
     args = add_arguments(megatron_like_parser()).parse_args(argv)
     with _megatron_world_of_one():
@@ -377,6 +384,7 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
             assert manager.config.offload is True
             assert type(manager.schedule_policy) is SchedulePolicy  # group-start: the engine default, no PlanPolicy
             assert manager.baseline_iterations == 1 and manager.config.trace is True  # for the report
+            assert manager.config.profile_ranges is True
         finally:
             if manager is not None:
                 manager.detach()
