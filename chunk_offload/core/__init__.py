@@ -9,7 +9,7 @@ Transformer Engine integration beyond that protocol.
 from .actions import Action, ActionKind, ChunkKey, diff_actions, format_actions
 from .config import OffloadConfig
 from .errors import ChunkOffloadError, HappensBeforeError
-from .group import GroupState
+from .group_state import GroupState
 from .handler import ChunkOffloadHandler
 from .host_pool import HostPool, HostPoolStats
 from .manager import OffloadManager

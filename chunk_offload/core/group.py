@@ -1,7 +1,7 @@
 """One offload group: the tensors one call of one submodule saved, and their copies.
 
-A group moves through an explicit state machine (`GroupState`). Every change of state goes
-through `OffloadGroup._to`, which checks it against one table (`TRANSITIONS`), and every
+A group moves through an explicit state machine (`GroupState`, group_state.py). Every change of
+state goes through `OffloadGroup._to`, which checks it against one table (`TRANSITIONS`), and every
 operation checks the state it expects (`OffloadGroup._expect`, or `internal_assert` for
 states only a bug of ours can produce), so a call out of order is an error naming the state,
 never a silent wrong result.
@@ -15,91 +15,30 @@ group frees that storage's device and host copies.
 from __future__ import annotations
 
 import contextlib
-import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, ContextManager
+from typing import TYPE_CHECKING, Collection, ContextManager
 
 import torch
 from torch.profiler import record_function
 
 from ._torch_compat import storage_key
+from .engine_context import EngineContext
 from .errors import ChunkOffloadError, internal_assert
-from .host_pool import HostPool
+from .group_state import TRANSITIONS, GroupState
 from .saved import SavedRef, Storage, alive, byte_view
-from .stats import ResidentBytes, StatsRecorder
-from .streams import Event, StreamBackend
+from .streams import Event
 
 if TYPE_CHECKING:
     from .handler import ChunkOffloadHandler
 
-__all__ = ["EngineContext", "GroupState", "OffloadGroup", "TRANSITIONS", "WAIT_NAMES", "profile_range"]
+__all__ = ["OffloadGroup", "profile_range"]
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
 _SPAN_ALIGN = 16
 
-# The waits the engine issues, by name. Tests remove one at a time through
-# `EngineContext.skip_waits` to prove the happens-before checker catches each.
-WAIT_NAMES = (
-    "offload_after_compute",  # R1: d2h waits on compute before reading saved tensors
-    "release_after_offload",  # R2: compute waits on d2h before dropping device tensors
-    "use_after_reload",  # R2: compute waits on h2d before using reloaded tensors
-    "reuse_after_reload",  # R3: d2h waits on the last reload of a host buffer before writing it
-    "reload_after_alloc",  # R4: h2d waits on compute where the reload buffer was allocated
-)
-# R4's other half (a reload reads a host buffer only after the offload that filled it) needs no
-# wait of its own: a group is reloaded from host only after `release_device`, where compute
-# waited on the offload (R2), and the reload stream waits on compute (R4). It is still checked.
-
 # The profiler range of each compute wait, by wait name (`OffloadConfig.profile_ranges`).
 _WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
 _NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off
-
-
-@dataclass(kw_only=True, slots=True)
-class EngineContext:
-    """What groups and handlers share: streams, host pool, policy and counters."""
-
-    streams: StreamBackend
-    pool: HostPool
-    should_offload: Callable[[torch.Tensor, frozenset[int]], bool]
-    resident: ResidentBytes
-    stats: StatsRecorder
-    on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None
-    """Called when backward first reaches one of a chunk's groups (after that group's reload)."""
-    measure_time: bool = True
-    profile_ranges: bool = False
-    """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
-    skip_waits: frozenset[str] = frozenset()
-    """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
-
-
-class GroupState(enum.Enum):
-    __hash__ = object.__hash__  # members are unique: C identity hash for `TRANSITIONS` lookups, not Enum's name hash
-    COLLECTING = "collecting"  # the group's forward runs; tensors are being saved
-    KEPT = "kept"  # committed without offload (offload disabled, the policy keeps it, or nothing to move)
-    OFFLOADING = "offloading"  # copies to host issued; device tensors still held
-    ON_HOST = "on_host"  # device tensors released; only the host copy exists
-    RELOADING = "reloading"  # copies back issued; compute has not waited yet
-    RESIDENT = "resident"  # on device and safe to use by compute
-    RELEASED = "released"  # every saved tensor was consumed or freed by autograd
-    DISCARDED = "discarded"  # its chunk or iteration raised; nothing may be unpacked
-
-
-_S = GroupState
-TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
-    _S.COLLECTING: frozenset({_S.KEPT, _S.OFFLOADING, _S.DISCARDED}),
-    _S.KEPT: frozenset({_S.RELEASED, _S.DISCARDED}),
-    # -> RESIDENT: backward reached the group before its device tensors were released (cancel)
-    _S.OFFLOADING: frozenset({_S.ON_HOST, _S.RESIDENT, _S.RELEASED, _S.DISCARDED}),
-    _S.ON_HOST: frozenset({_S.RELOADING, _S.RELEASED, _S.DISCARDED}),
-    _S.RELOADING: frozenset({_S.RESIDENT, _S.DISCARDED}),
-    _S.RESIDENT: frozenset({_S.RELEASED, _S.DISCARDED}),
-    _S.RELEASED: frozenset(),
-    _S.DISCARDED: frozenset(),
-}
-"""Every allowed change of a group's state; `OffloadGroup._to` refuses any other."""
-
 
 _NO_STORAGES: frozenset[int] = frozenset()
 

@@ -26,7 +26,9 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .actions import ChunkKey
 from .errors import ChunkOffloadError
-from .group import EngineContext, GroupState, OffloadGroup, profile_range
+from .engine_context import EngineContext
+from .group import OffloadGroup, profile_range
+from .group_state import GroupState
 from .saved import SavedRef, check_version
 from .ordering import prefetch_selection, reload_ahead_selection
 

@@ -23,7 +23,7 @@ from torch import nn
 from .actions import Action, ActionKind, ChunkKey
 from .config import OffloadConfig
 from .errors import ChunkOffloadError
-from .group import EngineContext
+from .engine_context import EngineContext
 from .handler import ChunkOffloadHandler
 from .host_pool import HostPool
 from .marks import GroupMarks, ModuleOffload

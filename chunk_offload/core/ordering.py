@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .group import GroupState
+from .group_state import GroupState
 
 __all__ = ["prefetch_selection", "reload_ahead_selection"]
 

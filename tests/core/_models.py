@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chunk_offload
-from chunk_offload.core.group import WAIT_NAMES
+from chunk_offload.core.engine_context import WAIT_NAMES
 
 HIDDEN = 32
 HEADS = 4
@@ -115,7 +115,7 @@ def manager_skipping_waits(
     skip: Sequence[str], *, streams: chunk_offload.StreamBackend | None = None
 ) -> chunk_offload.OffloadManager:
     """Test-only: an `OffloadManager` (``min_offload_bytes=1``) whose engine leaves out the waits
-    named in ``skip`` (`chunk_offload.core.group.WAIT_NAMES`), to prove the happens-before
+    named in ``skip`` (`chunk_offload.core.engine_context.WAIT_NAMES`), to prove the happens-before
     checker catches each missing one. Not a public constructor option."""
     bad = sorted(set(skip) - set(WAIT_NAMES))
     if bad:
@@ -245,11 +245,11 @@ def reuse_during_reload(streams, *, skip: Sequence[str] = (), hold_reload: bool 
     """Chunk A offloads one group; its reload is prefetched (``bulk_reload_group``) and nothing waits
     on it; chunk B, of identical shapes, offloads into the same host buffer; then B's backward and A's.
 
-    ``skip``: engine waits left out (`chunk_offload.core.group.WAIT_NAMES`). ``hold_reload``: A's
+    ``skip``: engine waits left out (`chunk_offload.core.engine_context.WAIT_NAMES`). ``hold_reload``: A's
     reload is queued behind an event on the h2d stream that opens only when B's offload acquires
     the buffer, so the reload is pending at the reuse on every run.
     """
-    from chunk_offload.core.group import GroupState
+    from chunk_offload.core import GroupState
 
     reference = make_stack(1, seed=0)
     model = make_stack(1, seed=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chunk_offload import ChunkOffloadError, CpuStreams, OffloadConfig, OffloadManager
-from chunk_offload.core.group import TRANSITIONS, GroupState
+from chunk_offload.core.group_state import TRANSITIONS, GroupState
 
 INTERNAL = r"chunk_offload internal error"
 

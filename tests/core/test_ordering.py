@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from chunk_offload.core.group import GroupState
+from chunk_offload.core import GroupState
 from chunk_offload.core.ordering import prefetch_selection, reload_ahead_selection
 
 H, K, L, R, X = GroupState.ON_HOST, GroupState.KEPT, GroupState.RELOADING, GroupState.RESIDENT, GroupState.RELEASED

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
-from chunk_offload.core.group import GroupState
+from chunk_offload.core import GroupState
 from chunk_offload.schedule import Plan, PlanPolicy
 from tests.core._models import (
     MODULE_KINDS,

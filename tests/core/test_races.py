@@ -6,7 +6,7 @@ up as wrong numbers; its vector-clock checker raises `HappensBeforeError` at the
 lacks a wait. These tests
 
 - run the pipeline schedule under many random delay patterns and require exact parity,
-- remove each wait of `chunk_offload.core.group.WAIT_NAMES` in turn and require the checker
+- remove each wait of `chunk_offload.core.engine_context.WAIT_NAMES` in turn and require the checker
   to name the broken rule (and, with the checker off, show that a removed wait gives wrong
   numbers, so the delays really expose the race),
 - drive the two rare paths by hand: backward reaching a group whose offload is still in
@@ -26,7 +26,8 @@ import torch
 import chunk_offload
 from chunk_offload import CpuStreams, HappensBeforeError, OffloadConfig, OffloadManager
 from chunk_offload.core import StreamBackend
-from chunk_offload.core.group import WAIT_NAMES, GroupState
+from chunk_offload.core import GroupState
+from chunk_offload.core.engine_context import WAIT_NAMES
 from tests.core._models import (
     manager_skipping_waits,
     INTERLEAVED,

@@ -48,7 +48,7 @@ from torch.autograd.graph import saved_tensors_hooks
 import chunk_offload
 from chunk_offload import ChunkOffloadError, CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.core import ChunkOffloadHandler
-from chunk_offload.core.group import GroupState
+from chunk_offload.core import GroupState
 from tests.core._models import RunResult, assert_identical, make_stack, microbatches
 
 TE_SOURCE_ENV = "CHUNK_OFFLOAD_TE_SOURCE"

@@ -1,0 +1,48 @@
+"""`EngineContext`: what the groups and handlers of one manager share, and the engine's waits by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .host_pool import HostPool
+from .stats import ResidentBytes, StatsRecorder
+from .streams import StreamBackend
+
+if TYPE_CHECKING:
+    from .handler import ChunkOffloadHandler
+
+__all__ = ["EngineContext", "WAIT_NAMES"]
+
+# The waits the engine issues, by name. Tests remove one at a time through
+# `EngineContext.skip_waits` to prove the happens-before checker catches each.
+WAIT_NAMES = (
+    "offload_after_compute",  # R1: d2h waits on compute before reading saved tensors
+    "release_after_offload",  # R2: compute waits on d2h before dropping device tensors
+    "use_after_reload",  # R2: compute waits on h2d before using reloaded tensors
+    "reuse_after_reload",  # R3: d2h waits on the last reload of a host buffer before writing it
+    "reload_after_alloc",  # R4: h2d waits on compute where the reload buffer was allocated
+)
+# R4's other half (a reload reads a host buffer only after the offload that filled it) needs no
+# wait of its own: a group is reloaded from host only after `release_device`, where compute
+# waited on the offload (R2), and the reload stream waits on compute (R4). It is still checked.
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineContext:
+    """What groups and handlers share: streams, host pool, policy and counters."""
+
+    streams: StreamBackend
+    pool: HostPool
+    should_offload: Callable[[torch.Tensor, frozenset[int]], bool]
+    resident: ResidentBytes
+    stats: StatsRecorder
+    on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None
+    """Called when backward first reaches one of a chunk's groups (after that group's reload)."""
+    measure_time: bool = True
+    profile_ranges: bool = False
+    """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
+    skip_waits: frozenset[str] = frozenset()
+    """Test-only: names from `WAIT_NAMES` whose wait is not issued."""

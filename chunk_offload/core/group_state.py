@@ -1,0 +1,39 @@
+"""`GroupState`: the states an offload group moves through, and the one table of allowed changes.
+
+`OffloadGroup._to` (group.py) is the only place a group changes state; it checks the change
+against `TRANSITIONS`, so a call out of order is an error naming the state, never a silent
+wrong result. `chunk_offload.schedule.simulate` and the ordering rules read the same states.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["GroupState", "TRANSITIONS"]
+
+
+class GroupState(enum.Enum):
+    __hash__ = object.__hash__  # members are unique: C identity hash for `TRANSITIONS` lookups, not Enum's name hash
+    COLLECTING = "collecting"  # the group's forward runs; tensors are being saved
+    KEPT = "kept"  # committed without offload (offload disabled, the policy keeps it, or nothing to move)
+    OFFLOADING = "offloading"  # copies to host issued; device tensors still held
+    ON_HOST = "on_host"  # device tensors released; only the host copy exists
+    RELOADING = "reloading"  # copies back issued; compute has not waited yet
+    RESIDENT = "resident"  # on device and safe to use by compute
+    RELEASED = "released"  # every saved tensor was consumed or freed by autograd
+    DISCARDED = "discarded"  # its chunk or iteration raised; nothing may be unpacked
+
+
+_S = GroupState
+TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
+    _S.COLLECTING: frozenset({_S.KEPT, _S.OFFLOADING, _S.DISCARDED}),
+    _S.KEPT: frozenset({_S.RELEASED, _S.DISCARDED}),
+    # -> RESIDENT: backward reached the group before its device tensors were released (cancel)
+    _S.OFFLOADING: frozenset({_S.ON_HOST, _S.RESIDENT, _S.RELEASED, _S.DISCARDED}),
+    _S.ON_HOST: frozenset({_S.RELOADING, _S.RELEASED, _S.DISCARDED}),
+    _S.RELOADING: frozenset({_S.RESIDENT, _S.DISCARDED}),
+    _S.RESIDENT: frozenset({_S.RELEASED, _S.DISCARDED}),
+    _S.RELEASED: frozenset(),
+    _S.DISCARDED: frozenset(),
+}
+"""Every allowed change of a group's state; `OffloadGroup._to` refuses any other."""
