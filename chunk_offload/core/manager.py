@@ -134,7 +134,7 @@ class OffloadManager:
                     "remove() the first registration, or offload a parent or child module instead)"
                 )
         self.policy.protect(module)
-        registration = ModuleOffload(self, module, name, on_remove=self._registrations.remove)
+        registration = ModuleOffload(self, module, name, marks=self._marks, on_remove=self._registrations.remove)
         self._registrations.append(registration)
         return registration
 

@@ -96,9 +96,11 @@ class ModuleOffload:
     the model (its stream workers stop with it) and its hooks are removed when it is collected.
     """
 
-    def __init__(self, manager: "OffloadManager", module: nn.Module, name: str, on_remove: Callable[["ModuleOffload"], None]) -> None:
+    def __init__(
+        self, manager: "OffloadManager", module: nn.Module, name: str, *, marks: GroupMarks, on_remove: Callable[["ModuleOffload"], None]
+    ) -> None:
         self._manager = weakref.ref(manager)
-        self._marks: GroupMarks = manager._marks  # the manager's own, opened without its re-checks
+        self._marks = marks  # the manager's own: the hooks open and commit through it, without its re-checks
         self.module = module
         self.name = name
         self._on_remove = on_remove

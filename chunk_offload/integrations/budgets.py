@@ -99,7 +99,8 @@ class Budgets:
         """The device budget as given: bytes, ``"auto"`` or None."""
         self.host_budget = check_host_budget(host_budget_bytes)
         """The node's host budget as given, or None."""
-        self._plan_budgets = {"prefetch_bytes": prefetch_bytes, "reload_ahead_bytes": reload_ahead_bytes}
+        self.plan_budgets = PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+        """`PlanPolicy`'s prefetch and reload-ahead budgets (checked), for every policy built from the plan."""
         self.leveled_budget: int | None = None
         """``"auto"``: the levelled budget (the largest lowest peak of the pipeline), once known."""
         self.choice: OffloadChoice | None = None
@@ -143,8 +144,8 @@ class Budgets:
     def policy(self, plan: Plan) -> PlanPolicy:
         """The policy for ``plan``: the choice made for it, else every group offloaded."""
         if self.choice is not None and self._choice_plan is plan:
-            return PlanPolicy(plan, offload_groups=self.choice, **self._plan_budgets)
-        return PlanPolicy(plan, min_lifespan=0, **self._plan_budgets)
+            return PlanPolicy(plan, offload_groups=self.choice, **self.plan_budgets)
+        return PlanPolicy(plan, min_lifespan=0, **self.plan_budgets)
 
     def after_iteration(self, plan: Plan | None, record: IterationRecord | None, policy: SchedulePolicy, *, pp_rank: int) -> PlanPolicy | None:
         """Decide after a complete training iteration; the new policy, or None to keep ``policy``.
@@ -182,7 +183,7 @@ class Budgets:
             key = (plan, self._group_bytes)
             if key != self._lowest_key:
                 self._lowest_key = (plan, {c: list(b) for c, b in self._group_bytes.items()})
-                self._lowest = choose_offload(plan, self._group_bytes, 0, **self._plan_budgets).lowest_peak_bytes
+                self._lowest = choose_offload(plan, self._group_bytes, 0, **self.plan_budgets).lowest_peak_bytes
         # Every rank posts once per iteration, usable or not (a collective).
         peaks = self._level.post(self._lowest + self.overhead_bytes if usable else 0)
         if peaks is not None:
@@ -196,7 +197,7 @@ class Budgets:
         if key == self._key:
             return None
         self._key = key
-        self.choice = choose_offload(plan, sizes, budget, timing=timing, **self._plan_budgets)
+        self.choice = choose_offload(plan, sizes, budget, timing=timing, **self.plan_budgets)
         self._choice_plan = plan
         if not self.choice.fits and not self._warned:
             self._warned = True

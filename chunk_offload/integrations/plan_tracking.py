@@ -46,6 +46,7 @@ class PlanTracking:
         schedule_policy = options.schedule_policy
         check_schedule_policy(schedule_policy)
         self.from_plan = isinstance(schedule_policy, str)
+        """Whether the engine's policy is built from the plan (``schedule_policy="plan"``)."""
         self.budgets = Budgets(
             device_budget_bytes=options.device_budget_bytes,
             host_budget_bytes=options.host_budget_bytes,
@@ -54,11 +55,11 @@ class PlanTracking:
         )
         """The rank's device and host budget decisions."""
         planned = (
-            ("prefetch_bytes", options.prefetch_bytes, "--chunk-offload-prefetch-bytes"),
-            ("reload_ahead_bytes", options.reload_ahead_bytes, "--chunk-offload-reload-ahead-bytes"),
-            ("device_budget_bytes", options.device_budget_bytes, "--chunk-offload-device-budget"),
+            ("prefetch_bytes", options.prefetch_bytes),
+            ("reload_ahead_bytes", options.reload_ahead_bytes),
+            ("device_budget_bytes", options.device_budget_bytes),
         )
-        given = {k: v for k, v, _ in planned if v is not None}
+        given = {k: v for k, v in planned if v is not None}
         if given and not self.from_plan:
             # PlanPolicy alone reads them: without the plan they would be dropped silently.
             raise ChunkOffloadError(
@@ -67,10 +68,8 @@ class PlanTracking:
                 "(--chunk-offload-schedule group-start): prefetch and reload-ahead budgets and the device budget are "
                 "planned; drop them or use the plan"
             )
-        """Whether the engine's policy is built from the plan (``schedule_policy="plan"``)."""
         self.engine_policy: SchedulePolicy | None = None if self.from_plan else schedule_policy
         """The policy the engine starts with (None: the engine's default)."""
-        self._budgets = PlanPolicy.check_budgets(prefetch_bytes=options.prefetch_bytes, reload_ahead_bytes=options.reload_ahead_bytes)
         self._engine: OffloadManager | None = None
         self.plan: Plan | None = None
         """The rank's current plan (None: none known)."""
@@ -95,7 +94,7 @@ class PlanTracking:
         elif self.budgets.device_budget is not None:
             self._engine.schedule_policy = self.budgets.policy(plan)
         else:
-            self._engine.schedule_policy = PlanPolicy(plan, **self._budgets)
+            self._engine.schedule_policy = PlanPolicy(plan, **self.budgets.plan_budgets)
 
     def after_iteration(self, record: IterationRecord | None) -> None:
         """After each complete training iteration (its record, None if discarded): apply the budgets.

@@ -73,11 +73,12 @@ class CopyTiming:
     def hides(self, plan: Plan, chunk: tuple[int, int], nbytes: int) -> float:
         """Seconds of compute left after a copy of ``nbytes`` out and back in chunk ``chunk``'s
         window (from the action after its forward to its backward); >= 0: the copy hides."""
-        window = self._window(plan.index(ActionKind.FORWARD, *chunk), plan.index(ActionKind.BACKWARD, *chunk))
-        return window - 2 * nbytes / self.bytes_per_s
+        return self.slack_s(plan.index(ActionKind.FORWARD, *chunk), plan.index(ActionKind.BACKWARD, *chunk), nbytes)
 
-    def _window(self, forward: int, backward: int) -> float:
-        return self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
+    def slack_s(self, forward: int, backward: int, nbytes: int) -> float:
+        """`hides` for a chunk whose forward and backward are actions ``forward`` and ``backward`` of the plan."""
+        window = self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
+        return window - 2 * nbytes / self.bytes_per_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,8 +176,7 @@ def _slack(plan: Plan, sizes: Mapping[tuple[int, int], Sequence[int]], timing: C
         if timing is None:
             out[chunk] = [float(backward - forward - 2)] * len(bs)  # the lifespan - 1
         else:
-            window = timing._window(forward, backward)
-            out[chunk] = [window - 2 * b / timing.bytes_per_s for b in bs]
+            out[chunk] = [timing.slack_s(forward, backward, b) for b in bs]
     return out
 
 

@@ -70,6 +70,7 @@ def test_offload_needs_a_second_iteration_after_the_baseline(capsys):
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
         (["--chunk-offload-device-budget", "lots"], "expected 'auto' or a byte count >= 0 such as 60GiB or 600KiB"),
         (["--chunk-offload-host-budget", "2GB"], "argument --chunk-offload-host-budget: expected a byte count >= 0"),
+        (["--chunk-offload-profile-ranges=yes"], "argument --chunk-offload-profile-ranges: ignored explicit argument 'yes'"),
         (
             ["--chunk-offload-device-budget", "auto", "--chunk-offload-schedule", "group-start"],
             "--chunk-offload-device-budget needs --chunk-offload-schedule plan",
