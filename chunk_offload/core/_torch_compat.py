@@ -5,7 +5,7 @@
 - `view_base`: the tensor a view was made from (``Tensor._base``), or None;
 - `top_saved_tensors_hooks`: the innermost active saved-tensor hooks (a private autograd API);
 - `is_wrapper_subclass`: whether a tensor wraps inner tensors (DTensor), from torch's dispatch utils;
-- `tree_flatten` / `tree_unflatten`: torch's pytree utilities (a module's output as dicts, nested
+- `tree_flatten`: torch's pytree utility (a module's output as dicts, nested
   tuples, namedtuples, registered dataclass-like outputs such as HF ``ModelOutput``).
 """
 
@@ -21,7 +21,6 @@ __all__ = [
     "storage_key",
     "top_saved_tensors_hooks",
     "tree_flatten",
-    "tree_unflatten",
     "view_base",
 ]
 
@@ -56,10 +55,5 @@ def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
 
 
 def tree_flatten(tree) -> tuple[list, object]:
-    """The leaves of ``tree`` (torch's pytree order) and the spec that rebuilds it."""
+    """The leaves of ``tree`` (torch's pytree order) and its spec."""
     return _pytree.tree_flatten(tree)
-
-
-def tree_unflatten(leaves: list, spec: object):
-    """``tree`` rebuilt from ``leaves`` and the spec `tree_flatten` returned."""
-    return _pytree.tree_unflatten(leaves, spec)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -36,7 +36,8 @@ class EngineContext:
 
     streams: StreamBackend
     pool: HostPool
-    should_offload: Callable[[torch.Tensor, frozenset[int]], bool]
+    offload_key: Callable[[torch.Tensor, Sequence[torch.Tensor]], int]
+    """`OffloadPolicy.offload_key`: a saved tensor's storage key if it is offloaded, else 0."""
     resident: ResidentBytes
     stats: StatsRecorder
     on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None

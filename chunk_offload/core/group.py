@@ -15,7 +15,7 @@ group frees that storage's device and host copies.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Collection, ContextManager
+from typing import TYPE_CHECKING, Collection, ContextManager, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -24,7 +24,7 @@ from ._torch_compat import storage_key
 from .engine_context import EngineContext
 from .errors import ChunkOffloadError, internal_assert
 from .group_state import TRANSITIONS, GroupState
-from .saved import SavedRef, Storage, alive, byte_view
+from .saved import KeptRef, SavedRef, Storage, alive, byte_view
 from .streams import Event
 
 if TYPE_CHECKING:
@@ -40,29 +40,31 @@ _SPAN_ALIGN = 16
 _WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
 _NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off
 
-_NO_STORAGES: frozenset[int] = frozenset()
-
 
 class OffloadGroup:
     """The saved tensors of one call of one named submodule within one chunk."""
 
     # Slots: one group per layer call, so no per-instance dict for the garbage collector to track.
     __slots__ = (
-        "handler", "name", "index", "state", "input_nodes", "activations", "saved_bytes", "_ctx", "_storages",
-        "_live_storages", "_kept_storages", "_d2h_event", "_h2d_event", "_offload_cancelled",
+        "handler", "name", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "_ctx", "_storages", "_live_storages",
+        "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event", "_offload_cancelled",
     )  # fmt: skip
 
-    def __init__(self, handler: "ChunkOffloadHandler", name: str, index: int) -> None:
+    def __init__(self, handler: "ChunkOffloadHandler", name: str, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
         self.handler = handler
         self.name = name
         self.index = index
         self.state = GroupState.COLLECTING
+        self.inputs = inputs
+        """The group's input tensors while it collects (the policy's leaf rule reads them); ()
+        once committed, so that no graph is kept through them."""
         self.input_nodes: Collection = ()  # grad_fns of the group's inputs (set by group_start)
-        self.activations: frozenset[int] = _NO_STORAGES  # storages of leaf inputs that are activations
+        self.backward_begun = False  # `ChunkOffloadHandler.begin_group_backward` ran for it
         self._ctx: EngineContext = handler.ctx
         self._storages: dict[int, Storage] = {}
         self._live_storages = 0
         self._kept_storages: set[int] | None = None  # storages of views the policy left on device
+        self._kept_tensors = 0  # saved tensors the policy left on device (counted in stats at commit)
         self._d2h_event: Event | None = None
         self._h2d_event: Event | None = None
         self._offload_cancelled = False  # backward kept the originals while their copy to host was in flight
@@ -110,61 +112,71 @@ class OffloadGroup:
             self._ctx.stats.timing(self.name, timed_kind, timing)
 
     # ------------------------------------------------------------------ forward
-    def save(self, tensor: torch.Tensor) -> SavedRef:
-        """Register a saved tensor of this group (the pack hook)."""
-        self._expect((GroupState.COLLECTING,), "save a tensor into")
-        key = storage_key(tensor)  # unique while we hold the tensor, hence the storage
-        mark = self._ctx.streams.compute.tick()
+    def save(self, tensor: torch.Tensor, key: int | None = None) -> SavedRef:
+        """Register a saved tensor of this group (the pack hook); ``key``: its `storage_key`."""
+        if self.state is not GroupState.COLLECTING:
+            self._expect((GroupState.COLLECTING,), "save a tensor into")
+        if key is None:
+            key = storage_key(tensor)  # unique while we hold the tensor, hence the storage
         storage = self._storages.get(key)
         if storage is None:
-            storage = self._storages[key] = Storage(key, mark)
+            storage = self._storages[key] = Storage(key)
             self._live_storages += 1
-        else:
-            storage.save_mark = mark
-        ref = SavedRef(self, storage, tensor)
-        storage.add(ref)
-        return ref
+        return SavedRef(self, storage, tensor)
 
-    def note_kept(self, tensor: torch.Tensor) -> None:
-        """Record that the policy leaves ``tensor`` on device (too small, marked, a parameter).
+    def keep(self, tensor: torch.Tensor) -> KeptRef:
+        """Register a saved tensor the policy leaves on device (too small, marked, a parameter).
 
         At commit, offloaded views of the same storage are kept too: the kept view holds the
         whole storage on device, so a copy would free nothing while counting its bytes as moved.
         """
-        if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
+        if self.state is not GroupState.COLLECTING:
+            self._expect((GroupState.COLLECTING,), "save a tensor into")
+        self._kept_tensors += 1
+        if type(tensor) is torch.Tensor and tensor.layout is torch.strided:
             if self._kept_storages is None:
                 self._kept_storages = set()
             self._kept_storages.add(storage_key(tensor))
+        return KeptRef(tensor, self.name)
 
     def commit(self) -> None:
         """Close the group: fix each storage's span, account its bytes, start copies to host."""
-        self._expect((GroupState.COLLECTING,), "commit")
+        if self.state is not GroupState.COLLECTING:
+            self._expect((GroupState.COLLECTING,), "commit")
+        self.inputs = ()
         ctx = self._ctx
         stats = ctx.stats.group(self.name)
         stats.groups += 1
-        dropped = []
+        stats.tensors_kept += self._kept_tensors
         kept = self._kept_storages
+        saved_bytes = 0
+        dropped = None
         for key, storage in self._storages.items():
-            refs = alive(storage)
-            if not refs:  # autograd already dropped every view saved in this storage
-                dropped.append(key)
-                continue
-            if len(refs) == 1:
-                start, end = refs[0].span()
+            first = storage.first() if storage.first is not None else None
+            if storage.more is None and first is not None:  # the common case: one view saved
+                start, end = first.span()
+                refs = 1
             else:
-                spans = [ref.span() for ref in refs]
+                views = alive(storage)
+                if not views:  # autograd already dropped every view saved in this storage
+                    dropped = [key] if dropped is None else [*dropped, key]
+                    continue
+                spans = [ref.span() for ref in views]
                 start, end = min(s for s, _ in spans), max(e for _, e in spans)
+                refs = len(views)
             start = start // _SPAN_ALIGN * _SPAN_ALIGN
             storage.start, storage.nbytes = start, max(end - start, 0)
-            self.saved_bytes += storage.nbytes
+            saved_bytes += storage.nbytes
             if kept is not None and key in kept:
                 storage.pinned = True
-                stats.tensors_kept += len(refs)
-        for key in dropped:
-            del self._storages[key]
-            self._live_storages -= 1
+                stats.tensors_kept += refs
+        if dropped is not None:
+            for key in dropped:
+                del self._storages[key]
+                self._live_storages -= 1
         self._kept_storages = None
-        ctx.resident.saved(self.saved_bytes)  # one change: the mark sees the group as a whole
+        self.saved_bytes = saved_bytes
+        ctx.resident.saved(saved_bytes)  # one change: the mark sees the group as a whole
         handler = self.handler
         if (
             not handler.offload
@@ -186,8 +198,11 @@ class OffloadGroup:
         streams = ctx.streams
         d2h = streams.d2h
         stats = ctx.stats.group(self.name)
+        # Every view was saved before this commit: the compute moment now follows all the saves.
+        saved_mark = streams.compute.tick()
         if "offload_after_compute" not in ctx.skip_waits:
             d2h.wait_stream(streams.compute)
+        d2h.require(saved_mark, rule="R1", what="offload of {!r} reading a saved tensor", subject=self.name)
         for storage in self._storages.values():
             if storage.pinned:
                 continue
@@ -195,7 +210,6 @@ class OffloadGroup:
             if buf.fence is not None:
                 self._wait(d2h, buf.fence, "reuse_after_reload")
                 d2h.require(buf.fence.mark, rule="R3", what="offload of {!r} writing a reused host buffer", subject=self.name)
-            d2h.require(storage.save_mark, rule="R1", what="offload of {!r} reading a saved tensor", subject=self.name)
             storage.host = buf
             refs = alive(storage)
             storage.device_bytes = byte_view(refs[0].tensor, storage.start, storage.nbytes)
@@ -232,6 +246,10 @@ class OffloadGroup:
         self._to(GroupState.ON_HOST)
 
     # ------------------------------------------------------------------ backward
+    def on_output_grad(self, grad: torch.Tensor | None) -> None:
+        """The gradient hook on the group's outputs: backward reached the group (NOTE [Group backward hook])."""
+        self.handler.begin_group_backward(self)
+
     def reload(self) -> None:
         """Start the copies back to device (idempotent; prefetch and on-demand share it).
 
@@ -312,9 +330,14 @@ class OffloadGroup:
 
     def unpack(self, ref: SavedRef) -> torch.Tensor:
         """Return the saved tensor for autograd (the unpack hook)."""
+        if not self.backward_begun:  # its gradient hook could not run: NOTE [Group backward hook]
+            self.handler.begin_group_backward(self)
+        tensor = ref.tensor
+        if tensor is not None:  # the device original is still held: nothing was released
+            if tensor._version != ref.version:
+                ref.check_version(self.name)
+            return tensor
         ref.check_version(self.name)
-        if ref.tensor is not None:
-            return ref.tensor  # the device original is still held: nothing was released
         self.ensure_resident()
         self._expect((GroupState.RESIDENT,), "unpack a tensor of")
         compute = self._ctx.streams.compute
@@ -329,15 +352,16 @@ class OffloadGroup:
         )
 
     # ------------------------------------------------------------------ lifetime
-    def _ref_freed(self, storage: Storage) -> None:
-        storage.live -= 1
-        if storage.live or self.state in (GroupState.DISCARDED, GroupState.COLLECTING):
-            return
-        self._free_storage(storage)
+    def storage_freed(self, storage: Storage) -> None:
+        """Autograd dropped the last saved view of ``storage``: free its copies (`SavedRef.__del__`).
 
-    def _free_storage(self, storage: Storage) -> None:
+        In a collecting group the storage is dropped at commit; a discarded one freed it already.
+        """
+        state = self.state
+        if state is GroupState.DISCARDED or state is GroupState.COLLECTING:
+            return
         ctx = self._ctx
-        if self.state is GroupState.RELOADING:
+        if state is GroupState.RELOADING:
             # Autograd dropped a prefetched tensor without using it. The reload may still write
             # its buffer, which was allocated on compute (NOTE [Reload allocation]): compute must
             # wait before the allocator can hand that memory to anything else.
@@ -353,7 +377,7 @@ class OffloadGroup:
             storage.host = None
         storage.device_bytes = None
         storage.forget_refs()
-        ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
+        ctx.resident.freed(storage.nbytes, storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:
             self._to(GroupState.RELEASED)

@@ -29,23 +29,12 @@ from .errors import ChunkOffloadError
 from .engine_context import EngineContext
 from .group import OffloadGroup, profile_range
 from .group_state import GroupState
-from .saved import SavedRef, check_version
+from .saved import KeptRef, SavedRef
 from .ordering import prefetch_selection, reload_ahead_selection
 
 __all__ = ["ChunkOffloadHandler"]
 
 _TE_GROUP_NAME = "te_group"
-
-
-class _KeptRef:
-    """What the pack hook hands autograd for a saved tensor the policy leaves on device."""
-
-    __slots__ = ("tensor", "version", "group_name")
-
-    def __init__(self, tensor: torch.Tensor, group_name: str) -> None:
-        self.tensor = tensor.detach()  # no grad_fn: see SavedRef.tensor
-        self.version = tensor._version
-        self.group_name = group_name
 
 
 class _GroupStates(Sequence[tuple[GroupState, int]]):
@@ -84,6 +73,7 @@ class ChunkOffloadHandler:
         offload_group: Callable[[int], bool] | None = None,
     ) -> None:
         self.ctx = ctx
+        self._offload_key = ctx.offload_key
         self.key = key
         self.offload = offload
         """Whether committed groups are copied to host (False: kept on device, still accounted)."""
@@ -112,8 +102,8 @@ class ChunkOffloadHandler:
         return self._unreleased == 0 and self.current is None
 
     # ------------------------------------------------------------------ named groups
-    def open_group(self, name: str) -> OffloadGroup:
-        """Start collecting the tensors saved by one call of submodule ``name``."""
+    def open_group(self, name: str, inputs: Sequence[torch.Tensor] = ()) -> OffloadGroup:
+        """Start collecting the tensors saved by one call of submodule ``name`` on ``inputs``."""
         if self._forward_ended:
             raise ChunkOffloadError(
                 f"group {name!r} started on the handler of chunk {self.key} after that chunk's forward ended; "
@@ -125,7 +115,7 @@ class ChunkOffloadHandler:
                 f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
                 "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
             )
-        group = OffloadGroup(self, name, len(self.groups))
+        group = OffloadGroup(self, name, len(self.groups), inputs)
         self.groups.append(group)
         self.current = group
         self._unreleased += 1
@@ -147,10 +137,12 @@ class ChunkOffloadHandler:
         self.current = None
         group.commit()
         self._backward_cursor = group.index + 1
-        self._release_held()
-        if group.state is GroupState.OFFLOADING:
+        if self._holding:
+            self._release_held()
+        state = group.state
+        if state is GroupState.OFFLOADING:
             self._holding.append(group)
-        if group.state is GroupState.KEPT and group.is_empty:
+        elif state is GroupState.KEPT and group.is_empty:
             self._group_released(group)
             group.release_empty()
         return group
@@ -173,9 +165,14 @@ class ChunkOffloadHandler:
 
     def begin_group_backward(self, group: OffloadGroup) -> None:
         """Backward reached ``group``: make it resident and prefetch the group before it."""
-        group.ensure_resident()
-        self._backward_cursor = min(self._backward_cursor, group.index)
-        self._reload_ahead(group.index)
+        group.backward_begun = True
+        if group.state is not GroupState.KEPT:
+            group.ensure_resident()
+        index = group.index
+        if index < self._backward_cursor:
+            self._backward_cursor = index
+        if self.offload:  # otherwise no group of the chunk is on host: nothing to reload
+            self._reload_ahead(index)
         if not self._backward_started:
             # After this chunk's own reloads, so that they come first on the copy stream.
             self._backward_started = True
@@ -220,19 +217,21 @@ class ChunkOffloadHandler:
     # ------------------------------------------------------------------ TE protocol
     def tensor_push(self, tensor: torch.Tensor, **kwargs: Any) -> Any:
         """Pack hook: returns what autograd stores instead of ``tensor``."""
-        if self.current is None:
-            self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
-        if not self.ctx.should_offload(tensor, self.current.activations):
-            self.ctx.stats.group(self.current.name).tensors_kept += 1
-            self.current.note_kept(tensor)
-            return _KeptRef(tensor, self.current.name)
-        return self.current.save(tensor)
+        group = self.current
+        if group is None:
+            group = self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
+        key = self._offload_key(tensor, group.inputs)
+        if key:
+            return group.save(tensor, key)
+        return group.keep(tensor)
 
     def tensor_pop(self, tensor_tag: Any, **kwargs: Any) -> torch.Tensor:
         """Unpack hook: the saved tensor for ``tensor_tag`` returned by `tensor_push`."""
-        if isinstance(tensor_tag, _KeptRef):
-            check_version(tensor_tag.tensor, tensor_tag.version, tensor_tag.tensor.shape, tensor_tag.group_name)
-            return tensor_tag.tensor
+        tag_type = type(tensor_tag)
+        if tag_type is SavedRef and tensor_tag.group.handler is self:
+            return tensor_tag.group.unpack(tensor_tag)
+        if tag_type is KeptRef:
+            return tensor_tag.unpack()
         if isinstance(tensor_tag, torch.Tensor):
             return tensor_tag
         if not isinstance(tensor_tag, SavedRef):

@@ -95,7 +95,7 @@ class OffloadManager:
         self._ctx = EngineContext(
             streams=self.streams,
             pool=self.pool,
-            should_offload=self.policy.should_offload,
+            offload_key=self.policy.offload_key,
             resident=self._resident,
             stats=self._stats,
             on_backward_start=self._on_backward_start,

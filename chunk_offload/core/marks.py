@@ -3,6 +3,25 @@
 `GroupMarks` implements `OffloadManager.group_start` / `group_commit` (the low-level marks a
 model calls itself); `ModuleOffload` calls them from a module's forward hooks
 (`OffloadManager.offload_module`).
+
+NOTE [Group backward hook]
+A group is opened and committed by plain calls (no autograd node), and backward reaches it
+through a hook on the gradient of each output the group created (`Tensor.register_hook`):
+autograd runs the hook when that output's gradient is complete, before the group's own backward
+nodes run, and the hook makes the group resident and reloads the one before it
+(`ChunkOffloadHandler.begin_group_backward`). The hook returns None, so every gradient is
+computed exactly as without offload, and the graph gains no node:
+- an identity autograd Function on the *inputs* would sum the gradients of an input's uses
+  inside the group before adding those of its uses after the group; floating-point addition is
+  not associative, so gradients would differ in the last bits whenever a group uses an input
+  twice and the input is used again later (a residual);
+- one on the outputs is exact but costs a node and two Python calls per group, twice the host
+  time of the hook.
+Outputs the group did not create get no hook: a leaf (a parameter returned as a bias) or an
+input handed back unchanged has its gradient complete only after the group's backward. With
+several outputs the first complete gradient begins the group's backward. Where autograd drops
+a hook (an output that is a view, modified in place after the group: torch rebuilds the view's
+node), the group's first unpack begins its backward instead (`OffloadGroup.unpack`).
 """
 
 from __future__ import annotations
@@ -14,9 +33,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ._torch_compat import storage_key, top_saved_tensors_hooks, tree_flatten, tree_unflatten, view_base
-from .errors import ChunkOffloadError
-from .functions import build_group_functions
+from ._torch_compat import top_saved_tensors_hooks, tree_flatten
 from .handler import ChunkOffloadHandler
 
 if TYPE_CHECKING:
@@ -24,21 +41,18 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupMarks", "ModuleOffload"]
 
-_NO_STORAGES: frozenset[int] = frozenset()
-
 
 class GroupMarks:
     """Opens and commits the groups of the running chunk; owns the saved-tensor hooks it pushed."""
 
     def __init__(self) -> None:
-        self._functions = build_group_functions()
         self._hooks_pushed: list[saved_tensors_hooks] = []
 
     def start(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str) -> Any:
         """`OffloadManager.group_start` on the running chunk's ``handler``."""
         if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
             return tensors
-        self.open(handler, _flatten(tensors)[0], name)
+        self.open(handler, _tensors_of(tensors), name)
         return tensors
 
     def open(self, handler: ChunkOffloadHandler, inputs: list[torch.Tensor], name: str) -> None:
@@ -46,16 +60,17 @@ class GroupMarks:
 
         The caller checked that gradients are enabled and no foreign saved-tensor hook is active.
         """
-        # A plain call, no autograd node on the inputs: see NOTE [No node on group inputs].
-        group = handler.open_group(name)
+        # A plain call, no autograd node on the inputs: see NOTE [Group backward hook].
+        group = handler.open_group(name, inputs)
+        # The inputs' nodes as they are now: an input modified in place inside the group gets a
+        # node of the group, and an output that is that input is then an output the group created.
         group.input_nodes = [node for t in inputs if (node := t.grad_fn) is not None]
-        group.activations = _leaf_activation_storages(inputs)
         hooks = handler.saved_tensors_hooks
         hooks.__enter__()
         self._hooks_pushed.append(hooks)
 
     def commit(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str) -> Any:
-        """`OffloadManager.group_commit` on the running chunk's ``handler``."""
+        """`OffloadManager.group_commit` on the running chunk's ``handler``; returns ``tensors`` as they are."""
         if handler is None or not torch.is_grad_enabled():
             return tensors
         if handler.current is None and foreign_saved_tensors_hooks(handler):
@@ -64,24 +79,20 @@ class GroupMarks:
         if group is None or group.name != name:
             handler.commit_group(name)  # raises the precise error
         self._hooks_pushed.pop().__exit__(None, None, None)
-        # Only outputs the group created pass through GroupCommit: a leaf (a parameter returned
-        # as a bias) or an input handed back unchanged would have its gradient contributions
-        # summed in another order (NOTE [No node on group inputs] in functions.py).
         inputs, group.input_nodes = group.input_nodes, ()  # no graph refs kept
-        commit = self._functions.commit
+        handler.commit_group(name)
+        # NOTE [Group backward hook]: a gradient hook on each output the group created.
+        hook = group.on_output_grad
         if type(tensors) is torch.Tensor:  # the common case, without flattening
             node = tensors.grad_fn
-            if node is None or node in inputs:
-                commit.apply(group)
-                return tensors
-            return commit.apply(group, tensors)[0]
-        flat, spec = _flatten(tensors)
-        marked = [i for i, t in enumerate(flat) if (node := t.grad_fn) is not None and node not in inputs]
-        out = list(flat)
-        aliases = commit.apply(group, *(flat[i] for i in marked))
-        for i, alias in zip(marked, aliases):
-            out[i] = alias
-        return _unflatten(out, spec)
+            if node is not None and node not in inputs:
+                tensors.register_hook(hook)
+            return tensors
+        for t in _tensors_of(tensors):
+            node = t.grad_fn
+            if node is not None and node not in inputs:
+                t.register_hook(hook)
+        return tensors
 
     def pop_all(self) -> None:
         """Leave every saved-tensor hook still pushed (the chunk ends)."""
@@ -156,25 +167,6 @@ def _remove_handles(handles: list) -> None:
         handle.remove()
 
 
-def _leaf_activation_storages(tensors: list[torch.Tensor]) -> frozenset[int]:
-    """Storages of group inputs that are plain leaves requiring grad (or views of one).
-
-    Such an input is an activation handed to the group (a pipeline stage's received input, a
-    detached chunk input), not a parameter, so the policy's leaf rule must not keep it.
-    """
-    storages = [
-        storage_key(t)
-        for t in tensors
-        if type(root := _root(t)) is torch.Tensor and root.is_leaf and root.requires_grad and t.layout == torch.strided
-    ]
-    return frozenset(storages) if storages else _NO_STORAGES
-
-
-def _root(tensor: torch.Tensor) -> torch.Tensor:
-    base = view_base(tensor)
-    return base if base is not None else tensor
-
-
 def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
     """Whether saved-tensor hooks other than ``handler``'s own are active (a non-reentrant
     checkpoint region, ``save_on_cpu``, ...): a group opened there would take their tensors.
@@ -183,31 +175,15 @@ def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
     return top is not None and getattr(top[0], "__self__", None) is not handler
 
 
-def _flatten(tensors: Any) -> tuple[list[torch.Tensor], Any]:
-    """Tensors among the pytree leaves of ``tensors``, and what `_unflatten` needs to put
-    replacements back.
+def _tensors_of(tensors: Any) -> list[torch.Tensor]:
+    """The tensors among the pytree leaves of ``tensors``.
 
     Any pytree torch's utilities handle works (a tensor, tuples, lists, dicts, namedtuples, nested
-    ones, registered output classes); leaves that are not tensors are kept as they are. A tensor
-    and a plain tuple or list of tensors (what most layers take and return) skip torch's pytree.
+    ones, registered output classes); leaves that are not tensors are skipped. A tensor and a
+    plain tuple or list of tensors (what most layers take and return) skip torch's pytree.
     """
     if isinstance(tensors, torch.Tensor):
-        return [tensors], None
+        return [tensors]
     if type(tensors) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in tensors):
-        return list(tensors), type(tensors)
-    leaves, spec = tree_flatten(tensors)
-    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    return [leaves[i] for i in positions], (leaves, positions, spec)
-
-
-def _unflatten(out: list[torch.Tensor], spec: Any) -> Any:
-    """The structure `_flatten` returned ``spec`` for, with its tensors replaced by ``out``."""
-    if spec is None:
-        return out[0]
-    if spec is tuple or spec is list:
-        return spec(out)
-    leaves, positions, tree_spec = spec
-    items = list(leaves)
-    for i, t in zip(positions, out):
-        items[i] = t
-    return tree_unflatten(items, tree_spec)
+        return list(tensors)
+    return [leaf for leaf in tree_flatten(tensors)[0] if isinstance(leaf, torch.Tensor)]

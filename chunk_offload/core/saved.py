@@ -13,20 +13,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from .host_pool import HostBuffer
-from .streams import Mark
 
 if TYPE_CHECKING:
     from .group import OffloadGroup
 
-__all__ = ["SavedRef", "Storage", "alive", "byte_view", "check_version", "version_probe"]
+__all__ = ["KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "version_probe"]
 
 
 class Storage:
     """One device storage saved in a group (through one or more views) and its copies."""
 
-    __slots__ = ("key", "first", "more", "start", "nbytes", "device_bytes", "host", "on_host", "live", "save_mark", "pinned")
+    __slots__ = ("key", "first", "more", "start", "nbytes", "device_bytes", "host", "on_host", "live", "pinned")
 
-    def __init__(self, key: int, save_mark: Mark | None) -> None:
+    def __init__(self, key: int) -> None:
         self.key = key
         # Weak references to the SavedRefs of the views saved in it (autograd owns them): the
         # first one, and a list only for a storage saved through several views (rare), so that
@@ -39,7 +38,6 @@ class Storage:
         self.host: HostBuffer | None = None
         self.on_host = False  # the host copy is the only one (counted in `ResidentBytes.host`)
         self.live = 0  # SavedRefs autograd still holds
-        self.save_mark = save_mark  # last compute moment a view of it was saved (R1)
         self.pinned = False  # another view of it stays on device in this group: copying frees nothing
 
     def add(self, ref: "SavedRef") -> None:
@@ -63,18 +61,17 @@ class SavedRef:
     __slots__ = ("group", "storage", "tensor", "version", "probe", "dtype", "size", "stride", "offset_bytes", "__weakref__")
 
     def __init__(self, group: "OffloadGroup", storage: Storage, tensor: torch.Tensor) -> None:
+        self.storage: Storage | None = None  # set once counted live: `__del__` uncounts only then
         self.group = group
-        self.storage = storage
-        # The original's memory, held until the device copy is released. A detached alias (same
-        # storage and version counter, no grad_fn): holding a saved *output* itself would make a
-        # cycle (tensor -> its node -> this ref -> tensor) that a retained graph (retain_graph,
-        # zero-bubble input-gradient steps) never frees by reference counting.
-        self.tensor: torch.Tensor | None = tensor.detach()
+        # The original's memory, held until the device copy is released (see `held`).
+        self.tensor: torch.Tensor | None = held(tensor)
         self.version = tensor._version
         # While the original is held, its version counter and its view (dtype, size, stride,
         # offset) are read from it; `drop_original` records them with a storage-less probe of the
         # counter, so that groups kept on device never pay for either.
         self.probe: torch.Tensor | None = None
+        storage.add(self)
+        self.storage = storage
 
     def drop_original(self) -> None:
         """Stop holding the device original; keep its view and a probe of its version counter."""
@@ -107,9 +104,42 @@ class SavedRef:
         return start, start + extent * itemsize
 
     def __del__(self) -> None:
-        group = self.group
-        if group is not None:
-            group._ref_freed(self.storage)
+        storage = self.storage
+        if storage is not None:
+            storage.live -= 1
+            if not storage.live:
+                self.group.storage_freed(storage)
+
+
+class KeptRef:
+    """What the pack hook hands autograd for a saved tensor the policy leaves on device."""
+
+    __slots__ = ("tensor", "version", "group_name")
+
+    def __init__(self, tensor: torch.Tensor, group_name: str) -> None:
+        self.tensor = held(tensor)
+        self.version = tensor._version
+        self.group_name = group_name
+
+    def unpack(self) -> torch.Tensor:
+        """The saved tensor, after autograd's in-place check."""
+        tensor = self.tensor
+        if tensor._version != self.version:
+            check_version(tensor, self.version, tensor.shape, self.group_name)
+        return tensor
+
+
+def held(tensor: torch.Tensor) -> torch.Tensor:
+    """What a saved-tensor reference may hold of ``tensor`` without keeping its graph alive.
+
+    A tensor with a grad_fn is held as a detached alias (same storage and version counter):
+    holding a saved *output* itself would make a cycle (tensor -> its node -> the reference ->
+    tensor) through autograd's C++ graph that the garbage collector cannot see, so a graph that
+    is never run backward, or retained (retain_graph, zero-bubble input-gradient steps), would
+    never be freed. A tensor without one (a parameter, data) cannot form that cycle and is held
+    as it is, which costs no new tensor per save.
+    """
+    return tensor if tensor.grad_fn is None else tensor.detach()
 
 
 def version_probe(tensor: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,7 @@ class _HighWater:
         self.saved_peak = resident + host
         self.host_at_saved_peak = host
 
-    def update(self, resident: int, host: int, *, check_device: bool, check_saved: bool) -> None:
+    def update(self, resident: int, host: int, check_device: bool, check_saved: bool) -> None:
         # On a tie keep the moment with the most saved bytes: the stage's peak (most chunks in
         # flight), whose host bytes are the saving. With equal microbatches the device mark is
         # first reached in the first chunk's forward, when almost nothing is on host.
@@ -167,39 +167,49 @@ class ResidentBytes:
     saved_peak = property(lambda self: self.total.saved_peak)
     host_at_saved_peak = property(lambda self: self.total.host_at_saved_peak)
 
-    def _changed(self, *, check_device: bool, check_saved: bool) -> None:
-        if check_device or check_saved:  # a change that can raise neither mark skips them
-            self.total.update(self.resident, self.host, check_device=check_device, check_saved=check_saved)
-            self.window.update(self.resident, self.host, check_device=check_device, check_saved=check_saved)
-        if self.trace is not None:
-            self.trace.append(self.resident)
-            if self.device_trace is not None and self.device_bytes is not None:
-                self.device_trace.append(self.device_bytes())
+    def _traced(self) -> None:
+        """Append the current bytes to the window's traces (only while ``trace`` is on)."""
+        self.trace.append(self.resident)
+        if self.device_trace is not None and self.device_bytes is not None:
+            self.device_trace.append(self.device_bytes())
 
+    # Each change updates only the marks it can raise; the pack and release paths call these
+    # once per group or storage, so they take positional arguments and test the trace inline.
     def saved(self, nbytes: int) -> None:
         with self._lock:
-            self.resident += nbytes
-            self._changed(check_device=True, check_saved=True)
+            resident = self.resident = self.resident + nbytes
+            self.total.update(resident, self.host, True, True)
+            self.window.update(resident, self.host, True, True)
+            if self.trace is not None:
+                self._traced()
 
     def moved_to_host(self, nbytes: int) -> None:
         with self._lock:
             self.resident -= nbytes
             self.host += nbytes
-            self._changed(check_device=False, check_saved=True)
+            self.total.update(self.resident, self.host, False, True)
+            self.window.update(self.resident, self.host, False, True)
+            if self.trace is not None:
+                self._traced()
 
     def moved_to_device(self, nbytes: int) -> None:
         with self._lock:
             self.host -= nbytes
             self.resident += nbytes
-            self._changed(check_device=True, check_saved=False)
+            self.total.update(self.resident, self.host, True, False)
+            self.window.update(self.resident, self.host, True, False)
+            if self.trace is not None:
+                self._traced()
 
-    def freed(self, nbytes: int, *, on_host: bool) -> None:
+    def freed(self, nbytes: int, on_host: bool) -> None:
+        """A release raises no mark: only the counters (and the trace) change."""
         with self._lock:
             if on_host:
                 self.host -= nbytes
             else:
                 self.resident -= nbytes
-            self._changed(check_device=False, check_saved=False)
+            if self.trace is not None:
+                self._traced()
 
     def reset_peak(self) -> None:
         with self._lock:

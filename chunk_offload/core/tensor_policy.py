@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+from typing import Callable, Sequence
+
 import torch
 from torch import nn
 
@@ -90,9 +93,7 @@ class OffloadPolicy:
         # another allocation while it is in the set (a buffer that a module replaces in forward
         # would otherwise free its address, and a new activation there would look protected).
         self._protected: dict[int, torch.UntypedStorage] = {}
-        # torch.device -> whether it is of `device_type` (reading ``device.type`` costs more
-        # than the rest of the checks together; a pack hook runs for every saved tensor).
-        self._on_device: dict[torch.device, bool] = {}
+        self._on_device = self._device_check(device_type)
 
     def protect(self, module: nn.Module) -> None:
         """Never offload the parameters and buffers of ``module`` (recursively), or their views."""
@@ -132,33 +133,68 @@ class OffloadPolicy:
                         storage = plain.untyped_storage()
                         protected[key_of_storage(storage)] = storage
 
-    def should_offload(self, tensor: torch.Tensor, activations: frozenset[int] = frozenset()) -> bool:
+    def should_offload(self, tensor: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> bool:
         """True for a large strided activation on the offload device that is not protected.
 
-        ``activations``: storages known to be activations (the group's leaf inputs), to which
-        the leaf-requires-grad rule does not apply.
+        ``inputs``: the group's input tensors; leaves among them that require grad (or views of
+        one) are activations handed to the group, to which the leaf-requires-grad rule does not apply.
         """
-        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
-            return False  # parameters, subclasses (DTensor, fake, functional) and sparse tensors
-        device = tensor.device
-        on_device = self._on_device.get(device)
-        if on_device is None:
-            on_device = self._on_device[device] = device.type == self.device_type
-        if not on_device:
-            return False
+        return self.offload_key(tensor, inputs) != 0
+
+    def offload_key(self, tensor: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> int:
+        """`should_offload` as the storage key of ``tensor`` (`storage_key`) if it is offloaded, else 0.
+
+        The pack hook runs this for every saved tensor: the cheap refusals come first and the
+        storage is looked up once, for both the decision and the group's bookkeeping.
+        """
+        if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
+            return 0  # parameters, subclasses (DTensor, fake, functional) and sparse tensors
+        if not self._on_device(tensor):
+            return 0
         if tensor.nbytes < self.min_offload_bytes:  # numel * element_size
-            return False
+            return 0
         storage_obj = tensor.untyped_storage()
-        storage = key_of_storage(storage_obj)
-        if storage in self._protected:
-            return False
-        if storage not in activations:
-            base = view_base(tensor)
-            if base is None:
-                if tensor.is_leaf and tensor.requires_grad:
-                    return False  # a leaf that requires grad is a parameter in all but type
-            # (a view made without grad mode, e.g. in a custom Function's forward, also reports
-            # is_leaf and requires_grad; its base decides)
-            elif isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
-                return False
-        return not _marked(tensor, storage_obj)
+        key = key_of_storage(storage_obj)
+        if key in self._protected:
+            return 0
+        base = view_base(tensor)
+        if base is None:
+            # A leaf that requires grad is a parameter in all but type (unless the group was handed it).
+            if tensor.requires_grad and tensor.is_leaf and not _is_leaf_input(key, inputs):
+                return 0
+        # (a view made without grad mode, e.g. in a custom Function's forward, also reports
+        # is_leaf and requires_grad; its base decides)
+        elif (isinstance(base, nn.Parameter) or (base.requires_grad and base.is_leaf)) and not _is_leaf_input(key, inputs):
+            return 0
+        if tensor.__dict__ or (base is not None and base.__dict__) or getattr(storage_obj, _KEEP_ATTR, False):
+            if _marked(tensor, storage_obj):  # only a tensor or storage with attributes can carry a mark
+                return 0
+        return key
+
+    def _device_check(self, device_type: str) -> Callable[[torch.Tensor], bool]:
+        """Whether a tensor is on ``device_type``: a flag read for cpu and cuda (``tensor.device``
+        builds a device object per call), the device's type otherwise."""
+        if device_type == "cuda":
+            return attrgetter("is_cuda")
+        if device_type == "cpu":
+            return attrgetter("is_cpu")
+        return lambda tensor: tensor.device.type == device_type
+
+
+def _is_leaf_input(key: int, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether storage ``key`` is that of a group input that is a plain leaf requiring grad (or a
+    view of one): an activation handed to the group (a pipeline stage's received input, a detached
+    chunk input), not a parameter, so the leaf rule must not keep it."""
+    for t in inputs:
+        root = view_base(t)
+        if root is None:
+            root = t
+        if (
+            type(root) is torch.Tensor
+            and root.is_leaf
+            and root.requires_grad
+            and t.layout is torch.strided
+            and storage_key(t) == key
+        ):
+            return True
+    return False
