@@ -358,6 +358,9 @@ class OffloadGroup:
         In a collecting group the storage is dropped at commit; a discarded one freed it already.
         """
         state = self.state
+        if state is GroupState.KEPT:  # never copied: only the accounting changes
+            self._storage_released(storage)
+            return
         if state is GroupState.DISCARDED or state is GroupState.COLLECTING:
             return
         ctx = self._ctx
@@ -375,9 +378,13 @@ class OffloadGroup:
         if storage.host is not None:
             ctx.pool.release(storage.host, self._d2h_event)
             storage.host = None
+        self._storage_released(storage)
+
+    def _storage_released(self, storage: Storage) -> None:
+        """Drop what the group holds of ``storage`` and account it freed; release the group with its last one."""
         storage.device_bytes = None
         storage.forget_refs()
-        ctx.resident.freed(storage.nbytes, storage.on_host)
+        self._ctx.resident.freed(storage.nbytes, storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:
             self._to(GroupState.RELEASED)

@@ -120,18 +120,26 @@ class OffloadPolicy:
         protected = self._protected
         while stack:
             sub = stack.pop()
-            if sub is None or id(sub) in visited:
+            if sub is None or (key := id(sub)) in visited:
                 continue
-            visited.add(id(sub))
-            stack += sub._modules.values()
-            for tensor in (*sub._parameters.values(), *sub._buffers.values()):
-                if tensor is None:
+            visited.add(key)
+            if sub._modules:
+                stack.extend(sub._modules.values())
+            for tensors in (sub._parameters, sub._buffers):
+                if not tensors:
                     continue
-                plains = (tensor,) if type(tensor) in _PLAIN_TYPES else _plain_tensors(tensor)
-                for plain in plains:
-                    if plain.layout == torch.strided and not plain.is_meta and plain.numel() > 0:
-                        storage = plain.untyped_storage()
-                        protected[key_of_storage(storage)] = storage
+                for tensor in tensors.values():
+                    if tensor is None:
+                        continue
+                    if type(tensor) in _PLAIN_TYPES:
+                        if tensor.layout is torch.strided and not tensor.is_meta and tensor.numel():
+                            storage = tensor.untyped_storage()
+                            protected[key_of_storage(storage)] = storage
+                        continue
+                    for plain in _plain_tensors(tensor):
+                        if plain.layout is torch.strided and not plain.is_meta and plain.numel():
+                            storage = plain.untyped_storage()
+                            protected[key_of_storage(storage)] = storage
 
     def should_offload(self, tensor: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> bool:
         """True for a large strided activation on the offload device that is not protected.
