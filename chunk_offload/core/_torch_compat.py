@@ -5,17 +5,21 @@
 - `view_base`: the tensor a view was made from (``Tensor._base``), or None;
 - `top_saved_tensors_hooks`: the innermost active saved-tensor hooks (a private autograd API);
 - `is_wrapper_subclass`: whether a tensor wraps inner tensors (DTensor), from torch's dispatch utils;
+- `add_gradient_hook`: `Tensor.register_hook` without its removable handle;
 - `tree_flatten`: torch's pytree utility (a module's output as dicts, nested
   tuples, namedtuples, registered dataclass-like outputs such as HF ``ModelOutput``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch.utils import _pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
+    "add_gradient_hook",
     "is_wrapper_subclass",
     "key_of_storage",
     "storage_key",
@@ -47,6 +51,24 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
 def top_saved_tensors_hooks():
     """The innermost active default saved-tensor hooks as ``(pack, unpack)``, or None."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# The key of our hook in a tensor's ``_backward_hooks`` dict: `torch.utils.hooks.RemovableHandle`
+# ids, the keys `Tensor.register_hook` adds, are ints, so a later user hook never replaces it.
+_HOOK_KEY = "chunk_offload"
+
+
+def add_gradient_hook(tensor: torch.Tensor, hook) -> None:
+    """Run ``hook(grad)`` when the gradient of non-leaf ``tensor`` is complete, as
+    ``tensor.register_hook(hook)`` does, for a hook that is never removed (it lives as long as
+    the graph). `Tensor.register_hook` builds a removable handle and imports a module on every
+    call, several times the cost of what it registers; a plain tensor whose hook dict is still
+    empty gets the same registration directly (the dict, and its node reading it)."""
+    if type(tensor) is not torch.Tensor or tensor._backward_hooks is not None:
+        tensor.register_hook(hook)  # subclasses (torch function handling), or hooks already there
+        return
+    tensor._backward_hooks = OrderedDict(((_HOOK_KEY, hook),))  # a user's handle holds it weakly: not a plain dict
+    tensor.grad_fn._register_hook_dict(tensor)
 
 
 def is_wrapper_subclass(tensor: torch.Tensor) -> bool:

@@ -40,6 +40,10 @@ _SPAN_ALIGN = 16
 _WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
 _NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off
 
+# The states the per-tensor paths test, as globals: an Enum member lookup costs several times
+# a global one, and these run for every saved tensor.
+_COLLECTING, _KEPT, _DISCARDED = GroupState.COLLECTING, GroupState.KEPT, GroupState.DISCARDED
+
 
 class OffloadGroup:
     """The saved tensors of one call of one named submodule within one chunk."""
@@ -114,7 +118,7 @@ class OffloadGroup:
     # ------------------------------------------------------------------ forward
     def save(self, tensor: torch.Tensor, key: int | None = None) -> SavedRef:
         """Register a saved tensor of this group (the pack hook); ``key``: its `storage_key`."""
-        if self.state is not GroupState.COLLECTING:
+        if self.state is not _COLLECTING:
             self._expect((GroupState.COLLECTING,), "save a tensor into")
         if key is None:
             key = storage_key(tensor)  # unique while we hold the tensor, hence the storage
@@ -130,7 +134,7 @@ class OffloadGroup:
         At commit, offloaded views of the same storage are kept too: the kept view holds the
         whole storage on device, so a copy would free nothing while counting its bytes as moved.
         """
-        if self.state is not GroupState.COLLECTING:
+        if self.state is not _COLLECTING:
             self._expect((GroupState.COLLECTING,), "save a tensor into")
         self._kept_tensors += 1
         if type(tensor) is torch.Tensor and tensor.layout is torch.strided:
@@ -141,7 +145,7 @@ class OffloadGroup:
 
     def commit(self) -> None:
         """Close the group: fix each storage's span, account its bytes, start copies to host."""
-        if self.state is not GroupState.COLLECTING:
+        if self.state is not _COLLECTING:
             self._expect((GroupState.COLLECTING,), "commit")
         self.inputs = ()
         ctx = self._ctx
@@ -358,10 +362,10 @@ class OffloadGroup:
         In a collecting group the storage is dropped at commit; a discarded one freed it already.
         """
         state = self.state
-        if state is GroupState.KEPT:  # never copied: only the accounting changes
+        if state is _KEPT:  # never copied: only the accounting changes
             self._storage_released(storage)
             return
-        if state is GroupState.DISCARDED or state is GroupState.COLLECTING:
+        if state is _DISCARDED or state is _COLLECTING:
             return
         ctx = self._ctx
         if state is GroupState.RELOADING:

@@ -6,7 +6,8 @@ model calls itself); `ModuleOffload` calls them from a module's forward hooks
 
 NOTE [Group backward hook]
 A group is opened and committed by plain calls (no autograd node), and backward reaches it
-through a hook on the gradient of each output the group created (`Tensor.register_hook`):
+through a hook on the gradient of each output the group created (`Tensor.register_hook`'s
+registration, `_torch_compat.add_gradient_hook`):
 autograd runs the hook when that output's gradient is complete, before the group's own backward
 nodes run, and the hook makes the group resident and reloads the one before it
 (`ChunkOffloadHandler.begin_group_backward`). The hook returns None, so every gradient is
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ._torch_compat import top_saved_tensors_hooks, tree_flatten
+from ._torch_compat import add_gradient_hook, top_saved_tensors_hooks, tree_flatten
 from .handler import ChunkOffloadHandler
 
 if TYPE_CHECKING:
@@ -86,12 +87,12 @@ class GroupMarks:
         if type(tensors) is torch.Tensor:  # the common case, without flattening
             node = tensors.grad_fn
             if node is not None and node not in inputs:
-                tensors.register_hook(hook)
+                add_gradient_hook(tensors, hook)
             return tensors
         for t in _tensors_of(tensors):
             node = t.grad_fn
             if node is not None and node not in inputs:
-                t.register_hook(hook)
+                add_gradient_hook(t, hook)
         return tensors
 
     def pop_all(self) -> None:

@@ -126,3 +126,31 @@ def _null():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("user_hook_first", [False, True], ids=["user_hook_after", "user_hook_before"])
+def test_user_gradient_hooks_on_a_group_output_still_run(make_manager, user_hook_first):
+    """Our hook shares the output's hook dict with the user's: both run, and removing the user's
+    handle leaves ours."""
+    manager = make_manager()
+    lin = nn.Linear(H, H)
+    calls: list[str] = []
+    if user_hook_first:
+
+        def user_forward_hook(module, args, out) -> None:
+            out.register_hook(lambda g: calls.append("user"))
+
+        lin.register_forward_hook(user_forward_hook)  # runs before the offload's own hook
+    manager.offload_module(lin, "lin")
+    removed: list[str] = []
+    x = torch.randn(4, H, requires_grad=True)
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            out = lin(x.tanh())
+            if not user_hook_first:
+                out.register_hook(lambda g: calls.append("user"))
+                out.register_hook(lambda g: removed.append("removed")).remove()
+            group = manager.iteration_handlers[0].groups[0]
+        (out * 2).sum().backward()
+    assert calls == ["user"] and removed == []
+    assert group.backward_begun and group.state is GroupState.RELEASED
