@@ -8,7 +8,8 @@ A stack of tiny layers (so that compute is negligible) runs forward + backward
   ``saved_tensors_hooks`` context with identity pack/unpack (a forward pre-hook) and leaves
   it through one identity autograd Function on the layer's output (a forward hook);
 - bookkeeping: every layer is an offload group, copies switched off (``offload=False``):
-  hooks, group start/commit functions, saved-tensor packing, accounting;
+  module hooks, group start/commit and the gradient hook on its output, saved-tensor packing
+  with the policy and in-place checks, accounting;
 - offload: the same with copies on (CPU worker-thread streams here, CUDA streams on a GPU).
 
 The modes take turns, one iteration each, so that a change of the host's load hits all of

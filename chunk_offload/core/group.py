@@ -362,7 +362,7 @@ class OffloadGroup:
         In a collecting group the storage is dropped at commit; a discarded one freed it already.
         """
         state = self.state
-        if state is _KEPT:  # never copied: only the accounting changes
+        if state is _KEPT and storage.host is None:  # nothing copied: only the accounting changes
             self._storage_released(storage)
             return
         if state is _DISCARDED or state is _COLLECTING:

@@ -441,3 +441,26 @@ def test_exception_mid_backward_leaves_nothing_behind(manager, inside_iteration)
     gc.collect()
     assert_clean(manager)
     _clean_iteration_matches_reference(manager, model)
+
+
+def test_a_group_whose_offload_failed_returns_its_host_buffers_when_autograd_frees_it(make_manager):
+    """The pool refuses the second storage of a group after handing out the first: the group stays
+    on device (kept), and when the caller goes on without aborting the chunk, autograd's release
+    of its saved tensors still returns the first buffer to the pool."""
+    mgr = make_manager(host_pool_bytes=1024, on_exhausted="error", min_offload_bytes=1)
+    mgr.begin_iteration()
+    mgr.begin_chunk(microbatch=0)
+    x = torch.randn(256, requires_grad=True)
+    a, b = x * 2, x * 3  # two storages of 1024 bytes: the first fits the cap, the second does not
+    mgr.group_start(a, "two")
+    out = a.sin() + b.cos()
+    with pytest.raises(ChunkOffloadError, match="host pool exhausted"):
+        mgr.group_commit(out, "two")
+    (group,) = mgr.current_handler.groups
+    assert group.state.value == "kept"
+    assert mgr.stats().pool.in_use_bytes == 1024, "the first storage's buffer was handed out"
+    mgr.end_chunk()
+    out.sum().backward()
+    assert group.state.value == "released"
+    assert mgr.stats().pool.in_use_bytes == 0, "autograd's release must return the buffer to the pool"
+    mgr.end_iteration()
