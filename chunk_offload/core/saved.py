@@ -63,9 +63,11 @@ class SavedRef:
     def __init__(self, group: "OffloadGroup", storage: Storage, tensor: torch.Tensor) -> None:
         self.storage: Storage | None = None  # set once counted live: `__del__` uncounts only then
         self.group = group
-        # The original's memory, held until the device copy is released (`held`, inlined: this
-        # runs for every saved tensor).
-        self.tensor: torch.Tensor | None = tensor if tensor.grad_fn is None else tensor.detach()
+        # The original's memory, held until the device copy is released (see `held`). A tensor
+        # whose node existed when the group opened (a group input, unchanged) cannot be the
+        # output of the node saving it, so it is held as it is, like one without a node.
+        node = tensor.grad_fn
+        self.tensor: torch.Tensor | None = tensor if node is None or node in group.input_nodes else tensor.detach()
         self.version = tensor._version
         # While the original is held, its version counter and its view (dtype, size, stride,
         # offset) are read from it; `drop_original` records them with a storage-less probe of the

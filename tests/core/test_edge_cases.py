@@ -727,16 +727,18 @@ def test_backward_in_another_thread_is_exact(make_manager):
     assert_clean(mgr)
 
 
+@pytest.mark.parametrize("fn", [torch.sigmoid, torch.sigmoid_], ids=["output", "input_modified_in_place"])
 @pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
-def test_retained_graph_frees_without_garbage_collection(make_manager, offload):
-    """A saved *output* (sigmoid saves its result) held by a kept group must not form a cycle.
+def test_retained_graph_frees_without_garbage_collection(make_manager, offload, fn):
+    """A saved *output* (sigmoid saves its result) held by a kept group must not form a cycle,
+    also when it is the group's input modified in place (its node is then the saving one).
 
     Under ``retain_graph=True`` (zero-bubble input-gradient steps) autograd keeps the saved
     tensors until the graph dies; the group must then free them by reference counting alone,
     not at the next garbage collection (which may come after the iteration or never).
     """
     mgr = make_manager()
-    sigmoid = Fn(torch.sigmoid)
+    sigmoid = Fn(fn)
     mgr.offload_module(sigmoid, "act")
     x = torch.randn(B, T, HIDDEN, requires_grad=True)
     gc.disable()
