@@ -352,6 +352,21 @@ def test_should_offload_activations_and_leaves(policy_and_module):
     assert policy.should_offload(torch.randn(8, 8)) is True  # data that needs no grad
 
 
+def test_a_leaf_handed_to_the_group_is_an_activation(policy_and_module):
+    """A pipeline stage's received input is a leaf that requires grad: among the group's inputs it
+    (and views of it) is offloaded; the same leaf not handed to the group is kept as a parameter."""
+    policy, module = policy_and_module
+    received = torch.randn(8, 8, requires_grad=True)
+    other = torch.randn(8, 8) * 2
+    assert policy.should_offload(received) is False
+    assert policy.should_offload(received, [other, received]) is True
+    assert policy.should_offload(received[1:], [received]) is True
+    assert policy.should_offload(received, [received[2:]]) is True  # a view of it handed in
+    assert policy.should_offload(module.weight.detach(), [module.weight]) is False  # protected storage
+    assert policy.offload_key(received, [received]) == received.untyped_storage()._cdata
+    assert policy.offload_key(received) == 0
+
+
 def test_should_offload_view_made_without_grad_mode_of_an_activation(policy_and_module):
     # Inside a custom Function's forward (no grad mode) a view of a non-leaf input reports
     # is_leaf=True and requires_grad=True; it is still an activation, not a parameter.
