@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from .host_pool import HostPool
 from .stats import ResidentBytes, StatsRecorder
 from .streams import StreamBackend
 
 if TYPE_CHECKING:
+    from .group import OffloadGroup
     from .handler import ChunkOffloadHandler
 
-__all__ = ["EngineContext", "WAIT_NAMES"]
+__all__ = ["EngineContext", "NO_RANGE", "WAIT_NAMES", "profile_range"]
 
 # The waits the engine issues, by name. Tests remove one at a time through
 # `EngineContext.skip_waits` to prove the happens-before checker catches each.
@@ -47,3 +50,17 @@ class EngineContext:
     """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
     skip_waits: frozenset[str] = frozenset()
     """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
+
+
+NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off
+
+
+def profile_range(group: "OffloadGroup", step: str) -> ContextManager:
+    """A `torch.profiler.record_function` range for ``step`` of ``group`` (``offload``,
+    ``reload``, ``wait_offload``, ``wait_reload``, ``prefetch``), or a no-op context when
+    `OffloadConfig.profile_ranges` is off (no range object is made then)."""
+    handler = group.handler
+    if not handler.ctx.profile_ranges:
+        return NO_RANGE
+    key = handler.key
+    return record_function(f"chunk_offload::{step} {group.name}[{group.index}] mb={key.microbatch} vp={key.vp_stage}")

@@ -14,14 +14,12 @@ group frees that storage's device and host copies.
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Collection, ContextManager, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 import torch
-from torch.profiler import record_function
 
 from ._torch_compat import storage_key
-from .engine_context import EngineContext
+from .engine_context import NO_RANGE, EngineContext, profile_range
 from .errors import ChunkOffloadError, internal_assert
 from .group_state import TRANSITIONS, GroupState
 from .saved import KeptRef, SavedRef, Storage, alive, byte_view
@@ -30,15 +28,10 @@ from .streams import Event
 if TYPE_CHECKING:
     from .handler import ChunkOffloadHandler
 
-__all__ = ["OffloadGroup", "profile_range"]
-
-# Alignment of a copied span's start, so that every view's offset stays a whole number of
-# its elements whatever dtypes view the storage (all element sizes divide 16).
-_SPAN_ALIGN = 16
+__all__ = ["OffloadGroup"]
 
 # The profiler range of each compute wait, by wait name (`OffloadConfig.profile_ranges`).
 _WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
-_NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off
 
 # The states the per-tensor paths test, as globals: an Enum member lookup costs several times
 # a global one, and these run for every saved tensor.
@@ -50,8 +43,9 @@ class OffloadGroup:
 
     # Slots: one group per layer call, so no per-instance dict for the garbage collector to track.
     __slots__ = (
-        "handler", "name", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "_ctx", "_storages", "_live_storages",
-        "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event", "_offload_cancelled",
+        "handler", "name", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "_ctx",
+        "_storages", "_live_storages", "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event",
+        "_offload_cancelled",
     )  # fmt: skip
 
     def __init__(self, handler: "ChunkOffloadHandler", name: str, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
@@ -110,7 +104,7 @@ class OffloadGroup:
     def _wait(self, stream, event: Event | None, name: str, timed_kind: str | None = None) -> None:
         if event is None or name in self._ctx.skip_waits:
             return
-        with profile_range(self, _WAIT_RANGES[name]) if name in _WAIT_RANGES else _NO_RANGE:
+        with profile_range(self, _WAIT_RANGES[name]) if name in _WAIT_RANGES else NO_RANGE:
             timing = stream.wait_event(event, timed=self._ctx.measure_time and timed_kind is not None)
         if timed_kind is not None:
             self._ctx.stats.timing(self.name, timed_kind, timing)
@@ -156,24 +150,15 @@ class OffloadGroup:
         saved_bytes = 0
         dropped = None
         for key, storage in self._storages.items():
-            first = storage.first() if storage.first is not None else None
-            if storage.more is None and first is not None:  # the common case: one view saved
-                start, end = first.span()
-                refs = 1
-            else:
-                views = alive(storage)
-                if not views:  # autograd already dropped every view saved in this storage
-                    dropped = [key] if dropped is None else [*dropped, key]
-                    continue
-                spans = [ref.span() for ref in views]
-                start, end = min(s for s, _ in spans), max(e for _, e in spans)
-                refs = len(views)
-            start = start // _SPAN_ALIGN * _SPAN_ALIGN
-            storage.start, storage.nbytes = start, max(end - start, 0)
+            views = storage.fix_span()
+            if not views:  # autograd already dropped every view saved in this storage
+                dropped = [] if dropped is None else dropped
+                dropped.append(key)
+                continue
             saved_bytes += storage.nbytes
             if kept is not None and key in kept:
                 storage.pinned = True
-                stats.tensors_kept += refs
+                stats.tensors_kept += views
         if dropped is not None:
             for key in dropped:
                 del self._storages[key]
@@ -410,13 +395,3 @@ class OffloadGroup:
                 ref.tensor = None
             storage.forget_refs()
         self._to(GroupState.DISCARDED)
-
-
-def profile_range(group: OffloadGroup, step: str) -> ContextManager:
-    """A `torch.profiler.record_function` range for ``step`` of ``group`` (``offload``,
-    ``reload``, ``wait_offload``, ``wait_reload``, ``prefetch``), or a no-op context when
-    `OffloadConfig.profile_ranges` is off (no range object is made then)."""
-    if not group._ctx.profile_ranges:
-        return _NO_RANGE
-    key = group.handler.key
-    return record_function(f"chunk_offload::{step} {group.name}[{group.index}] mb={key.microbatch} vp={key.vp_stage}")

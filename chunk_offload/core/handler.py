@@ -26,8 +26,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .actions import ChunkKey
 from .errors import ChunkOffloadError
-from .engine_context import EngineContext
-from .group import OffloadGroup, profile_range
+from .engine_context import EngineContext, profile_range
+from .group import OffloadGroup
 from .group_state import GroupState
 from .saved import KeptRef, SavedRef
 from .ordering import prefetch_selection, reload_ahead_selection

@@ -17,7 +17,11 @@ from .host_pool import HostBuffer
 if TYPE_CHECKING:
     from .group import OffloadGroup
 
-__all__ = ["KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "version_probe"]
+__all__ = ["SPAN_ALIGN", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "version_probe"]
+
+# Alignment of a copied span's start, so that every view's offset stays a whole number of
+# its elements whatever dtypes view the storage (all element sizes divide 16).
+SPAN_ALIGN = 16
 
 
 class Storage:
@@ -49,6 +53,24 @@ class Storage:
         else:
             self.more.append(weakref.ref(ref))
         self.live += 1
+
+    def fix_span(self) -> int:
+        """Set ``start`` and ``nbytes`` to the byte span the live views use (its start aligned to
+        `SPAN_ALIGN`): what is copied. Returns how many views are alive (0: autograd dropped all)."""
+        first = self.first() if self.first is not None else None
+        if self.more is None and first is not None:  # the common case: one view saved
+            start, end = first.span()
+            views = 1
+        else:
+            refs = alive(self)
+            if not refs:
+                return 0
+            spans = [ref.span() for ref in refs]
+            start, end = min(s for s, _ in spans), max(e for _, e in spans)
+            views = len(refs)
+        start = start // SPAN_ALIGN * SPAN_ALIGN
+        self.start, self.nbytes = start, max(end - start, 0)
+        return views
 
     def forget_refs(self) -> None:
         """Stop listing the saved views (the storage was freed or discarded)."""

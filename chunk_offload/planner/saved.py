@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 
 __all__ = ["SavedTensor", "group_bytes", "whole"]
 
-_SPAN_ALIGN = 16  # the engine rounds a copied span's start down to this (chunk_offload/core/group.py)
+_SPAN_ALIGN = 16  # the engine rounds a copied span's start down to this (SPAN_ALIGN, chunk_offload/core/saved.py)
 
 
 class SavedTensor(NamedTuple):

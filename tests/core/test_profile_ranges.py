@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadConfig
-from chunk_offload.core import group as group_module
+from chunk_offload.core import engine_context as ranges_module
 from chunk_offload.core.schedule_policy import SchedulePolicy
 
 LAYERS = 4
@@ -76,8 +76,8 @@ def test_one_offload_and_one_reload_range_per_offloaded_group(make_manager) -> N
 
 def test_no_range_and_no_record_function_when_off(make_manager, monkeypatch) -> None:
     made = []
-    real = group_module.record_function
-    monkeypatch.setattr(group_module, "record_function", lambda name: made.append(name) or real(name))
+    real = ranges_module.record_function
+    monkeypatch.setattr(ranges_module, "record_function", lambda name: made.append(name) or real(name))
     ranges, record = _run(make_manager, profile_ranges=False)
     assert record.groups["layer"].bytes_offloaded > 0
     assert dict(ranges) == {} and made == []
