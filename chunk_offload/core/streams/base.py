@@ -96,6 +96,11 @@ class VectorClocks:
             if step > clock.get(sid, 0):
                 clock[sid] = step
 
+    def merge_stream(self, stream_id: int, other_id: int) -> None:
+        """`merge` with the current clock of stream ``other_id`` (a wait on all its work issued so far)."""
+        if self.enabled:
+            self.merge(stream_id, self._clocks[other_id])
+
     def require(self, stream_id: int, mark: Mark | None, rule: str, what: str, subject: object = None) -> None:
         if not self.enabled or mark is None:
             return
