@@ -119,6 +119,8 @@ class VectorClocks:
 class Event:
     """A point in one stream's work that other streams (or the host) can wait for."""
 
+    __slots__ = ("clocks", "mark")
+
     def __init__(self, clocks: dict[int, int] | None, mark: Mark | None) -> None:
         self.clocks = clocks
         self.mark = mark

@@ -50,8 +50,11 @@ class _Flag:
 
 
 class _CpuEvent(Event):
+    __slots__ = ("_done", "error")
+
     def __init__(self, clocks, mark, done: bool = False) -> None:
-        super().__init__(clocks, mark)
+        self.clocks = clocks  # `Event.__init__`, without the call (several events per group)
+        self.mark = mark
         # None: done when made (the compute stream's events, several per group): no flag.
         self._done: _Flag | None = None if done else _Flag()
         self.error: BaseException | None = None
@@ -111,6 +114,10 @@ class _CpuComputeStream(Stream):
         return _CpuEvent(clocks, mark, done=True)
 
     def wait_event(self, event, *, timed=False):
+        if not timed and self._delay.max_seconds == 0:  # twice per group: no clock reads, no delay call
+            event.synchronize()
+            self._vc.merge(self.id, event.clocks)
+            return None
         start = time.perf_counter()
         event.synchronize()
         self._vc.merge(self.id, event.clocks)
@@ -120,7 +127,7 @@ class _CpuComputeStream(Stream):
 
 # The operations a copy stream's worker executes, in issue order (one tuple each:
 # ``(op, argument, timing, nbytes)``).
-_RUN, _RECORD, _WAIT, _STOP = "run", "record", "wait", "stop"
+_RUN, _RECORD, _WAIT, _STOP = range(4)
 
 
 class _CpuCopyStream(Stream):
@@ -161,7 +168,7 @@ class _CpuCopyStream(Stream):
         """Run one batch of operations on the worker thread, in order; False once told to stop."""
         plain = self._plain
         for op, arg, timing, nbytes in batch:
-            if op is _RUN:
+            if op == _RUN:
                 if timing is None and plain:
                     if self._error is None:
                         try:
@@ -170,9 +177,9 @@ class _CpuCopyStream(Stream):
                             self._error = exc
                 else:
                     self._run_one(arg, timing, nbytes)
-            elif op is _RECORD:
+            elif op == _RECORD:
                 arg.set(self._error)
-            elif op is _WAIT:
+            elif op == _WAIT:
                 arg.wait_done()
                 if arg.error is not None and self._error is None:
                     self._error = arg.error
