@@ -60,6 +60,22 @@ def test_release_and_reuse_by_size_returns_the_same_buffer_with_its_fence():
     assert pool.stats() == _stats(allocated=1024, in_use=1024, allocations=1)
 
 
+def test_a_reused_buffer_views_the_size_of_each_request():
+    # A buffer keeps its last view (HostBuffer.view): a request of another size in the same class
+    # must still see exactly its own bytes, in the buffer's memory.
+    pool = HostPool()
+    buf = pool.acquire(1000)
+    buf.view().fill_(7)
+    pool.release(buf, None)
+    again = pool.acquire(600)
+    assert again is buf and again.view().numel() == 600 and again.view().data_ptr() == buf.tensor.data_ptr()
+    again.view().fill_(3)
+    pool.release(again, None)
+    last = pool.acquire(1000)
+    assert last is buf and last.view().numel() == 1000
+    assert torch.equal(last.view(), torch.tensor([3] * 600 + [7] * 400, dtype=torch.uint8))
+
+
 def test_other_size_allocates_a_new_buffer():
     pool = HostPool()
     small = pool.acquire(100)
