@@ -84,7 +84,7 @@ def size_class(nbytes: int, per_doubling: int) -> int:
 class HostBuffer:
     """A host byte buffer of ``nbytes`` (maybe larger ``capacity``) and its reuse fence."""
 
-    __slots__ = ("tensor", "nbytes", "capacity", "pooled", "fence", "last_used")
+    __slots__ = ("tensor", "nbytes", "capacity", "pooled", "fence", "last_used", "_view")
 
     def __init__(self, tensor: torch.Tensor | None, nbytes: int, pooled: bool, capacity: int | None = None) -> None:
         self.tensor = tensor
@@ -93,10 +93,16 @@ class HostBuffer:
         self.pooled = pooled
         self.fence: Event | None = None
         self.last_used = 0  # the pool's acquire count when it was last handed out
+        # The last view made: a buffer is handed out again and again for the same size (the same
+        # layer's tensor each iteration), and slicing costs more than the copy of a small tensor.
+        self._view: torch.Tensor | None = None
 
     def view(self) -> torch.Tensor:
         """The first ``nbytes`` bytes as a uint8 tensor."""
-        return self.tensor[: self.nbytes]
+        view = self._view
+        if view is None or view.shape[0] != self.nbytes:
+            view = self._view = self.tensor[: self.nbytes]
+        return view
 
 
 @dataclass(frozen=True)
@@ -312,7 +318,7 @@ class HostPool:
         self._evictions += 1
         self._freed += buf.capacity
         buf.fence = None
-        buf.tensor = None  # the memory returns to the allocator (NOTE [Releasing host memory])
+        buf.tensor = buf._view = None  # the memory returns to the allocator (NOTE [Releasing host memory])
 
     def set_capacity(self, capacity_bytes: int | None) -> None:
         """Change the cap (``None``: no cap); free buffers above a lower cap are released now.

@@ -231,6 +231,42 @@ def test_exception_in_launched_work_surfaces_on_synchronize(make_streams):
         streams.h2d.synchronize()
 
 
+def test_a_copy_stream_waiting_on_a_failed_event_that_is_already_done_fails_too(make_streams):
+    # A wait on a done event queues nothing for the worker unless the event carries an error:
+    # this one is done (synchronized) and failed, so h2d must still take its error.
+    streams = make_streams()
+
+    def boom() -> None:
+        raise ValueError("copy exploded 5678")
+
+    streams.d2h.launch(boom)
+    failed = streams.d2h.record_event()
+    with pytest.raises(ChunkOffloadError, match="copy exploded 5678"):
+        failed.synchronize()
+    assert failed.query()
+    ran: list[str] = []
+    streams.h2d.wait_event(failed)
+    streams.h2d.launch(lambda: ran.append("after"))
+    with pytest.raises(ChunkOffloadError, match="copy exploded 5678"):
+        streams.h2d.synchronize()
+    assert ran == [], "work issued after a wait on a failed event must not run"
+
+
+def test_a_copy_stream_waiting_on_a_done_event_runs_its_later_work(make_streams):
+    streams = make_streams()
+    streams.d2h.launch(lambda: None)
+    done_event = streams.d2h.record_event()
+    done_event.synchronize()
+    ran: list[str] = []
+    streams.h2d.wait_event(done_event)
+    streams.h2d.launch(lambda: ran.append("after"))
+    streams.h2d.synchronize()
+    assert ran == ["after"]
+    reload_mark = streams.d2h.tick()
+    with pytest.raises(HappensBeforeError, match="R4"):  # the wait covers only what came before the event
+        streams.h2d.require(reload_mark, rule="R4", what="x")
+
+
 def test_invalid_delay_on_lists_valid_names():
     with pytest.raises(ChunkOffloadError, match=r"delay_on names unknown streams \['gpu'\]; valid: \['compute', 'd2h', 'h2d'\]"):
         CpuStreams(delay_on=("d2h", "gpu"))

@@ -96,6 +96,11 @@ class VectorClocks:
             if step > clock.get(sid, 0):
                 clock[sid] = step
 
+    def merge_stream(self, stream_id: int, other_id: int) -> None:
+        """`merge` with the current clock of stream ``other_id`` (a wait on all its work issued so far)."""
+        if self.enabled:
+            self.merge(stream_id, self._clocks[other_id])
+
     def require(self, stream_id: int, mark: Mark | None, rule: str, what: str, subject: object = None) -> None:
         if not self.enabled or mark is None:
             return
@@ -113,6 +118,8 @@ class VectorClocks:
 
 class Event:
     """A point in one stream's work that other streams (or the host) can wait for."""
+
+    __slots__ = ("clocks", "mark")
 
     def __init__(self, clocks: dict[int, int] | None, mark: Mark | None) -> None:
         self.clocks = clocks

@@ -50,8 +50,11 @@ class _Flag:
 
 
 class _CpuEvent(Event):
+    __slots__ = ("_done", "error")
+
     def __init__(self, clocks, mark, done: bool = False) -> None:
-        super().__init__(clocks, mark)
+        self.clocks = clocks  # `Event.__init__`, without the call (several events per group)
+        self.mark = mark
         # None: done when made (the compute stream's events, several per group): no flag.
         self._done: _Flag | None = None if done else _Flag()
         self.error: BaseException | None = None
@@ -111,11 +114,20 @@ class _CpuComputeStream(Stream):
         return _CpuEvent(clocks, mark, done=True)
 
     def wait_event(self, event, *, timed=False):
+        if not timed and self._delay.max_seconds == 0:  # twice per group: no clock reads, no delay call
+            event.synchronize()
+            self._vc.merge(self.id, event.clocks)
+            return None
         start = time.perf_counter()
         event.synchronize()
         self._vc.merge(self.id, event.clocks)
         self._delay()
         return Timing(time.perf_counter() - start) if timed else None
+
+
+# The operations a copy stream's worker executes, in issue order (one tuple each:
+# ``(op, argument, timing, nbytes)``).
+_RUN, _RECORD, _WAIT, _STOP = range(4)
 
 
 class _CpuCopyStream(Stream):
@@ -126,12 +138,17 @@ class _CpuCopyStream(Stream):
     at once for timed work, whose timing the host may wait on): every hand-over wakes the
     worker, which costs more than the copy of a small tensor. Nothing waits on unrecorded work:
     the host and the other streams wait on events only, and recording one sends the batch.
+    A wait on an event that is already done without an error (every compute event, and a
+    reused buffer's fence whose reload ran) only merges clocks: the worker would have nothing
+    to wait for, so no operation is queued for it.
     """
 
     def __init__(self, name, clocks, delay: _Delay, link_bytes_per_s: float | None = None) -> None:
         super().__init__(name, clocks)
         self._delay = delay
         self._link_bytes_per_s = link_bytes_per_s
+        # Neither delays nor a simulated link: an untimed launch is just its call on the worker.
+        self._plain = delay.max_seconds == 0 and not link_bytes_per_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._stopped = False
@@ -143,58 +160,85 @@ class _CpuCopyStream(Stream):
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            for op, arg, timing, nbytes in self._queue.get():
-                if op == "stop":
-                    return
-                self._execute(op, arg, timing, nbytes)
+        get = self._queue.get
+        while self._run_batch(get()):
+            pass
 
-    def _execute(self, op: str, arg, timing: Timing | None, nbytes: int) -> None:
-        """Run one operation on the worker thread."""
-        if op == "wait":
-            arg.wait_done()
-            if arg.error is not None and self._error is None:
-                self._error = arg.error
-        elif op == "record":
-            arg.set(self._error)
-        else:
-            if self._error is None:
-                self._delay()
-                start = time.perf_counter()
-                try:
-                    arg()
-                    if self._link_bytes_per_s:
-                        time.sleep(nbytes / self._link_bytes_per_s)  # the simulated link's transfer time
-                except BaseException as exc:  # surfaced to the host by the next event
-                    self._error = exc
-                if timing is not None:
-                    timing._seconds = time.perf_counter() - start
+    def _run_batch(self, batch: list[tuple]) -> bool:
+        """Run one batch of operations on the worker thread, in order; False once told to stop."""
+        plain = self._plain
+        for op, arg, timing, nbytes in batch:
+            if op == _RUN:
+                if timing is None and plain:
+                    if self._error is None:
+                        try:
+                            arg()
+                        except BaseException as exc:  # surfaced to the host by the next event
+                            self._error = exc
+                else:
+                    self._run_one(arg, timing, nbytes)
+            elif op == _RECORD:
+                arg.set(self._error)
+            elif op == _WAIT:
+                arg.wait_done()
+                if arg.error is not None and self._error is None:
+                    self._error = arg.error
+            else:
+                return False
+        return True
+
+    def _run_one(self, fn, timing: Timing | None, nbytes: int) -> None:
+        """Run one launched work item with its delay, simulated link time and timing."""
+        if self._error is None:
+            self._delay()
+            start = time.perf_counter()
+            try:
+                fn()
+                if self._link_bytes_per_s:
+                    time.sleep(nbytes / self._link_bytes_per_s)  # the simulated link's transfer time
+            except BaseException as exc:  # surfaced to the host by the next event
+                self._error = exc
             if timing is not None:
-                timing._done.set()
+                timing._seconds = time.perf_counter() - start
+        if timing is not None:
+            timing._done.set()
 
     def launch(self, fn, *, timed=False, nbytes=0):
-        self._check_running()
+        if self._stopped:
+            self._raise_stopped()
         mark = self._vc.tick(self.id)
-        timing = Timing(0.0, done=_Flag()) if timed else None
-        self._batch.append(("run", fn, timing, nbytes))
         if timed:
+            timing = Timing(0.0, done=_Flag())
+            self._batch.append((_RUN, fn, timing, nbytes))
             self._flush()
-        return mark, timing
+            return mark, timing
+        self._batch.append((_RUN, fn, None, nbytes))
+        return mark, None
 
     def record_event(self) -> Event:
-        self._check_running()
+        if self._stopped:
+            self._raise_stopped()
         clocks = self._vc.snapshot(self.id)
-        mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
-        event = _CpuEvent(clocks, mark)
+        event = _CpuEvent(clocks, None if clocks is None else Mark(self.id, clocks[self.id]))
         self._last_event = event
-        self._batch.append(("record", event, None, 0))
-        self._flush()
+        batch, self._batch = self._batch, []
+        batch.append((_RECORD, event, None, 0))
+        self._queue.put(batch)
         return event
 
     def wait_event(self, event, *, timed=False):
         self._vc.merge(self.id, event.clocks)
-        self._batch.append(("wait", event, None, 0))
+        if event._done is None or (event._done.is_set() and event.error is None):
+            return None  # done without an error: nothing for the worker to wait for (NOTE [Batched issue])
+        self._batch.append((_WAIT, event, None, 0))
         return None
+
+    def wait_stream(self, other: Stream) -> None:
+        if isinstance(other, _CpuComputeStream):
+            # Work on the host thread is done when issued: only the clocks move (no event object).
+            self._vc.merge_stream(self.id, other.id)
+            return
+        super().wait_stream(other)
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
@@ -204,17 +248,17 @@ class _CpuCopyStream(Stream):
         if self._batch or self._last_event is None:
             super().synchronize()
             return
-        self._check_running()
+        if self._stopped:
+            self._raise_stopped()
         self._last_event.synchronize()  # the worker has nothing after it (and raises its error, if any)
 
-    def _check_running(self) -> None:
+    def _raise_stopped(self) -> None:
         # An event recorded on a stopped worker would never complete: waiting on it would hang.
-        if self._stopped:
-            raise ChunkOffloadError(f"CPU copy stream '{self.name}' used after its backend was closed.")
+        raise ChunkOffloadError(f"CPU copy stream '{self.name}' used after its backend was closed.")
 
     def stop(self) -> None:
         self._stopped = True
-        self._batch.append(("stop", None, None, 0))
+        self._batch.append((_STOP, None, None, 0))
         self._flush()
 
 
