@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ...core import Action, ActionKind
 
@@ -50,7 +51,7 @@ class ChunkHooks:
         """True during an evaluation call (``forward_only=True``): the hooks do nothing."""
         self._open_chunks: list[bool] = []  # per chunk forward whose pre-hook ran: did it begin a chunk scope?
         self._warned_outside_iteration = False
-        self._handles = []
+        self._handles: list[RemovableHandle] = []
         for vp_stage, chunk in enumerate(chunks):
             self._handles.append(chunk.register_forward_pre_hook(self._make_pre(vp_stage)))
             self._handles.append(chunk.register_forward_hook(self._make_post(vp_stage), always_call=True))
