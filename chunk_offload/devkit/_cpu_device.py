@@ -82,6 +82,16 @@ class CpuStream:
 
 CPU = torch.device("cpu")
 
+# NOTE [ Tensor type names ]
+# megatron's optimizers pick the tensor kind by its legacy type name, `param.type()`:
+# `Float16OptimizerWithFloat16Params` and the distributed optimizer accept only
+# 'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' and raise on
+# anything else, and `clip_grad_by_total_norm_fp32` asserts `param.grad.type() ==
+# 'torch.cuda.FloatTensor'`. The device mode therefore answers the no-argument `Tensor.type()` of
+# a CPU tensor with the name it would have on the GPU (dtype unchanged, only `cuda.` inserted).
+# Conversions (`t.type(torch.float16)`, `t.type("torch.FloatTensor")`) pass through unchanged;
+# `Tensor.is_cuda` and `Tensor.device` still say cpu.
+
 
 def is_accelerator_device(device: Any) -> bool:
     """True for ``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 0)`` and bare indices (``0`` means ``cuda:0``)."""
@@ -112,7 +122,7 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.pin_memory:
             return args[0].clone()  # pin_memory() copies; CPU-only hosts have no pinned allocator
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # See NOTE [ Tensor type names ] in cpu_compat.py: the no-argument form names the type, as on a GPU.
+            # See NOTE [ Tensor type names ]: the no-argument form names the type, as on a GPU.
             self.type_names += 1
             return cuda_type_name(func(*args))
         moved = False

@@ -16,7 +16,9 @@ that redirects them lives here, in one reversible object::
 It is for tests and CPU development only. When ``torch.cuda.is_available()`` is true it is inert:
 it patches nothing and megatron-core runs on the GPU unchanged.
 
-What is redirected, and why (one line each; see ``docs/megatron_cpu.md``):
+What is redirected, and why (one line each; see ``docs/megatron_cpu.md``). The NOTEs stand next to
+the code they explain: the device mode and the stream stand-ins in ``_cpu_device.py``, the
+replacement functions in ``_cpu_replacements.py``; this module installs and removes them:
 
 * ``torch.cuda.current_device`` returns ``0``: megatron passes ``device=torch.cuda.current_device()``
   to tensor factories; the device mode below turns that index into ``cpu``.
@@ -52,10 +54,9 @@ active per process, and it must be disabled on the thread that enabled it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,15 @@ import torch
 
 from ..core.errors import ChunkOffloadError, internal_assert
 from ._cpu_device import CpuEvent, CpuStream, CudaToCpuMode
+from ._cpu_replacements import (
+    RngWarningFilter,
+    cpu_get_rng_state,
+    cpu_manual_seed,
+    cpu_set_rng_state,
+    engine_run_backward_with_mode,
+    isend_owning_buffer,
+    splits_to_numpy_on_cpu,
+)
 
 try:
     import megatron.core.tensor_parallel.random as _mcore_random
@@ -78,59 +88,10 @@ __all__ = ["MegatronCpuCompat", "enable", "megatron_on_cpu"]
 
 logger = logging.getLogger(__name__)
 
-# NOTE [ One generator on CPU ]
-# On a GPU, megatron keeps two random streams apart: the CPU generator and the CUDA generator,
-# whose state its RNG tracker swaps in and out (`get_cuda_rng_tracker().fork()`). A CPU-only host
-# has one generator that every CPU op draws from, so the "CUDA" state is redirected to the CPU
-# default generator: `torch.cuda.manual_seed(s)` reseeds it, and a tracker fork saves it, installs
-# the tracked state, and restores it on exit. Runs are still fully deterministic for a fixed seed,
-# but random numbers differ from a GPU run with the same seed. Megatron's check that "the CPU RNG
-# state did not change within the GPU RNG context" is meaningless here, so its warning is filtered
-# while the handle is active.
-
-# NOTE [ Tensor type names ]
-# megatron's optimizers pick the tensor kind by its legacy type name, `param.type()`:
-# `Float16OptimizerWithFloat16Params` and the distributed optimizer accept only
-# 'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' and raise on
-# anything else, and `clip_grad_by_total_norm_fp32` asserts `param.grad.type() ==
-# 'torch.cuda.FloatTensor'`. The device mode therefore answers the no-argument `Tensor.type()` of
-# a CPU tensor with the name it would have on the GPU (dtype unchanged, only `cuda.` inserted).
-# Conversions (`t.type(torch.float16)`, `t.type("torch.FloatTensor")`) pass through unchanged;
-# `Tensor.is_cuda` and `Tensor.device` still say cpu.
-
-# NOTE [ Device mode in backward ]
-# A TorchFunctionMode is popped while its handler runs, and `torch.autograd.backward`,
-# `torch.autograd.grad` and `Tensor.backward` are themselves torch functions. So `loss.backward()`
-# under the mode reaches autograd's engine with the mode popped, the engine snapshots that
-# thread-local state, and megatron's custom autograd functions then allocate in backward with
-# `device=torch.cuda.current_device()` and no rewrite (e.g. `_gather_along_first_dim` in the MoE
-# token dispatcher). The engine's Python entry `_engine_run_backward` is therefore wrapped to push
-# the mode back for the duration of the engine run, the same seam torch's own
-# `torch.compiler._patch_engine_backward` uses. Megatron's `custom_backward` (used with
-# `deallocate_pipeline_outputs=True`) calls the engine directly and never lost the mode.
-
-# NOTE [ Sends own their buffer ]
-# gloo's `isend` returns before it has read the tensor; the send's work keeps a reference to the
-# tensor object, not to its memory. Megatron frees each stage output once it is sent
-# (`deallocate_output_tensor` sets `out.data` to a 1-element tensor), and at PP >= 2 with VPP it
-# forces overlapped (asynchronous) p2p, so the send may then read freed, reused memory: runs with
-# identical seeds gave different losses, once NaN. `isend` therefore sends a private copy of a CPU
-# tensor, which only the send's work references. Both bindings are replaced (`torch.distributed`
-# and `distributed_c10d`, whose `P2POp` and `batch_isend_irecv` compare `op is isend`).
-
-_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
-
 # The one active handle of this process; needed to refuse a second, overlapping enable() whose
 # disable() would otherwise restore the first handle's patches instead of the originals.
 _active_handle: MegatronCpuCompat | None = None
 _active_lock = threading.Lock()
-
-
-class _RngWarningFilter(logging.Filter):
-    """Drops megatron's RNG-fork warning, meaningless with one generator (NOTE [ One generator on CPU ])."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return _RNG_WARNING not in record.getMessage()
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,7 +124,7 @@ class MegatronCpuCompat:
         self._active = active
         self._patches: list[_Patch] = []
         self._mode: CudaToCpuMode | None = None
-        self._rng_filter: _RngWarningFilter | None = None
+        self._rng_filter: RngWarningFilter | None = None
         self._thread = threading.get_ident()
         self._default_stream = CpuStream()
         self._stream_stack: list[CpuStream] = []
@@ -256,13 +217,13 @@ class MegatronCpuCompat:
         # the CUDA generator. See NOTE [ One generator on CPU ].
         self._patch(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
         self._patch(cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
-        self._patch(cuda, "manual_seed", _cpu_manual_seed)
+        self._patch(cuda, "manual_seed", cpu_manual_seed)
         # The tracker's fork reads/writes the CUDA generator through these two; the original setter
         # queues a lazy CUDA call that never runs on a CPU-only build (and piles up).
-        self._patch(_mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
-        self._patch(_mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+        self._patch(_mcore_random, "_get_cuda_rng_state", cpu_get_rng_state)
+        self._patch(_mcore_random, "_set_cuda_rng_state", cpu_set_rng_state)
         # Custom autograd functions allocate on "cuda" in backward. See NOTE [ Device mode in backward ].
-        engine_run_backward = _engine_run_backward_with_mode(torch.autograd.graph._engine_run_backward, self)
+        engine_run_backward = engine_run_backward_with_mode(torch.autograd.graph._engine_run_backward, lambda: self._mode)
         self._patch(torch.autograd.graph, "_engine_run_backward", engine_run_backward)
         self._patch(torch.autograd, "_engine_run_backward", engine_run_backward)
         # Without Transformer Engine, moe_utils never binds te_general_gemm, yet the router reads it.
@@ -273,16 +234,16 @@ class MegatronCpuCompat:
         self._patch(
             _mcore_token_dispatcher,
             "maybe_move_tensor_to_cpu",
-            _splits_to_numpy_on_cpu(_mcore_token_dispatcher.maybe_move_tensor_to_cpu),
+            splits_to_numpy_on_cpu(_mcore_token_dispatcher.maybe_move_tensor_to_cpu),
         )
 
         # gloo's isend reads the buffer after it returns; Megatron frees a sent output at once
         # (`deallocate_output_tensor`). See NOTE [ Sends own their buffer ].
-        safe_isend = _isend_owning_buffer(torch.distributed.distributed_c10d.isend)
+        safe_isend = isend_owning_buffer(torch.distributed.distributed_c10d.isend)
         self._patch(torch.distributed.distributed_c10d, "isend", safe_isend)
         self._patch(torch.distributed, "isend", safe_isend)
 
-        self._rng_filter = _RngWarningFilter()
+        self._rng_filter = RngWarningFilter()
         logging.getLogger(_mcore_random.__name__).addFilter(self._rng_filter)
         self._mode = CudaToCpuMode()
         self._mode.__enter__()
@@ -303,71 +264,6 @@ class MegatronCpuCompat:
             yield
         finally:
             self._stream_stack.pop()
-
-
-def _cpu_manual_seed(seed: int) -> None:
-    """``torch.cuda.manual_seed`` on the CPU generator (NOTE [ One generator on CPU ])."""
-    torch.default_generator.manual_seed(int(seed))
-
-
-def _engine_run_backward_with_mode(original: Callable[..., Any], handle: MegatronCpuCompat) -> Callable[..., Any]:
-    """Wrap autograd's engine entry so backward runs with the device mode pushed.
-
-    See NOTE [ Device mode in backward ].
-    """
-
-    @functools.wraps(original)
-    def run_backward(*args: Any, **kwargs: Any) -> Any:
-        mode = handle._mode
-        # No public accessor for the mode stack; skip the push when the mode is still on it.
-        if mode is None or mode in torch.overrides._get_current_function_mode_stack():
-            return original(*args, **kwargs)
-        with mode:
-            return original(*args, **kwargs)
-
-    return run_backward
-
-
-def _isend_owning_buffer(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``isend`` of a private copy of a CPU tensor. See NOTE [ Sends own their buffer ]."""
-
-    @functools.wraps(original)
-    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return original(tensor.clone() if tensor.device.type == "cpu" else tensor, *args, **kwargs)
-
-    return isend
-
-
-def _splits_to_numpy_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Make megatron's ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` return numpy for CPU tensors too."""
-
-    @functools.wraps(original)
-    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
-            return tensor.numpy()
-        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
-
-    return maybe_move_tensor_to_cpu
-
-
-def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
-    """Megatron's ``_get_cuda_rng_state`` on the CPU generator (NOTE [ One generator on CPU ])."""
-    if graph_safe:
-        raise ChunkOffloadError(
-            "chunk_offload: graph-safe (CUDA graph) RNG states do not exist on CPU; "
-            "build the RNG tracker with use_cudagraphable_rng=False"
-        )
-    return torch.get_rng_state()  # a fresh tensor already, so `clone` needs nothing more
-
-
-def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
-    """Megatron's ``_set_cuda_rng_state`` on the CPU generator (NOTE [ One generator on CPU ])."""
-    if graph_safe:
-        raise ChunkOffloadError(
-            "chunk_offload: graph-safe (CUDA graph) RNG states do not exist on CPU; "
-            "build the RNG tracker with use_cudagraphable_rng=False"
-        )
-    torch.set_rng_state(new_state)
 
 
 # --------------------------------------------------------------------------------------------

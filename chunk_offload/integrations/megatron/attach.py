@@ -3,16 +3,16 @@
 Nothing in Megatron is patched. Module hooks do all the work:
 
 - each offloaded submodule (see `modules.py`) becomes one group per call;
-- each model chunk's forward opens the chunk handler for (microbatch, vp_stage): Megatron's
-  schedules run the forwards of one model chunk in microbatch order, so the microbatch is the
-  number of forwards that chunk already ran in this iteration;
+- each model chunk's forward opens the chunk handler for (microbatch, vp_stage) (`chunk_hooks.py`):
+  Megatron's schedules run the forwards of one model chunk in microbatch order, so the microbatch
+  is the number of forwards that chunk already ran in this iteration;
 - `MegatronOffloadManager.wrap(forward_backward_func)` makes each call one iteration, and runs a
   ``forward_only=True`` call (evaluation) without offload, leaving the training state untouched;
 - or, with ``iterations="auto"`` (for loops that call ``get_forward_backward_func()`` themselves,
   like Megatron-LM's ``pretrain``), the chunk hooks open and close the iterations (`auto.py`).
 
-A training forward (gradients enabled) outside any iteration offloads nothing; the manager then
-warns once, naming both ways to open iterations.
+A training forward (gradients enabled) outside any iteration offloads nothing; the hooks then
+warn once, naming both ways to open iterations.
 
 The rank's plan comes from Megatron's own schedule tables (`chunk_offload.schedule.megatron_plan`)
 at the first training call, and drives a `PlanPolicy` by default: chunks whose backward follows
@@ -31,35 +31,23 @@ The auto-iteration state machine is `auto.AutoIterations` (NOTE [Automatic itera
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
-import torch
 from torch import nn
 
-from ...core import Action, ActionKind, ChunkOffloadError, IterationRecord, OffloadConfig, SchedulePolicy, StreamBackend
+from ...core import Action, ChunkOffloadError, IterationRecord, OffloadConfig, SchedulePolicy, StreamBackend
 from ...schedule import megatron_plan
 from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
 from .auto import ITERATION_MODES, AutoIterations, check_iterations
-from .modules import canonical_names, resolve
+from .chunk_hooks import ChunkHooks
+from .modules import canonical_names, offload_submodules
 
 if TYPE_CHECKING:
     from ...report import StageReport
 
 __all__ = ["MegatronOffloadManager", "attach"]
-
-logger = logging.getLogger(__name__)
-
-_MISSING_HINTS = {
-    "attn_norm": "with the Transformer Engine spec the attention norm is fused into linear_qkv: offload qkv_linear",
-    "mlp_norm": "with the Transformer Engine spec the MLP norm is fused into linear_fc1: offload mlp_fc1/expert_fc1",
-    "mlp_fc1": "MoE layers have no dense MLP: offload expert_fc1",
-    "expert_fc1": "dense layers have no experts, and GroupedMLP has no fc1 module: use SequentialMLP or TEGroupedMLP",
-    "moe_act": "the expert activation is a plain function in this model, not a module",
-}
 
 
 class MegatronOffloadManager(AttachedManager):
@@ -109,101 +97,22 @@ class MegatronOffloadManager(AttachedManager):
         self._plan_key: tuple | None = None
         self.model_chunks = chunks
         self.offload_modules = offload_modules
-        self.registered: dict[str, int] = {}
-        for chunk in chunks:
-            self.engine.protect_module(chunk)
-            for name in self.offload_modules:
-                for module in resolve(chunk, name):
-                    self.engine.offload_module(module, name)
-                    self.registered[name] = self.registered.get(name, 0) + 1
-        for name in self.offload_modules:
-            if name not in self.registered:
-                logger.warning(
-                    "chunk_offload: offload module %r matches no submodule on this rank (%s); nothing of it is offloaded here.",
-                    name,
-                    _MISSING_HINTS.get(name, "not present in this model"),
-                )
+        self.registered: dict[str, int] = offload_submodules(self.engine, chunks, offload_modules)
+        """Offload-module name -> submodules registered on this rank (a name matching none is left out)."""
         self.iterations = iterations
         """``"wrap"`` or ``"auto"``: who opens and closes the training iterations (`ITERATION_MODES`)."""
         self._auto = AutoIterations(self, num_microbatches) if iterations == "auto" else None
-        self._warned_outside_iteration = False
-        self.forwards = [0] * len(chunks)
+        self._hooks = ChunkHooks(self.engine, chunks, self._auto)
+
+    @property
+    def forwards(self) -> list[int]:
         """Training forwards each model chunk ran in the open iteration (the next one's microbatch)."""
-        self._open_chunks: list[bool] = []  # per chunk forward whose pre-hook ran: did it begin a chunk scope?
-        self._forward_only = False
-        self.observed_order: list[Action] = []
+        return self._hooks.forwards
+
+    @property
+    def observed_order(self) -> list[Action]:
         """The F and B actions of the last training iteration, as they ran."""
-        self._chunk_hooks = []
-        for vp_stage, chunk in enumerate(chunks):
-            self._chunk_hooks.append(chunk.register_forward_pre_hook(self._make_pre(vp_stage)))
-            self._chunk_hooks.append(chunk.register_forward_hook(self._make_post(vp_stage), always_call=True))
-
-    # ------------------------------------------------------------------ chunk scopes
-    def _make_pre(self, vp_stage: int) -> Callable:
-        def pre(module: nn.Module, args: tuple) -> None:
-            if self._forward_only:
-                return
-            training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-            if self._auto is not None:
-                self._auto.before_forward(vp_stage, training)
-                if not training:
-                    return
-            elif not self.engine.in_iteration:
-                if training:
-                    self._warn_outside_iteration(vp_stage)
-                return
-            microbatch = self.forwards[vp_stage]
-            self.forwards[vp_stage] += 1
-            handler = self.engine.begin_chunk(microbatch=microbatch, vp_stage=vp_stage)
-            self._open_chunks.append(True)
-            if handler is not None:
-                self.observed_order.append(Action(ActionKind.FORWARD, microbatch, vp_stage))
-
-        return pre
-
-    def _make_post(self, vp_stage: int) -> Callable:
-        def post(module: nn.Module, args: tuple, output: Any) -> Any:
-            if not self._open_chunks:
-                return None
-            self._open_chunks.pop()
-            failed = sys.exc_info()[0] is not None  # inside torch's except clause when the forward raised
-            handler = self.engine.end_chunk(abort=failed)
-            if failed and self._auto is not None and self._auto.is_open:
-                # The step is broken: free what its earlier chunks hold now, not when someone
-                # calls end_iteration(discard=True); the next training forward opens a fresh one.
-                logger.warning("chunk_offload: a forward of model chunk %d raised; discarding the open iteration.", vp_stage)
-                self._auto.close(discard=True)
-                return None
-            if handler is not None and output is not None:
-                # Bound to this iteration's order and state, even if the gradient arrives after it closed.
-                order, action = self.observed_order, Action(ActionKind.BACKWARD, handler.key.microbatch, vp_stage)
-                callbacks: list[Callable[[], None]] = [lambda: order.append(action)]
-
-                def backward_began() -> None:
-                    for callback in callbacks:
-                        callback()
-
-                if _on_backward(output, backward_began) and self._auto is not None:
-                    arrived = self._auto.backward_pending()
-                    if arrived is not None:
-                        callbacks.append(arrived)
-            return None
-
-        return post
-
-    def _warn_outside_iteration(self, vp_stage: int) -> None:
-        if self._warned_outside_iteration:
-            return
-        self._warned_outside_iteration = True
-        warnings.warn(
-            f"chunk_offload: a training forward (gradients enabled) of model chunk {vp_stage} ran outside any offload "
-            "iteration, so nothing it saves is offloaded. Run training through "
-            "manager.wrap(get_forward_backward_func()), or, when the training loop calls get_forward_backward_func() "
-            "itself (Megatron-LM's pretrain), attach with iterations='auto' (--chunk-offload-iterations auto). "
-            "Shown once per manager.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        return self._hooks.observed_order
 
     # ------------------------------------------------------------------ iterations
     def iteration(self, *, offload: bool | None = None) -> contextlib.AbstractContextManager["MegatronOffloadManager"]:
@@ -218,15 +127,13 @@ class MegatronOffloadManager(AttachedManager):
     @contextlib.contextmanager
     def _iteration_scope(self, *, offload: bool | None) -> Iterator["MegatronOffloadManager"]:
         with self.engine.iteration(offload=offload):
-            self.forwards = [0] * len(self.model_chunks)  # after the nesting checks
-            self.observed_order = []
+            self._hooks.new_iteration()  # after the nesting checks
             yield self
 
     def begin_training_iteration(self) -> None:
         """Open the engine's iteration for the next training call (a baseline while baseline iterations remain)."""
         self.engine.begin_iteration(offload=self._next_offload())
-        self.forwards = [0] * len(self.model_chunks)
-        self.observed_order = []
+        self._hooks.new_iteration()
 
     def end_training_iteration(self, *, discard: bool = False) -> None:
         """Close the engine's iteration; unless discarded, count the training call, keep its record, check the plan."""
@@ -247,11 +154,11 @@ class MegatronOffloadManager(AttachedManager):
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if kwargs.get("forward_only", False):
-                previous, self._forward_only = self._forward_only, True
+                previous, self._hooks.forward_only = self._hooks.forward_only, True
                 try:
                     return forward_backward_func(*args, **kwargs)
                 finally:
-                    self._forward_only = previous
+                    self._hooks.forward_only = previous
             self.prepare_plan(kwargs.get("num_microbatches"))
             with self.iteration(offload=self._next_offload()):
                 result = forward_backward_func(*args, **kwargs)
@@ -369,9 +276,7 @@ class MegatronOffloadManager(AttachedManager):
         """Remove every hook this manager installed on the model (in auto mode: closing a complete open iteration first)."""
         if self._auto is not None:
             self._auto.settle(discard_incomplete=False)
-        for handle in self._chunk_hooks:
-            handle.remove()
-        self._chunk_hooks = []
+        self._hooks.remove()
         self._remove_module_offloads()
 
 
@@ -380,24 +285,6 @@ def _pipeline_group() -> Any:
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
-
-
-def _on_backward(output: Any, callback: Callable[[], None]) -> bool:
-    """Call ``callback`` once when the gradient of the chunk's output tensor is computed; False if it never can be."""
-    tensor = output if isinstance(output, torch.Tensor) else None
-    if tensor is None and isinstance(output, (tuple, list)):
-        tensor = next((t for t in output if isinstance(t, torch.Tensor)), None)
-    if tensor is None or not tensor.requires_grad:
-        return False
-    fired = []
-
-    def hook(grad: torch.Tensor) -> None:
-        if not fired:
-            fired.append(True)
-            callback()
-
-    tensor.register_hook(hook)
-    return True
 
 
 def attach(
@@ -427,19 +314,12 @@ def attach(
     the returned manager's `wrap`, or pass ``iterations="auto"`` when the training loop calls it
     itself (Megatron-LM's ``pretrain``).
     """
-    options = ScheduleOptions(
-        schedule_policy=schedule_policy,
-        prefetch_bytes=prefetch_bytes,
-        reload_ahead_bytes=reload_ahead_bytes,
-        device_budget_bytes=device_budget_bytes,
-        host_budget_bytes=host_budget_bytes,
-    )
     return MegatronOffloadManager(
         model_chunks,
         offload_modules,
         config=config,
         streams=streams,
-        options=options,
+        options=ScheduleOptions.from_arguments(locals()),
         baseline_iterations=baseline_iterations,
         iterations=iterations,
         num_microbatches=num_microbatches,

@@ -1,21 +1,36 @@
 """Which submodules of a megatron-core transformer layer each offload-module name means.
 
 Resolution is by attribute path on megatron-core's `TransformerLayer` (local and Transformer
-Engine specs), so nothing in Megatron is patched. A name whose module the model does not have
-(the TE spec fuses the attention norm into ``linear_qkv``; a dense model has no experts) is an
-error that lists the names this model does have.
+Engine specs), so nothing in Megatron is patched. `offload_submodules` registers them with the
+engine; a name whose module this rank's chunks do not have (the TE spec fuses the attention norm
+into ``linear_qkv``; a dense model has no experts) is a warning with a hint, not an error: every
+rank gets the same names, and a stage of a mixed model may lack some.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import logging
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from torch import nn
 
 from ...core.errors import ChunkOffloadError
 from ...module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
 
-__all__ = ["OFFLOAD_MODULE_NAMES", "ALIASES", "canonical_names", "resolve"]
+if TYPE_CHECKING:
+    from ...core import OffloadManager
+
+__all__ = ["OFFLOAD_MODULE_NAMES", "ALIASES", "canonical_names", "offload_submodules", "resolve"]
+
+logger = logging.getLogger(__name__)
+
+_MISSING_HINTS = {
+    "attn_norm": "with the Transformer Engine spec the attention norm is fused into linear_qkv: offload qkv_linear",
+    "mlp_norm": "with the Transformer Engine spec the MLP norm is fused into linear_fc1: offload mlp_fc1/expert_fc1",
+    "mlp_fc1": "MoE layers have no dense MLP: offload expert_fc1",
+    "expert_fc1": "dense layers have no experts, and GroupedMLP has no fc1 module: use SequentialMLP or TEGroupedMLP",
+    "moe_act": "the expert activation is a plain function in this model, not a module",
+}
 
 
 def canonical_names(names: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -77,9 +92,31 @@ def resolve(model_chunk: nn.Module, name: str) -> list[nn.Module]:
     """The submodules of ``model_chunk`` that offload name ``name`` (canonical) stands for.
 
     Empty when the chunk has no layer with such a module (e.g. ``expert_fc1`` on a dense
-    stage of a mixed model); `attach` checks that each name matches somewhere on the rank.
+    stage of a mixed model); `offload_submodules` warns when a name matches nowhere on the rank.
     """
     modules: list[nn.Module] = []
     for layer in transformer_layers(model_chunk):
         modules += [m for m in _RESOLVERS[name](layer) if _present(m)]
     return modules
+
+
+def offload_submodules(engine: OffloadManager, chunks: Sequence[nn.Module], names: Sequence[str]) -> dict[str, int]:
+    """Protect each chunk's parameters and register the submodules of each name (canonical) with ``engine``.
+
+    Returns name -> submodules registered on this rank; a name matching none is left out, with a warning.
+    """
+    registered: dict[str, int] = {}
+    for chunk in chunks:
+        engine.protect_module(chunk)
+        for name in names:
+            for module in resolve(chunk, name):
+                engine.offload_module(module, name)
+                registered[name] = registered.get(name, 0) + 1
+    for name in names:
+        if name not in registered:
+            logger.warning(
+                "chunk_offload: offload module %r matches no submodule on this rank (%s); nothing of it is offloaded here.",
+                name,
+                _MISSING_HINTS.get(name, "not present in this model"),
+            )
+    return registered

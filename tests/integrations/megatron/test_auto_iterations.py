@@ -473,7 +473,7 @@ def test_a_forward_that_raises_discards_the_open_iteration(managed, caplog):
     held = chunk(_batch(0))  # the step's first microbatch: its saved tensors are held
     layer = chunk.decoder.layers[1]
     failing = layer.register_forward_hook(lambda module, args, output: 1 / 0)
-    with caplog.at_level(logging.WARNING, logger="chunk_offload.integrations.megatron.attach"), pytest.raises(ZeroDivisionError):
+    with caplog.at_level(logging.WARNING, logger="chunk_offload.integrations.megatron.chunk_hooks"), pytest.raises(ZeroDivisionError):
         chunk(_batch(1))
     failing.remove()
     assert [r.getMessage() for r in caplog.records] == ["chunk_offload: a forward of model chunk 0 raised; discarding the open iteration."]

@@ -138,7 +138,8 @@ def test_interleaved_virtual_pipeline_2x2():
 
 def test_expert_parallel_2_moe_allgather():
     # The extra run also backpropagates through torch.autograd.backward rather than megatron's
-    # custom_backward (see NOTE [ Device mode in backward ] in cpu_compat); neither changes numerics.
+    # custom_backward (see NOTE [ Device mode in backward ] in devkit/_cpu_replacements.py);
+    # neither changes numerics.
     alltoall = dataclasses.replace(
         _CONFIGS["ep2_moe4"], moe_token_dispatcher="alltoall", deallocate_pipeline_outputs=False
     )

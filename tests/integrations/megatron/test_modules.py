@@ -79,7 +79,7 @@ def test_te_layout_resolves_fused_norms_to_nothing():
 
 def test_attach_warns_about_a_fused_norm_and_offloads_the_rest(caplog):
     model = _model(_te_layer(), _te_layer())
-    with caplog.at_level(logging.WARNING, logger="chunk_offload.integrations.megatron.attach"):
+    with caplog.at_level(logging.WARNING, logger="chunk_offload.integrations.megatron.modules"):
         manager = attach([model], ["attn_norm", "qkv_linear"], config=OffloadConfig(min_offload_bytes=1))
     try:
         assert manager.registered == {"qkv_linear": 2}

@@ -1,0 +1,152 @@
+"""`ChunkHooks`: the forward hooks on a rank's Megatron model chunks that open and close chunk scopes.
+
+Megatron's schedules run the forwards of one model chunk in microbatch order, so each chunk's
+forward pre-hook opens the engine's chunk handler for (microbatch, vp_stage), the microbatch
+being the number of training forwards that chunk already ran in this iteration, and its forward
+hook closes it. On the way the hooks record the order the chunks really ran (``observed_order``:
+an F at each forward, a B when the gradient of the chunk's output arrives) and, with
+``iterations="auto"``, give `auto.AutoIterations` its cues (NOTE [Automatic iterations]).
+
+A training forward (gradients enabled) outside any iteration offloads nothing; the hooks then
+warn once, naming both ways to open iterations.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ...core import Action, ActionKind
+
+if TYPE_CHECKING:
+    from ...core import OffloadManager
+    from .auto import AutoIterations
+
+__all__ = ["ChunkHooks"]
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkHooks:
+    """The forward pre-hook and forward hook of each model chunk of one rank, and what they count.
+
+    ``chunks[v]`` is virtual stage ``v``; ``auto``: the manager's `AutoIterations` with
+    ``iterations="auto"``, else None (then the hooks act only inside the engine's iterations).
+    """
+
+    def __init__(self, engine: OffloadManager, chunks: Sequence[nn.Module], auto: AutoIterations | None) -> None:
+        self._engine = engine
+        self._auto = auto
+        self.forwards = [0] * len(chunks)
+        """Training forwards each model chunk ran in the open iteration (the next one's microbatch)."""
+        self.observed_order: list[Action] = []
+        """The F and B actions of the last training iteration, as they ran."""
+        self.forward_only = False
+        """True during an evaluation call (``forward_only=True``): the hooks do nothing."""
+        self._open_chunks: list[bool] = []  # per chunk forward whose pre-hook ran: did it begin a chunk scope?
+        self._warned_outside_iteration = False
+        self._handles: list[RemovableHandle] = []
+        for vp_stage, chunk in enumerate(chunks):
+            self._handles.append(chunk.register_forward_pre_hook(self._make_pre(vp_stage)))
+            self._handles.append(chunk.register_forward_hook(self._make_post(vp_stage), always_call=True))
+
+    def new_iteration(self) -> None:
+        """Count each chunk's forwards from microbatch 0 again, and record a fresh order."""
+        self.forwards = [0] * len(self.forwards)
+        self.observed_order = []
+
+    def remove(self) -> None:
+        """Remove the hooks from the model chunks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _make_pre(self, vp_stage: int) -> Callable:
+        def pre(module: nn.Module, args: tuple) -> None:
+            if self.forward_only:
+                return
+            training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            if self._auto is not None:
+                self._auto.before_forward(vp_stage, training)
+                if not training:
+                    return
+            elif not self._engine.in_iteration:
+                if training:
+                    self._warn_outside_iteration(vp_stage)
+                return
+            microbatch = self.forwards[vp_stage]
+            self.forwards[vp_stage] += 1
+            handler = self._engine.begin_chunk(microbatch=microbatch, vp_stage=vp_stage)
+            self._open_chunks.append(True)
+            if handler is not None:
+                self.observed_order.append(Action(ActionKind.FORWARD, microbatch, vp_stage))
+
+        return pre
+
+    def _make_post(self, vp_stage: int) -> Callable:
+        def post(module: nn.Module, args: tuple, output: Any) -> Any:
+            if not self._open_chunks:
+                return None
+            self._open_chunks.pop()
+            failed = sys.exc_info()[0] is not None  # inside torch's except clause when the forward raised
+            handler = self._engine.end_chunk(abort=failed)
+            if failed and self._auto is not None and self._auto.is_open:
+                # The step is broken: free what its earlier chunks hold now, not when someone
+                # calls end_iteration(discard=True); the next training forward opens a fresh one.
+                logger.warning("chunk_offload: a forward of model chunk %d raised; discarding the open iteration.", vp_stage)
+                self._auto.close(discard=True)
+                return None
+            if handler is not None and output is not None:
+                # Bound to this iteration's order and state, even if the gradient arrives after it closed.
+                order, action = self.observed_order, Action(ActionKind.BACKWARD, handler.key.microbatch, vp_stage)
+                callbacks: list[Callable[[], None]] = [lambda: order.append(action)]
+
+                def backward_began() -> None:
+                    for callback in callbacks:
+                        callback()
+
+                if _on_backward(output, backward_began) and self._auto is not None:
+                    arrived = self._auto.backward_pending()
+                    if arrived is not None:
+                        callbacks.append(arrived)
+            return None
+
+        return post
+
+    def _warn_outside_iteration(self, vp_stage: int) -> None:
+        if self._warned_outside_iteration:
+            return
+        self._warned_outside_iteration = True
+        warnings.warn(
+            f"chunk_offload: a training forward (gradients enabled) of model chunk {vp_stage} ran outside any offload "
+            "iteration, so nothing it saves is offloaded. Run training through "
+            "manager.wrap(get_forward_backward_func()), or, when the training loop calls get_forward_backward_func() "
+            "itself (Megatron-LM's pretrain), attach with iterations='auto' (--chunk-offload-iterations auto). "
+            "Shown once per manager.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _on_backward(output: Any, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` once when the gradient of the chunk's output tensor is computed; False if it never can be."""
+    tensor = output if isinstance(output, torch.Tensor) else None
+    if tensor is None and isinstance(output, (tuple, list)):
+        tensor = next((t for t in output if isinstance(t, torch.Tensor)), None)
+    if tensor is None or not tensor.requires_grad:
+        return False
+    fired = []
+
+    def hook(grad: torch.Tensor) -> None:
+        if not fired:
+            fired.append(True)
+            callback()
+
+    tensor.register_hook(hook)
+    return True
