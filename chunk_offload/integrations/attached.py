@@ -10,8 +10,8 @@ holds the engine and the `PlanTracking` (which owns the device and host budget d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Literal, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
 import torch.distributed as dist
 from torch import nn
@@ -50,14 +50,6 @@ class ScheduleOptions:
     device_budget_bytes: int | Literal["auto"] | None = None
     host_budget_bytes: int | None = None
 
-    @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any]) -> "ScheduleOptions":
-        """The options an integration's ``attach`` was called with: its ``locals()``, which name every field.
-
-        One place builds them from the keywords every ``attach`` shares; a field that some ``attach``
-        does not take is a KeyError, not a silent default.
-        """
-        return cls(**{field.name: arguments[field.name] for field in fields(cls)})
 
 
 class AttachedManager:

@@ -322,5 +322,11 @@ def attach(
     With either, attaching is a collective: every rank attaches.
     Then call ``schedule.step(...)`` as usual; `PipelineOffloadManager.detach` undoes it.
     """
-    options = ScheduleOptions.from_arguments(locals())
+    options = ScheduleOptions(
+        schedule_policy=schedule_policy,
+        prefetch_bytes=prefetch_bytes,
+        reload_ahead_bytes=reload_ahead_bytes,
+        device_budget_bytes=device_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+    )
     return PipelineOffloadManager(schedule, offload_modules, config=config, streams=streams, options=options)
