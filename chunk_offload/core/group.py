@@ -308,6 +308,8 @@ class OffloadGroup:
         No-op for a group resident, kept on device or released (it saved nothing alive); an
         open or discarded group raises (its tensors cannot be used).
         """
+        if self.state is _KEPT:  # every group of a chunk that is not offloaded: one check
+            return
         if self.state in (GroupState.ON_HOST, GroupState.OFFLOADING):
             self.reload()
         if self.state is GroupState.RELOADING:

@@ -166,8 +166,7 @@ class ChunkOffloadHandler:
     def begin_group_backward(self, group: OffloadGroup) -> None:
         """Backward reached ``group``: make it resident and prefetch the group before it."""
         group.backward_begun = True
-        if group.state is not GroupState.KEPT:
-            group.ensure_resident()
+        group.ensure_resident()
         index = group.index
         if index < self._backward_cursor:
             self._backward_cursor = index
@@ -234,16 +233,14 @@ class ChunkOffloadHandler:
             return tensor_tag.unpack()
         if isinstance(tensor_tag, torch.Tensor):
             return tensor_tag
-        if not isinstance(tensor_tag, SavedRef):
-            raise ChunkOffloadError(
-                f"tensor_pop got an unknown tag {tensor_tag!r} of type {type(tensor_tag).__name__}; "
-                "expected a tag returned by tensor_push of this handler."
-            )
-        if tensor_tag.group.handler is not self:
+        if tag_type is SavedRef:  # of another chunk's handler
             raise ChunkOffloadError(
                 f"tensor_pop of a tag of chunk {tensor_tag.group.handler.key} on the handler of chunk {self.key}."
             )
-        return tensor_tag.group.unpack(tensor_tag)
+        raise ChunkOffloadError(
+            f"tensor_pop got an unknown tag {tensor_tag!r} of type {type(tensor_tag).__name__}; "
+            "expected a tag returned by tensor_push of this handler."
+        )
 
     def on_group_commit_forward(self) -> None:
         """Commit the open group (opening an empty one if TE commits with nothing saved)."""
