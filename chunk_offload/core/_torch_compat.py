@@ -4,6 +4,8 @@
   by all views;
 - `view_base`: the tensor a view was made from (``Tensor._base``), or None;
 - `top_saved_tensors_hooks`: the innermost active saved-tensor hooks (a private autograd API);
+- `push_saved_tensors_hooks` / `pop_saved_tensors_hooks`: what `saved_tensors_hooks`'s enter and
+  exit call, without a context object per group;
 - `is_wrapper_subclass`: whether a tensor wraps inner tensors (DTensor), from torch's dispatch utils;
 - `add_gradient_hook`: `Tensor.register_hook` without its removable handle;
 - `tree_flatten`: torch's pytree utility (a module's output as dicts, nested
@@ -22,6 +24,8 @@ __all__ = [
     "add_gradient_hook",
     "is_wrapper_subclass",
     "key_of_storage",
+    "pop_saved_tensors_hooks",
+    "push_saved_tensors_hooks",
     "storage_key",
     "top_saved_tensors_hooks",
     "tree_flatten",
@@ -46,6 +50,16 @@ def key_of_storage(storage: torch.UntypedStorage) -> int:
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``tensor`` is a view of (autograd's ``_base``); None if it is not a view."""
     return tensor._base
+
+
+def push_saved_tensors_hooks(pack, unpack) -> None:
+    """Make ``pack``/``unpack`` the innermost default saved-tensor hooks (`saved_tensors_hooks.__enter__`)."""
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def pop_saved_tensors_hooks() -> None:
+    """Remove the innermost default saved-tensor hooks (`saved_tensors_hooks.__exit__`)."""
+    torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
 def top_saved_tensors_hooks():

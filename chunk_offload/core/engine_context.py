@@ -40,7 +40,8 @@ class EngineContext:
     streams: StreamBackend
     pool: HostPool
     offload_key: Callable[[torch.Tensor, Sequence[torch.Tensor]], int]
-    """`OffloadPolicy.offload_key`: a saved tensor's storage key if it is offloaded, else 0."""
+    """`OffloadPolicy.offload_key`: a saved tensor's storage key if it is offloaded, else 0 or
+    the negated key of a kept storage that other saved views may share."""
     resident: ResidentBytes
     stats: StatsRecorder
     on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None

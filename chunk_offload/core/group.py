@@ -52,7 +52,7 @@ class OffloadGroup:
         self.handler = handler
         self.name = name
         self.index = index
-        self.state = GroupState.COLLECTING
+        self.state = _COLLECTING
         self.inputs = inputs
         """The group's input tensors while it collects (the policy's leaf rule reads them); ()
         once committed, so that no graph is kept through them."""
@@ -122,19 +122,21 @@ class OffloadGroup:
             self._live_storages += 1
         return SavedRef(self, storage, tensor)
 
-    def keep(self, tensor: torch.Tensor) -> KeptRef:
+    def keep(self, tensor: torch.Tensor, pin_key: int = 0) -> KeptRef:
         """Register a saved tensor the policy leaves on device (too small, marked, a parameter).
 
-        At commit, offloaded views of the same storage are kept too: the kept view holds the
-        whole storage on device, so a copy would free nothing while counting its bytes as moved.
+        ``pin_key``: its storage's key where other saved views of that storage could be
+        offloaded (the policy's negated `OffloadPolicy.offload_key`), else 0. At commit, offloaded
+        views of such a storage are kept too: the kept view holds the whole storage on device, so
+        a copy would free nothing while counting its bytes as moved.
         """
         if self.state is not _COLLECTING:
             self._expect((GroupState.COLLECTING,), "save a tensor into")
         self._kept_tensors += 1
-        if type(tensor) is torch.Tensor and tensor.layout is torch.strided:
+        if pin_key:
             if self._kept_storages is None:
                 self._kept_storages = set()
-            self._kept_storages.add(storage_key(tensor))
+            self._kept_storages.add(pin_key)
         return KeptRef(tensor, self.name)
 
     def commit(self) -> None:
@@ -145,7 +147,7 @@ class OffloadGroup:
         ctx = self._ctx
         stats = ctx.stats.group(self.name)
         stats.groups += 1
-        stats.tensors_kept += self._kept_tensors
+        kept_tensors = self._kept_tensors
         kept = self._kept_storages
         saved_bytes = 0
         dropped = None
@@ -158,12 +160,14 @@ class OffloadGroup:
             saved_bytes += storage.nbytes
             if kept is not None and key in kept:
                 storage.pinned = True
-                stats.tensors_kept += views
+                kept_tensors += views
+        stats.tensors_kept += kept_tensors
         if dropped is not None:
             for key in dropped:
                 del self._storages[key]
                 self._live_storages -= 1
-        self._kept_storages = None
+        if kept is not None:
+            self._kept_storages = None
         self.saved_bytes = saved_bytes
         ctx.resident.saved(saved_bytes)  # one change: the mark sees the group as a whole
         handler = self.handler
@@ -172,7 +176,7 @@ class OffloadGroup:
             or (handler.offload_group is not None and not handler.offload_group(self.index))
             or all(storage.pinned for storage in self._storages.values())
         ):
-            self._to(GroupState.KEPT)
+            self._to(_KEPT)
             return
         try:
             with profile_range(self, "offload"):
@@ -374,7 +378,7 @@ class OffloadGroup:
     def _storage_released(self, storage: Storage) -> None:
         """Drop what the group holds of ``storage`` and account it freed; release the group with its last one."""
         storage.device_bytes = None
-        storage.forget_refs()
+        storage.first = storage.more = None  # `Storage.forget_refs`, without a call per storage
         self._ctx.resident.freed(storage.nbytes, storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:

@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from .actions import ChunkKey
 from .errors import ChunkOffloadError
@@ -90,8 +89,11 @@ class ChunkOffloadHandler:
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
         self._forward_ended = False  # finish_forward or abort ran: no new group may open
         self._backward_started = False
-        self.saved_tensors_hooks = saved_tensors_hooks(self.tensor_push, self.tensor_pop)
-        """This handler's pack/unpack hooks, entered for the span of each named group."""
+        self.pack_hook = self._pack
+        """The pack hook our group marks push for the span of each named group (`tensor_push`
+        without its ``**kwargs``, which would build a dict at every call); bound once."""
+        self.unpack_hook = self._unpack
+        """The matching unpack hook (`tensor_pop` without ``**kwargs``)."""
 
     def __repr__(self) -> str:
         return f"ChunkOffloadHandler{self.key}"
@@ -216,16 +218,24 @@ class ChunkOffloadHandler:
     # ------------------------------------------------------------------ TE protocol
     def tensor_push(self, tensor: torch.Tensor, **kwargs: Any) -> Any:
         """Pack hook: returns what autograd stores instead of ``tensor``."""
+        return self._pack(tensor)
+
+    def tensor_pop(self, tensor_tag: Any, **kwargs: Any) -> torch.Tensor:
+        """Unpack hook: the saved tensor for ``tensor_tag`` returned by `tensor_push`."""
+        return self._unpack(tensor_tag)
+
+    # The hooks our own groups push (`saved_tensors_hooks`): `tensor_push` and `tensor_pop`
+    # without their ``**kwargs``, which would build a dict at every call.
+    def _pack(self, tensor: torch.Tensor) -> Any:
         group = self.current
         if group is None:
             group = self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
         key = self._offload_key(tensor, group.inputs)
-        if key:
+        if key > 0:
             return group.save(tensor, key)
-        return group.keep(tensor)
+        return group.keep(tensor, -key)
 
-    def tensor_pop(self, tensor_tag: Any, **kwargs: Any) -> torch.Tensor:
-        """Unpack hook: the saved tensor for ``tensor_tag`` returned by `tensor_push`."""
+    def _unpack(self, tensor_tag: Any) -> torch.Tensor:
         tag_type = type(tensor_tag)
         if tag_type is SavedRef and tensor_tag.group.handler is self:
             return tensor_tag.group.unpack(tensor_tag)

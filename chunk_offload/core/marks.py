@@ -32,9 +32,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 
-from ._torch_compat import add_gradient_hook, top_saved_tensors_hooks, tree_flatten
+from ._torch_compat import (
+    add_gradient_hook,
+    pop_saved_tensors_hooks,
+    push_saved_tensors_hooks,
+    top_saved_tensors_hooks,
+    tree_flatten,
+)
 from .handler import ChunkOffloadHandler
 
 if TYPE_CHECKING:
@@ -47,7 +52,7 @@ class GroupMarks:
     """Opens and commits the groups of the running chunk; owns the saved-tensor hooks it pushed."""
 
     def __init__(self) -> None:
-        self._hooks_pushed: list[saved_tensors_hooks] = []
+        self._hooks_pushed = 0  # saved-tensor hooks pushed by open and not yet popped
 
     def start(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str) -> Any:
         """`OffloadManager.group_start` on the running chunk's ``handler``."""
@@ -66,9 +71,8 @@ class GroupMarks:
         # The inputs' nodes as they are now: an input modified in place inside the group gets a
         # node of the group, and an output that is that input is then an output the group created.
         group.input_nodes = [node for t in inputs if (node := t.grad_fn) is not None]
-        hooks = handler.saved_tensors_hooks
-        hooks.__enter__()
-        self._hooks_pushed.append(hooks)
+        push_saved_tensors_hooks(handler.pack_hook, handler.unpack_hook)
+        self._hooks_pushed += 1
 
     def commit(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str) -> Any:
         """`OffloadManager.group_commit` on the running chunk's ``handler``; returns ``tensors`` as they are."""
@@ -79,7 +83,8 @@ class GroupMarks:
         group = handler.current
         if group is None or group.name != name:
             handler.commit_group(name)  # raises the precise error
-        self._hooks_pushed.pop().__exit__(None, None, None)
+        pop_saved_tensors_hooks()
+        self._hooks_pushed -= 1
         inputs, group.input_nodes = group.input_nodes, ()  # no graph refs kept
         handler.commit_group(name)
         # NOTE [Group backward hook]: a gradient hook on each output the group created.
@@ -98,7 +103,8 @@ class GroupMarks:
     def pop_all(self) -> None:
         """Leave every saved-tensor hook still pushed (the chunk ends)."""
         while self._hooks_pushed:
-            self._hooks_pushed.pop().__exit__(None, None, None)
+            pop_saved_tensors_hooks()
+            self._hooks_pushed -= 1
 
 
 class ModuleOffload:
@@ -129,7 +135,7 @@ class ModuleOffload:
         return self._manager()
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        manager = self.manager
+        manager = self._manager()
         if manager is None:
             self._opened.append(False)
             return None
@@ -148,7 +154,7 @@ class ModuleOffload:
         return None
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        manager = self.manager
+        manager = self._manager()
         if not self._opened.pop() or manager is None:
             return None
         return self._marks.commit(manager.current_handler, output, self.name)

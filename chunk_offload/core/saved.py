@@ -68,8 +68,9 @@ class Storage:
             spans = [ref.span() for ref in refs]
             start, end = min(s for s, _ in spans), max(e for _, e in spans)
             views = len(refs)
-        start = start // SPAN_ALIGN * SPAN_ALIGN
-        self.start, self.nbytes = start, max(end - start, 0)
+        start -= start % SPAN_ALIGN
+        self.start = start
+        self.nbytes = end - start if end > start else 0
         return views
 
     def forget_refs(self) -> None:
@@ -95,7 +96,11 @@ class SavedRef:
         # offset) are read from it; `drop_original` records them with a storage-less probe of the
         # counter, so that groups kept on device never pay for either.
         self.probe: torch.Tensor | None = None
-        storage.add(self)
+        if storage.first is None:  # `Storage.add` inline: the first view of the storage (the common case)
+            storage.first = weakref.ref(self)
+            storage.live += 1
+        else:
+            storage.add(self)
         self.storage = storage
 
     def drop_original(self) -> None:
@@ -119,10 +124,11 @@ class SavedRef:
     def span(self) -> tuple[int, int]:
         """Bytes ``[start, end)`` of the storage this view touches (the original must be held)."""
         tensor = self.tensor
+        if tensor.is_contiguous():  # also an empty tensor: nbytes is 0
+            start = tensor.storage_offset() * tensor.element_size()
+            return start, start + tensor.nbytes
         itemsize = tensor.element_size()
         start = tensor.storage_offset() * itemsize
-        if tensor.is_contiguous():  # also an empty tensor: nbytes is 0
-            return start, start + tensor.nbytes
         if tensor.numel() == 0:
             return start, start
         extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
@@ -164,7 +170,7 @@ def held(tensor: torch.Tensor) -> torch.Tensor:
     never be freed. A tensor without one (a parameter, data) cannot form that cycle and is held
     as it is, which costs no new tensor per save.
     """
-    return tensor if tensor.grad_fn is None else tensor.detach()
+    return tensor if tensor.is_leaf else tensor.detach()  # is_leaf: no Python object for the node
 
 
 def version_probe(tensor: torch.Tensor) -> torch.Tensor:

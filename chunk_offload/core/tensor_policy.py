@@ -147,36 +147,42 @@ class OffloadPolicy:
         ``inputs``: the group's input tensors; leaves among them that require grad (or views of
         one) are activations handed to the group, to which the leaf-requires-grad rule does not apply.
         """
-        return self.offload_key(tensor, inputs) != 0
+        return self.offload_key(tensor, inputs) > 0
 
     def offload_key(self, tensor: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> int:
-        """`should_offload` as the storage key of ``tensor`` (`storage_key`) if it is offloaded, else 0.
+        """`should_offload` with the storage key of ``tensor`` (`storage_key`), as one signed int.
+
+        - ``key > 0``: offloaded;
+        - ``key < 0``: kept on device, and ``-key`` is the key of a storage another saved view may
+          share (too small, marked, a leaf): the group keeps such views too (`OffloadGroup.keep`);
+        - ``0``: kept, and no saved view of its storage can be offloaded (not a plain strided
+          tensor, on another device, or a protected storage).
 
         The pack hook runs this for every saved tensor: the cheap refusals come first and the
-        storage is looked up once, for both the decision and the group's bookkeeping.
+        storage is looked up once, for the decision and the group's bookkeeping alike.
         """
         if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
             return 0  # parameters, subclasses (DTensor, fake, functional) and sparse tensors
         if not self._on_device(tensor):
             return 0
-        if tensor.nbytes < self.min_offload_bytes:  # numel * element_size
-            return 0
         storage_obj = tensor.untyped_storage()
         key = key_of_storage(storage_obj)
         if key in self._protected:
             return 0
+        if tensor.nbytes < self.min_offload_bytes:  # numel * element_size
+            return -key
         base = view_base(tensor)
         if base is None:
             # A leaf that requires grad is a parameter in all but type (unless the group was handed it).
             if tensor.requires_grad and tensor.is_leaf and not _is_leaf_input(key, inputs):
-                return 0
+                return -key
         # (a view made without grad mode, e.g. in a custom Function's forward, also reports
         # is_leaf and requires_grad; its base decides)
         elif (isinstance(base, nn.Parameter) or (base.requires_grad and base.is_leaf)) and not _is_leaf_input(key, inputs):
-            return 0
+            return -key
         if tensor.__dict__ or (base is not None and base.__dict__) or getattr(storage_obj, _KEEP_ATTR, False):
             if _marked(tensor, storage_obj):  # only a tensor or storage with attributes can carry a mark
-                return 0
+                return -key
         return key
 
     def _device_check(self, device_type: str) -> Callable[[torch.Tensor], bool]:

@@ -364,7 +364,8 @@ def test_a_leaf_handed_to_the_group_is_an_activation(policy_and_module):
     assert policy.should_offload(received, [received[2:]]) is True  # a view of it handed in
     assert policy.should_offload(module.weight.detach(), [module.weight]) is False  # protected storage
     assert policy.offload_key(received, [received]) == received.untyped_storage()._cdata
-    assert policy.offload_key(received) == 0
+    assert policy.offload_key(received) == -received.untyped_storage()._cdata  # kept: the group keeps views of it
+    assert policy.offload_key(module.weight.detach()) == 0  # protected: no view of it is offloaded
 
 
 def test_should_offload_view_made_without_grad_mode_of_an_activation(policy_and_module):
