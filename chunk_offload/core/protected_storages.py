@@ -222,8 +222,10 @@ class ProtectedStorages:
         if id(module) not in self._root_ids:
             self._root_ids.add(id(module))
             self._roots.append(module)
-        self._snapshot = None  # the trees are walked again at the next refresh
-        self.by_key = {**self.by_key, **_Snapshot([module]).storages_now()}
+        if self._snapshot is not None:
+            self._snapshot = None  # the trees are walked again at the next refresh
+            self.by_key = dict(self.by_key)  # not the snapshot's dict any more: updated in place below
+        self.by_key.update(_Snapshot([module]).storages_now())
 
     def refresh(self) -> dict[int, torch.UntypedStorage]:
         """Collect the protected storages anew (`by_key`, returned too); exactly what a walk and a

@@ -838,3 +838,17 @@ def test_managers_leave_no_global_module_hooks_behind():
     gc.collect()
     assert [len(d) for d in hook_dicts] == before
     assert all(m() is None and p() is None for m, p in refs), "a closed, dropped manager or its policy was kept alive"
+
+
+def test_protect_between_refreshes_adds_at_once_and_keeps_the_rest():
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy.protect(first)
+    policy.refresh()
+    assert policy.should_offload(second.weight.detach()) is True
+    policy.protect(second)
+    probes = [t.detach() for t in (*first.parameters(), *second.parameters())]
+    assert [policy.should_offload(p) for p in probes] == [False] * 4
+    policy.refresh()
+    assert [policy.should_offload(p) for p in probes] == [False] * 4
+    assert policy.should_offload(torch.randn(4, 4)) is True
