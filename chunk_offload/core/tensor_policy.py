@@ -8,8 +8,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ._torch_compat import is_wrapper_subclass, key_of_storage, storage_key, view_base
+from ._torch_compat import key_of_storage, storage_key, view_base
 from .errors import ChunkOffloadError
+from .protected_storages import ProtectedStorages
 
 __all__ = ["OffloadPolicy", "mark_not_offloadable", "is_marked_not_offloadable"]
 
@@ -58,23 +59,6 @@ def _marked(tensor: torch.Tensor, storage: torch.UntypedStorage | None) -> bool:
     return storage is not None and bool(getattr(storage, _KEEP_ATTR, False))
 
 
-_PLAIN_TYPES = (torch.Tensor, nn.Parameter, nn.Buffer)
-
-
-def _plain_tensors(tensor: torch.Tensor):
-    """The plain tensors holding the data of ``tensor``: itself, or for a wrapper subclass such as
-    DTensor (FSDP2's sharded parameters) its inner tensors, whose storages are the real ones
-    (a wrapper's own ``untyped_storage()`` raises)."""
-    if is_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()
-        for attr in attrs:
-            inner = getattr(tensor, attr)
-            if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
-                yield from _plain_tensors(inner)
-    else:
-        yield tensor
-
-
 class OffloadPolicy:
     """Decides per saved tensor whether it is offloaded.
 
@@ -87,59 +71,22 @@ class OffloadPolicy:
     def __init__(self, *, min_offload_bytes: int, device_type: str) -> None:
         self.min_offload_bytes = min_offload_bytes
         self.device_type = device_type
-        self._modules: list[nn.Module] = []
-        self._module_ids: set[int] = set()
-        # storage key -> the storage itself: holding it keeps the key from being reused by
-        # another allocation while it is in the set (a buffer that a module replaces in forward
-        # would otherwise free its address, and a new activation there would look protected).
-        self._protected: dict[int, torch.UntypedStorage] = {}
+        self._storages = ProtectedStorages()
+        # storage key -> the storage itself (`ProtectedStorages.by_key`): holding it keeps the key
+        # from being reused by another allocation while it is in the set.
+        self._protected: dict[int, torch.UntypedStorage] = self._storages.by_key
         self._on_device = self._device_check(device_type)
 
     def protect(self, module: nn.Module) -> None:
         """Never offload the parameters and buffers of ``module`` (recursively), or their views."""
-        if id(module) not in self._module_ids:
-            self._module_ids.add(id(module))
-            self._modules.append(module)
-        self._add_storages(module, set())
+        self._storages.add(module)
+        self._protected = self._storages.by_key
 
     def refresh(self) -> None:
-        """Collect the protected storages anew.
-
-        Each module is visited once however many protected modules contain it (the model
-        chunk and every offloaded submodule of it are all protected): one pass over the tree.
-        """
-        self._protected = {}
-        visited: set[int] = set()
-        for module in self._modules:
-            self._add_storages(module, visited)
-
-    def _add_storages(self, module: nn.Module, visited: set[int]) -> None:
-        # A walk over the ``_modules`` dicts rather than `nn.Module.modules`, which builds every
-        # submodule's dotted name: this runs over the whole model at each iteration's start.
-        stack = [module]
-        protected = self._protected
-        while stack:
-            sub = stack.pop()
-            if sub is None or (key := id(sub)) in visited:
-                continue
-            visited.add(key)
-            if sub._modules:
-                stack.extend(sub._modules.values())
-            for tensors in (sub._parameters, sub._buffers):
-                if not tensors:
-                    continue
-                for tensor in tensors.values():
-                    if tensor is None:
-                        continue
-                    if type(tensor) in _PLAIN_TYPES:
-                        if tensor.layout is torch.strided and not tensor.is_meta and tensor.numel():
-                            storage = tensor.untyped_storage()
-                            protected[key_of_storage(storage)] = storage
-                        continue
-                    for plain in _plain_tensors(tensor):
-                        if plain.layout is torch.strided and not plain.is_meta and plain.numel():
-                            storage = plain.untyped_storage()
-                            protected[key_of_storage(storage)] = storage
+        """Collect the protected storages anew: exactly what a walk over every protected module
+        tree would collect, at the cost of a check of the cached trees when none changed
+        (NOTE [Exact refresh] in `protected_storages.py`)."""
+        self._protected = self._storages.refresh()
 
     def should_offload(self, tensor: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> bool:
         """True for a large strided activation on the offload device that is not protected.
