@@ -121,7 +121,7 @@ class OffloadPolicy:
         base = view_base(tensor)
         if base is None:
             # A leaf that requires grad is a parameter in all but type (unless the group was handed it).
-            if tensor.requires_grad and tensor.is_leaf and not _is_leaf_input(key, inputs):
+            if tensor.is_leaf and tensor.requires_grad and not _is_leaf_input(key, inputs):
                 return -key
         # (a view made without grad mode, e.g. in a custom Function's forward, also reports
         # is_leaf and requires_grad; its base decides)
