@@ -109,7 +109,8 @@ def time_modes(runs: dict[str, tuple[nn.Sequential, chunk_offload.OffloadManager
     return {mode: (statistics.median(s), min(s)) for mode, s in samples.items()}
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a usage error otherwise)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
@@ -118,10 +119,10 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="offload bookkeeping cost per group, against plain autograd and the floor")
-    parser.add_argument("--layers", type=_positive, default=200, help="layers, one group each")
-    parser.add_argument("--hidden", type=_positive, default=64)
-    parser.add_argument("--batch", type=_positive, default=4)
-    parser.add_argument("--repeats", type=_positive, default=30, help="timed iterations per mode")
+    parser.add_argument("--layers", type=positive_int, default=200, help="layers, one group each")
+    parser.add_argument("--hidden", type=positive_int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--repeats", type=positive_int, default=30, help="timed iterations per mode")
     return parser.parse_args(argv)
 
 

@@ -38,20 +38,13 @@ MODES = overhead.MODES
 NEEDED = ("plain", "floor")  # every ratio is over plain autograd and against the floor
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="offload bookkeeping cost per group in CPU instructions (valgrind)")
-    parser.add_argument("--layers", type=_positive, default=200, help="layers, one group each")
-    parser.add_argument("--iterations", type=_positive, default=2, help="iterations counted per mode")
+    parser.add_argument("--layers", type=overhead.positive_int, default=200, help="layers, one group each")
+    parser.add_argument("--iterations", type=overhead.positive_int, default=2, help="iterations counted per mode")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["plain", "floor", "bookkeeping"])
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # one counted process
-    parser.add_argument("--count", type=_positive, help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=overhead.positive_int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for mode in NEEDED:
         if mode not in args.modes:

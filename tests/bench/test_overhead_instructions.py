@@ -1,0 +1,57 @@
+"""`bench/overhead_instructions.py`: usage errors, the skip without valgrind, and one tiny counted run.
+
+The counts depend on the host's CPU and libraries; the test checks that each mode was counted
+(plain autograd and the floor cost instructions, the floor more than plain) and that the
+printed ratio is the quotient of the printed per-group counts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "overhead_instructions.py"
+
+
+def _run(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env)
+
+
+def test_bad_argument_is_a_usage_error() -> None:
+    done = _run("--iterations", "0")
+    assert done.returncode == 2
+    assert "--iterations: must be an integer >= 1, got '0'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_skips_cleanly_without_valgrind(tmp_path: Path) -> None:
+    done = _run("--layers", "2", path=str(tmp_path))  # an empty PATH: no valgrind
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "skipped: valgrind, callgrind_control not found (install valgrind to count instructions)"
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("callgrind_control") is None, reason="needs valgrind")
+def test_counts_each_mode_and_prints_the_ratio() -> None:
+    done = _run("--layers", "4", "--iterations", "1", "--modes", "bookkeeping")
+    assert done.returncode == 0, done.stderr
+    rows = {}
+    for mode in ("plain", "floor", "bookkeeping"):  # plain and floor are added to the modes asked
+        match = re.search(rf"^{mode}\s+([0-9,]+)\s+(-?[0-9,]+)$", done.stdout, re.M)
+        assert match, f"no row for {mode}:\n{done.stdout}"
+        rows[mode] = [int(v.replace(",", "")) for v in match.groups()]
+    assert rows["plain"][0] > 0 and rows["plain"][1] == 0
+    assert rows["floor"][1] > 0, f"the floor costs no instructions over plain autograd:\n{done.stdout}"
+    match = re.search(r"^bookkeeping / floor \(instructions per group over plain\): ([0-9.]+)$", done.stdout, re.M)
+    assert match, done.stdout
+    assert float(match.group(1)) == pytest.approx(rows["bookkeeping"][1] / rows["floor"][1], abs=0.002)
