@@ -378,7 +378,7 @@ class OffloadGroup:
     def _storage_released(self, storage: Storage) -> None:
         """Drop what the group holds of ``storage`` and account it freed; release the group with its last one."""
         storage.device_bytes = None
-        storage.first = storage.more = None  # `Storage.forget_refs`, without a call per storage
+        storage.forget_refs()
         self._ctx.resident.freed(storage.nbytes, storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:

@@ -96,11 +96,7 @@ class SavedRef:
         # offset) are read from it; `drop_original` records them with a storage-less probe of the
         # counter, so that groups kept on device never pay for either.
         self.probe: torch.Tensor | None = None
-        if storage.first is None:  # `Storage.add` inline: the first view of the storage (the common case)
-            storage.first = weakref.ref(self)
-            storage.live += 1
-        else:
-            storage.add(self)
+        storage.add(self)
         self.storage = storage
 
     def drop_original(self) -> None:

@@ -123,20 +123,6 @@ def test_tensor_pop_of_an_unknown_tag(manager):
     assert_clean(manager)
 
 
-def test_tensor_pop_of_another_chunks_tag(manager):
-    x = torch.randn(4, 4, requires_grad=True) * 2
-    with manager.iteration():
-        with manager.chunk(microbatch=0) as first:
-            tag = first.tensor_push(x)
-            first.on_group_commit_forward()
-        with manager.chunk(microbatch=1) as second:
-            with pytest.raises(ChunkOffloadError, match=r"tensor_pop of a tag of chunk \(microbatch=0, vp_stage=0\) on the handler of chunk \(microbatch=1"):
-                second.tensor_pop(tag)
-        assert torch.equal(first.tensor_pop(tag), x)
-        del tag
-    assert_clean(manager)
-
-
 def test_tensor_pop_of_a_tag_from_another_handler(manager):
     x = torch.randn(8, 8, requires_grad=True) * 1
     with manager.iteration():
