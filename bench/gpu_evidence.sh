@@ -1,43 +1,55 @@
 #!/usr/bin/env bash
 # GPU evidence in one command: environment, tests/gpu, tests/gpu under PyTorch's CUDA stream
-# sanitizer, the stage replay (stage 0 of PP=4 VPP=2, hidden 4096), the pinned-memcpy bandwidth
-# probe and the host-overhead bench. Every log and JSON goes under the output folder, in at most
-# 6 files: evidence.log (every step's output, in order), summary.txt (one line per step: status,
-# seconds, limit), tests.xml and sanitizer.xml (pytest JUnit), replay.json, bandwidth.json.
+# sanitizer, the stage replay of stage 0 and of the last stage of PP=4 VPP=2 (hidden 4096, bf16)
+# side by side with megatron-core's built-in offload where the replay offers --compare, the PP=1
+# comparison with megatron's built-in (bench/megatron_compare.py), the pinned-memcpy bandwidth
+# probe and the host-overhead bench with its profile. Every log and JSON goes under the output
+# folder, in at most 8 files: evidence.log (every step's output, in order), summary.txt (one
+# line per step: status, seconds, limit), tests.xml and sanitizer.xml (pytest JUnit),
+# replay.json, replay_last.json, compare.json, bandwidth.json.
 #
-# Each step runs under its own time limit (the sum is under 20 minutes on an H100); a failing
-# step does not stop the others; the exit status is 1 if any step failed or timed out.
+# Each step runs under its own time limit, in the order of what matters most; a failing step
+# does not stop the others; the exit status is 1 if any step failed or timed out. The steps take
+# about 6 minutes on an H200 (a session's device time is 15 minutes, the machine's start
+# included); run them in one call with a wall-clock limit of about 9 minutes, and what the
+# finished steps wrote still comes back if the limit cuts the last ones.
 # Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
 # git): every .whl/*.whl is installed to /tmp/site first. Prepare them on a host with network:
-#   bash bench/gpu_evidence.sh --fetch-wheels      # megatron-core 0.19.2, numpy, packaging, pytest + its deps (cp312)
-# A command there runs at most 10 minutes, so split the steps over two calls (~9 minutes each):
-#   bash bench/gpu_evidence.sh --out "$OUT" --only install,env,tests,sanitizer
-#   bash bench/gpu_evidence.sh --out "$OUT" --only install,replay,bandwidth,overhead
-# and commit what comes back under bench/results/<date>-<device>/ with the exact commands.
+#   bash bench/gpu_evidence.sh --fetch-wheels      # megatron-core 0.19.2 (cp312)
+# then, on the GPU machine:
+#   bash bench/gpu_evidence.sh --out "$OUT"
+# and commit what comes back under bench/results/<date>-<device>/ with the exact command.
 #
 # Environment: PYTHON (default python3), OUT (default output folder when --out is not given),
 # REPLAY_SEQS (sequence lengths tried in turn when one does not fit; default "4096 2048 1024"),
 # REPLAY_MODULES (default core_attn,qkv_linear).
 set -u -o pipefail
 
-readonly STEPS=(install env tests sanitizer replay bandwidth overhead)
-declare -A LIMIT=([install]=60 [env]=30 [tests]=180 [sanitizer]=300 [replay]=330 [bandwidth]=60 [overhead]=120)
+readonly STEPS=(install env tests sanitizer replay compare replay_last bandwidth overhead)
+declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [sanitizer]=120 [replay]=170 [compare]=170 [replay_last]=120 [bandwidth]=30 [overhead]=60)
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
     [tests]='"$PY" -m pytest -q -rsP -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/tests.xml"'
     [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/sanitizer.xml"'
-    [replay]='replay_stage0'
+    [replay]='replay_stage 0 replay.json'
+    [compare]='"$PY" bench/megatron_compare.py $COMPARE_ARGS --json "$OUT_DIR/compare.json"'
+    [replay_last]='replay_stage 3 replay_last.json'
     [bandwidth]='"$PY" bench/bandwidth.py --json "$OUT_DIR/bandwidth.json"'
-    [overhead]='"$PY" bench/overhead.py'
+    [overhead]='"$PY" bench/overhead.py --profile 5'
 )
+# Issue 26's configurations: 8 layers at hidden 4096 (compute-bound) with two module sets and a
+# budget near Megatron's peak, then the host-bound one (16 layers, hidden 1024, seq 1024).
+readonly COMPARE_ARGS='--layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 --dtype bf16 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm --host-bound'
+export COMPARE_ARGS
 # What the function steps run, for the plan that --dry-run prints.
 declare -A DESCRIBE=(
     [install]='"$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl (when .whl/ has wheels)'
     [env]='date, git rev-parse HEAD, nvidia-smi, python/torch/CUDA/device, megatron-core/numpy/pytest versions'
-    [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 [--attention sdpa if --help lists it] --json "$OUT_DIR/replay.json"'
+    [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 --attention sdpa [--compare megatron if --help lists it] --json "$OUT_DIR/replay.json"'
+    [replay_last]='the same as replay with --stage 3 (the last stage) --json "$OUT_DIR/replay_last.json"'
 )
 readonly LOG_HALF_BYTES=$((1 << 20))  # a step's log above 2 MiB keeps its first and last MiB
 
@@ -93,19 +105,18 @@ for dist in ("megatron-core", "numpy", "pytest", "transformer-engine"):
 PY
 }
 
-replay_stage0() {
-    local extra=() seq rc help
+replay_stage() {
+    local stage=$1 json=$2 extra=(--attention sdpa) seq rc help
     help=$("$PY" -m chunk_offload.replay --help 2>/dev/null)
-    # Flash-style attention where the replay offers it (the local spec's s x s softmax is not what users run).
-    if [[ $help == *--attention* && $help == *sdpa* ]]; then
-        extra=(--attention sdpa)
+    if [[ $help == *--compare* ]]; then
+        extra+=(--compare megatron)
     fi
-    echo "attention option: ${extra[*]:-none (the replay has no --attention sdpa)}"
+    echo "extra options: ${extra[*]}"
     for seq in ${REPLAY_SEQS:-4096 2048 1024}; do
-        echo "+ seq $seq"
-        "$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 \
+        echo "+ stage $stage, seq $seq"
+        "$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage "$stage" --microbatches 8 --layers 32 --hidden 4096 --heads 32 \
             --seq "$seq" --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules "${REPLAY_MODULES:-core_attn,qkv_linear}" \
-            --iterations 3 --warmup 1 ${extra[@]+"${extra[@]}"} --json "$OUT_DIR/replay.json"
+            --iterations 3 --warmup 1 "${extra[@]}" --json "$OUT_DIR/$json"
         rc=$?
         [[ $rc -ne 3 ]] && return "$rc"
         echo "seq $seq does not fit on the device (exit 3: out of memory); trying a shorter one"
@@ -118,7 +129,7 @@ fetch_wheels() {
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore || echo '/.whl/' >>.git/info/exclude
     "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-        megatron-core==0.19.2 numpy packaging pytest pluggy iniconfig pygments pytest-timeout
+        megatron-core==0.19.2
 }
 
 # Append a step's log to evidence.log, keeping its first and last MiB when it is longer.
@@ -202,7 +213,7 @@ main() {
     cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
     PY=${PYTHON:-python3}
     export PY OUT_DIR COMMAND_LINE
-    export -f install_wheels print_environment replay_stage0
+    export -f install_wheels print_environment replay_stage
     if ((fetch)); then
         fetch_wheels
         exit

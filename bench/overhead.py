@@ -18,13 +18,19 @@ microseconds per group ((mode - plain) / groups) from both, then bookkeeping / f
 copies / floor (copies: the offload mode), the ratios of those extra costs. On a shared host
 the medians move with the load; the fastest iterations are the steadier estimate of the cost.
 
-    python bench/overhead.py [--layers 200] [--repeats 30] [--hidden 64] [--batch 4]
+``--profile N`` then runs N more offload iterations under cProfile and prints the functions
+with the most host time of their own, per group: where the host path spends its time.
+
+    python bench/overhead.py [--layers 200] [--repeats 30] [--hidden 64] [--batch 4] [--profile 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
 import statistics
 import time
 import torch
@@ -123,7 +129,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=positive_int, default=64)
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--repeats", type=positive_int, default=30, help="timed iterations per mode")
-    return parser.parse_args(argv)
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more offload iterations (0: none)")
+    args = parser.parse_args(argv)
+    if args.profile < 0:
+        parser.error(f"--profile: must be an integer >= 0, got {args.profile}")
+    return args
+
+
+def print_profile(model: nn.Sequential, manager: chunk_offload.OffloadManager, *, x: torch.Tensor, iterations: int, groups: int) -> None:
+    """Host time of the offload mode by function (own time, cProfile), in microseconds per group."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iterations):
+        one_iteration(model, x, manager)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    per_group = 1e6 / (iterations * groups)
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:20]  # (cc, nc, tottime, cumtime, callers)
+    print(f"profile of the offload mode, {iterations} iterations: own host time per group (us), calls per group, function")
+    for (file, line, name), (_, calls, own, _, _) in rows:
+        print(f"{own * per_group:9.2f} {calls / (iterations * groups):7.2f}  {name} ({file.rsplit('/', 1)[-1]}:{line})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         times = time_modes(runs, x, args.repeats)
         saved = offload_mgr.stats().groups["layer"]
+        if args.profile:
+            print_profile(*runs["offload"], x=x, iterations=args.profile, groups=args.layers)
     finally:
         bookkeeping_mgr.close()
         offload_mgr.close()

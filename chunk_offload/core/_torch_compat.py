@@ -8,6 +8,8 @@
   exit call, without a context object per group;
 - `is_wrapper_subclass`: whether a tensor wraps inner tensors (DTensor), from torch's dispatch utils;
 - `add_gradient_hook`: `Tensor.register_hook` without its removable handle;
+- `weak_storage` / `storage_expired` / `free_weak_storage`: a weak handle on a tensor's storage
+  (what CUDA-graph trees use), to learn whether releasing our references freed its memory;
 - `tree_flatten`: torch's pytree utility (a module's output as dicts, nested
   tuples, namedtuples, registered dataclass-like outputs such as HF ``ModelOutput``).
 """
@@ -30,6 +32,9 @@ __all__ = [
     "top_saved_tensors_hooks",
     "tree_flatten",
     "view_base",
+    "weak_storage",
+    "storage_expired",
+    "free_weak_storage",
 ]
 
 
@@ -93,3 +98,19 @@ def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
 def tree_flatten(tree) -> tuple[list, object]:
     """The leaves of ``tree`` (torch's pytree order) and its spec."""
     return _pytree.tree_flatten(tree)
+
+
+def weak_storage(tensor: torch.Tensor) -> int:
+    """A weak handle on ``tensor``'s storage: it does not keep the memory alive. Free it with
+    `free_weak_storage` exactly once."""
+    return tensor.untyped_storage()._weak_ref()
+
+
+def storage_expired(handle: int) -> bool:
+    """Whether the storage behind ``handle`` was freed (every strong reference is gone)."""
+    return torch.UntypedStorage._expired(handle)
+
+
+def free_weak_storage(handle: int) -> None:
+    """Drop a handle made by `weak_storage`."""
+    torch.UntypedStorage._free_weak_ref(handle)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Sequence
 import torch
 from torch.profiler import record_function
 
+from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
 from .stats import ResidentBytes, StatsRecorder
 from .streams import StreamBackend
@@ -44,6 +45,8 @@ class EngineContext:
     the negated key of a kept storage that other saved views may share."""
     resident: ResidentBytes
     stats: StatsRecorder
+    held_elsewhere: HeldElsewhere
+    """Where copies freed nothing, learned at chunk ends (NOTE [Storages held elsewhere])."""
     on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None
     """Called when backward first reaches one of a chunk's groups (after that group's reload)."""
     measure_time: bool = True

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Collection, Sequence
 
 import torch
 
-from ._torch_compat import storage_key
+from ._torch_compat import free_weak_storage, storage_key
+from .copies import copy_to_device, copy_to_host
 from .engine_context import NO_RANGE, EngineContext, profile_range
 from .errors import ChunkOffloadError, internal_assert
 from .group_state import TRANSITIONS, GroupState
-from .saved import KeptRef, SavedRef, Storage, alive, byte_view
+from .saved import KeptRef, SavedRef, Storage, alive
 from .streams import Event
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class OffloadGroup:
 
     # Slots: one group per layer call, so no per-instance dict for the garbage collector to track.
     __slots__ = (
-        "handler", "name", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "_ctx",
+        "handler", "name", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "_ctx",
         "_storages", "_live_storages", "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event",
         "_offload_cancelled",
     )  # fmt: skip
@@ -67,6 +68,7 @@ class OffloadGroup:
         self._h2d_event: Event | None = None
         self._offload_cancelled = False  # backward kept the originals while their copy to host was in flight
         self.saved_bytes = 0  # bytes accounted at commit (storage spans, deduplicated)
+        self.kept_bytes = 0  # of those, bytes of storages kept on device (pinned): saved, never moved
 
     def __repr__(self) -> str:
         return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.handler.key}, state={self.state.value})"
@@ -149,18 +151,28 @@ class OffloadGroup:
         stats.groups += 1
         kept_tensors = self._kept_tensors
         kept = self._kept_storages
-        saved_bytes = 0
+        handler = self.handler
+        # See NOTE [Storages held elsewhere]: ordinals of live storages to keep at this place.
+        held = ctx.held_elsewhere.kept(handler.key.vp_stage, self.index, self.name)
+        saved_bytes = kept_bytes = 0
         dropped = None
+        ordinal = -1
         for key, storage in self._storages.items():
             views = storage.fix_span()
             if not views:  # autograd already dropped every view saved in this storage
                 dropped = [] if dropped is None else dropped
                 dropped.append(key)
                 continue
-            saved_bytes += storage.nbytes
+            ordinal += 1
             if kept is not None and key in kept:
                 storage.pinned = True
+            elif held is not None and ordinal in held:
+                storage.pinned = True
+                stats.bytes_kept_held_elsewhere += storage.nbytes
+            saved_bytes += storage.nbytes
+            if storage.pinned:  # stays on device: saved, never moved
                 kept_tensors += views
+                kept_bytes += storage.nbytes
         stats.tensors_kept += kept_tensors
         if dropped is not None:
             for key in dropped:
@@ -169,8 +181,8 @@ class OffloadGroup:
         if kept is not None:
             self._kept_storages = None
         self.saved_bytes = saved_bytes
+        self.kept_bytes = kept_bytes
         ctx.resident.saved(saved_bytes)  # one change: the mark sees the group as a whole
-        handler = self.handler
         if (
             not handler.offload
             or (handler.offload_group is not None and not handler.offload_group(self.index))
@@ -187,33 +199,7 @@ class OffloadGroup:
             raise
 
     def _offload(self) -> None:
-        ctx = self._ctx
-        streams = ctx.streams
-        d2h = streams.d2h
-        stats = ctx.stats.group(self.name)
-        # Every view was saved before this commit: the compute moment now follows all the saves.
-        saved_mark = streams.compute.tick()
-        if "offload_after_compute" not in ctx.skip_waits:
-            d2h.wait_stream(streams.compute)
-        d2h.require(saved_mark, rule="R1", what="offload of {!r} reading a saved tensor", subject=self.name)
-        for storage in self._storages.values():
-            if storage.pinned:
-                continue
-            buf = ctx.pool.acquire(storage.nbytes)
-            if buf.fence is not None:
-                self._wait(d2h, buf.fence, "reuse_after_reload")
-                d2h.require(buf.fence.mark, rule="R3", what="offload of {!r} writing a reused host buffer", subject=self.name)
-            storage.host = buf
-            refs = alive(storage)
-            storage.device_bytes = byte_view(refs[0].tensor, storage.start, storage.nbytes)
-            src, dst = storage.device_bytes, buf.view()
-            _, timing = d2h.launch(
-                lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time, nbytes=storage.nbytes
-            )
-            ctx.stats.timing(self.name, "offload_time_s", timing)
-            stats.bytes_offloaded += storage.nbytes
-            stats.tensors_offloaded += len(refs)
-        self._d2h_event = d2h.record_event()
+        self._d2h_event = copy_to_host(self._ctx, self.name, self._storages.values(), self._wait)
         self._to(GroupState.OFFLOADING)
 
     def release_device(self) -> None:
@@ -238,6 +224,13 @@ class OffloadGroup:
                 self._ctx.resident.moved_to_host(storage.nbytes)
         self._to(GroupState.ON_HOST)
 
+    def note_held_elsewhere(self) -> None:
+        """At its chunk's forward end: learn which copied storages another reference keeps on
+        device (NOTE [Storages held elsewhere])."""
+        nbytes = self._ctx.held_elsewhere.learn(self.handler.key.vp_stage, self.index, self.name, self._storages.values())
+        if nbytes:
+            self._ctx.stats.group(self.name).bytes_copied_held_elsewhere += nbytes
+
     # ------------------------------------------------------------------ backward
     def on_output_grad(self, grad: torch.Tensor | None) -> None:
         """The gradient hook on the group's outputs: backward reached the group (NOTE [Group backward hook])."""
@@ -259,42 +252,8 @@ class OffloadGroup:
             self._reload()
 
     def _reload(self) -> None:
-        ctx = self._ctx
-        streams = ctx.streams
-        h2d = streams.h2d
-        stats = ctx.stats.group(self.name)
-        pending: list[Storage] = []
-        for storage in self._storages.values():
-            if not storage.live or storage.pinned:
-                continue
-            # NOTE [Reload allocation]: the reload buffer is allocated on the compute stream, so
-            # the caching allocator frees it in compute order after its last use; the copy stream
-            # must therefore wait on compute before writing it (R4).
-            storage.device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=streams.device)
-            pending.append(storage)
-        alloc_mark = streams.compute.tick()
-        if "reload_after_alloc" not in ctx.skip_waits:
-            h2d.wait_stream(streams.compute)
-        for storage in pending:
-            h2d.require(alloc_mark, rule="R4", what="reload of {!r} writing its device buffer", subject=self.name)
-            h2d.require(
-                self._d2h_event.mark,
-                rule="R4",
-                what="reload of {!r} reading a host buffer before its offload finished",
-                subject=self.name,
-            )
-            src, dst = storage.host.view(), storage.device_bytes
-            _, timing = h2d.launch(
-                lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), timed=ctx.measure_time, nbytes=storage.nbytes
-            )
-            ctx.stats.timing(self.name, "reload_time_s", timing)
-            stats.bytes_reloaded += storage.nbytes
-            storage.on_host = False
-            ctx.resident.moved_to_device(storage.nbytes)
-        self._h2d_event = h2d.record_event()
-        for storage in pending:
-            ctx.pool.release(storage.host, self._h2d_event)
-            storage.host = None
+        pending = [storage for storage in self._storages.values() if storage.live and not storage.pinned]
+        self._h2d_event = copy_to_device(self._ctx, self.name, pending, self._d2h_event)
         self._to(GroupState.RELOADING)
 
     def _cancel_offload(self) -> None:
@@ -379,6 +338,9 @@ class OffloadGroup:
         """Drop what the group holds of ``storage`` and account it freed; release the group with its last one."""
         storage.device_bytes = None
         storage.forget_refs()
+        if storage.weak is not None:
+            free_weak_storage(storage.weak)
+            storage.weak = None
         self._ctx.resident.freed(storage.nbytes, storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:
@@ -396,6 +358,9 @@ class OffloadGroup:
                 storage.host = None
             if committed and storage.live:
                 self._ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
+            if storage.weak is not None:
+                free_weak_storage(storage.weak)
+                storage.weak = None
             storage.device_bytes = None
             for ref in alive(storage):
                 ref.tensor = None

@@ -158,6 +158,10 @@ class ChunkOffloadHandler:
             )
         self._forward_ended = True
         self._release_held()
+        if self.offload:
+            for group in self.groups:
+                if group.state is GroupState.ON_HOST:
+                    group.note_held_elsewhere()
 
     def _release_held(self) -> None:
         if self._holding:
@@ -201,6 +205,10 @@ class ChunkOffloadHandler:
     def group_bytes(self) -> list[int]:
         """Saved bytes of each committed group, in forward order."""
         return [g.saved_bytes for g in self.groups]
+
+    def group_kept_bytes(self) -> list[int]:
+        """Of `group_bytes`, the bytes each group keeps on device whatever the policy (pinned storages)."""
+        return [g.kept_bytes for g in self.groups]
 
     def abort(self) -> None:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""

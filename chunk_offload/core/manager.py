@@ -25,6 +25,7 @@ from .config import OffloadConfig
 from .errors import ChunkOffloadError
 from .engine_context import EngineContext
 from .handler import ChunkOffloadHandler
+from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
 from .marks import GroupMarks, ModuleOffload
 from .tensor_policy import OffloadPolicy
@@ -98,6 +99,7 @@ class OffloadManager:
             offload_key=self.policy.offload_key,
             resident=self._resident,
             stats=self._stats,
+            held_elsewhere=HeldElsewhere(),
             on_backward_start=self._on_backward_start,
             measure_time=self.config.measure_time,
             profile_ranges=self.config.profile_ranges,
@@ -134,8 +136,15 @@ class OffloadManager:
                     "remove() the first registration, or offload a parent or child module instead)"
                 )
         self.policy.protect(module)
-        registration = ModuleOffload(self, module, name, marks=self._marks, on_remove=self._registrations.remove)
-        self._registrations.append(registration)
+        registrations, held_elsewhere = self._registrations, self._ctx.held_elsewhere
+
+        def removed(registration: ModuleOffload) -> None:  # holds no manager: its hooks must not keep it alive
+            registrations.remove(registration)
+            held_elsewhere.clear()
+
+        registration = ModuleOffload(self, module, name, marks=self._marks, on_remove=removed)
+        registrations.append(registration)
+        held_elsewhere.clear()  # the groups' indices within a chunk change
         return registration
 
     def protect_module(self, module: nn.Module) -> None:

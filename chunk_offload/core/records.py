@@ -77,6 +77,7 @@ class IterationWindow:
             device_trace=self.resident.device_trace,
             group_bytes={tuple(h.key): h.group_bytes() for h in handlers},
             group_names={tuple(h.key): [g.name for g in h.groups] for h in handlers},
+            group_kept_bytes={tuple(h.key): h.group_kept_bytes() for h in handlers},
             groups=groups,
             order=list(self.order),
             action_starts_s=list(self.action_starts_s),

@@ -17,7 +17,7 @@ from .host_pool import HostBuffer
 if TYPE_CHECKING:
     from .group import OffloadGroup
 
-__all__ = ["SPAN_ALIGN", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "version_probe"]
+__all__ = ["SPAN_ALIGN", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs", "version_probe"]
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
@@ -27,7 +27,7 @@ SPAN_ALIGN = 16
 class Storage:
     """One device storage saved in a group (through one or more views) and its copies."""
 
-    __slots__ = ("key", "first", "more", "start", "nbytes", "device_bytes", "host", "on_host", "live", "pinned")
+    __slots__ = ("key", "first", "more", "start", "nbytes", "device_bytes", "host", "on_host", "live", "pinned", "weak")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -42,7 +42,8 @@ class Storage:
         self.host: HostBuffer | None = None
         self.on_host = False  # the host copy is the only one (counted in `ResidentBytes.host`)
         self.live = 0  # SavedRefs autograd still holds
-        self.pinned = False  # another view of it stays on device in this group: copying frees nothing
+        self.pinned = False  # kept on device: copying would free nothing (NOTE [Storages held elsewhere])
+        self.weak: int | None = None  # a weak handle on the device storage while its offload is checked
 
     def add(self, ref: "SavedRef") -> None:
         """Count ``ref``, a view saved in this storage, as live."""
@@ -206,3 +207,9 @@ def byte_view(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
     grad records nothing in autograd when `set_` points it at the storage.
     """
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage(), start, (nbytes,), (1,))
+
+
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src, non_blocking=True)`` for each ``(dst, src)``: one group's copies, issued in one launch."""
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)

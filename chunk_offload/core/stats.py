@@ -26,7 +26,13 @@ class GroupStats:
     bytes_reloaded: int = 0
     """Bytes copied back to the device."""
     tensors_kept: int = 0
-    """Saved tensors left on device by the policy (parameters, small, marked)."""
+    """Saved tensors left on device by the policy (parameters, small, marked) or because
+    another reference holds their storage (NOTE [Storages held elsewhere])."""
+    bytes_copied_held_elsewhere: int = 0
+    """Bytes copied to host whose device memory another reference kept alive: the copy freed
+    nothing; such storages are kept on device from then on (NOTE [Storages held elsewhere])."""
+    bytes_kept_held_elsewhere: int = 0
+    """Bytes kept on device, uncopied and unaccounted, because another reference holds them."""
     offload_time_s: float = 0.0
     """Time the device-to-host copies took on their stream."""
     reload_time_s: float = 0.0
@@ -104,6 +110,10 @@ class IterationRecord:
     group_names: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     """(microbatch, vp_stage) -> the name of each of the chunk's groups, in forward order
     (parallel to ``group_bytes``)."""
+    group_kept_bytes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    """(microbatch, vp_stage) -> of ``group_bytes``, the bytes each group keeps on device even
+    when it is offloaded (storages another saved view or reference holds: NOTE [Storages held
+    elsewhere]); parallel to ``group_bytes``."""
     action_starts_s: list[float] = field(default_factory=list)
     """For each entry of ``order``: seconds from the iteration's start at which that action
     began (host ``perf_counter``; on CUDA the host runs ahead of the device)."""

@@ -35,7 +35,7 @@ from ..core.schedule_policy import SchedulePolicy
 from ..core.stats import IterationRecord
 from ..core.streams import StreamBackend
 from ..integrations.megatron import MegatronOffloadManager, attach
-from ..report.stage import StageReport, stage_report
+from ..report.stage import StageReport, kept_bytes_of, stage_report
 from ..schedule import PlanPolicy, Simulation, simulate
 from ..core.actions import ActionKind
 from ..schedule.plan import Plan
@@ -256,7 +256,12 @@ def replay(
         manager.close()
     baseline, offloaded = _merge(measured[False]), _merge(measured[True])
     group_bytes = baseline.last.group_bytes
-    simulation = simulate(plan, lambda microbatch, vp_stage: group_bytes[(microbatch, vp_stage)], policy=schedule_policy)
+    simulation = simulate(
+        plan,
+        lambda microbatch, vp_stage: group_bytes[(microbatch, vp_stage)],
+        policy=schedule_policy,
+        kept_bytes=kept_bytes_of(offloaded.last),
+    )
     report = stage_report(
         baseline=max(baseline.records, key=lambda r: r.peak_bytes),
         offloaded=max(offloaded.records, key=lambda r: r.peak_bytes),

@@ -18,7 +18,9 @@ fragmentation, tensors the policy kept on device). Every report names its measur
 
 NOTE [Theoretical drop]
 The theoretical drop is the simulated peak without offload, from the baseline iteration's bytes
-per group, minus the simulated peak with offload, from the offload iteration's bytes per group.
+per group, minus the simulated peak with offload, from the offload iteration's bytes per group
+and the bytes each of its groups kept on device (`IterationRecord.group_kept_bytes`: storages
+another reference holds, which a copy would not free; NOTE [Storages held elsewhere]).
 When both iterations save the same bytes per group (dense models: shapes fix the bytes) this is
 ``simulate(plan, bytes).drop``: the bytes of the chunks on host at the stage's peak. With MoE
 layers the bytes of an expert's group follow the routing, which changes between iterations;
@@ -36,7 +38,7 @@ from ..core.schedule_policy import SchedulePolicy
 from ..core.stats import IterationRecord
 from ..schedule import Plan, simulate
 
-__all__ = ["MEASURES", "Measure", "StageReport", "stage_report"]
+__all__ = ["MEASURES", "Measure", "StageReport", "kept_bytes_of", "stage_report"]
 
 Measure = Literal["cuda_max_memory_allocated", "cpu_saved_bytes_accounting"]
 
@@ -193,7 +195,7 @@ def stage_report(
         raise ChunkOffloadError("stage_report: the offload record ran without offload; pass a record of an iteration with offload=True")
     # See NOTE [Theoretical drop]: each peak is predicted from the bytes of its own iteration.
     without = simulate(plan, _bytes_of(baseline, plan, "baseline"), policy=policy)
-    with_offload = simulate(plan, _bytes_of(offloaded, plan, "offload"), policy=policy)
+    with_offload = simulate(plan, _bytes_of(offloaded, plan, "offload"), policy=policy, kept_bytes=kept_bytes_of(offloaded))
     cuda = [r.device_peak_bytes is not None for r in (baseline, offloaded)]
     if cuda[0] != cuda[1]:
         raise ChunkOffloadError(
@@ -228,6 +230,12 @@ def stage_report(
         offload_iteration=offload_iteration,
         **dict(budgets or {}),
     )
+
+
+def kept_bytes_of(record: IterationRecord) -> Callable[[int, int], list[int]]:
+    """``(microbatch, vp_stage) -> bytes each group kept on device`` of ``record`` (zeros where none were recorded)."""
+    kept, saved = record.group_kept_bytes, record.group_bytes
+    return lambda microbatch, vp_stage: kept.get((microbatch, vp_stage)) or [0] * len(saved[(microbatch, vp_stage)])
 
 
 def _bytes_of(record: IterationRecord, plan: Plan, which: str) -> Callable[[int, int], list[int]]:

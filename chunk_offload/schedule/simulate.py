@@ -66,16 +66,26 @@ class Simulation:
         return self.peak_saved_bytes - self.peak_resident_bytes
 
 
-def simulate(plan: Plan, group_bytes: GroupBytes, *, policy: SchedulePolicy | None = None, offload: bool = True) -> Simulation:
+def simulate(
+    plan: Plan,
+    group_bytes: GroupBytes,
+    *,
+    policy: SchedulePolicy | None = None,
+    offload: bool = True,
+    kept_bytes: GroupBytes | None = None,
+) -> Simulation:
     """Run ``plan``'s accounting with ``group_bytes`` per chunk and ``policy``'s decisions.
 
     ``group_bytes``: saved bytes of each offload group of a chunk, in forward order, keyed by
     vp_stage (every microbatch alike) or by (microbatch, vp_stage), or a callable of both.
+    ``kept_bytes``: of those, the bytes each group keeps on device even when copied
+    (`IterationRecord.group_kept_bytes`: NOTE [Storages held elsewhere]), keyed alike; None: none.
     """
     lookup = _lookup(group_bytes)
+    kept_lookup = _lookup(kept_bytes) if kept_bytes is not None else None
     policy = policy if policy is not None else SchedulePolicy()
     base = _Run(plan, lookup, SchedulePolicy(), offload=False).run()
-    run = _Run(plan, lookup, policy, offload=offload).run()
+    run = _Run(plan, lookup, policy, offload=offload, kept_lookup=kept_lookup).run()
     return Simulation(
         plan=plan,
         peak_saved_bytes=base.resident.window.peak,
@@ -106,9 +116,18 @@ def _lookup(group_bytes: GroupBytes) -> Callable[[int, int], list[int]]:
 class _Run:
     """One pass over the plan with the engine's event order (see the module docstring)."""
 
-    def __init__(self, plan: Plan, lookup: Callable[[int, int], list[int]], policy: SchedulePolicy, *, offload: bool) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        lookup: Callable[[int, int], list[int]],
+        policy: SchedulePolicy,
+        *,
+        offload: bool,
+        kept_lookup: Callable[[int, int], list[int]] | None = None,
+    ) -> None:
         self.plan = plan
         self.lookup = lookup
+        self.kept_lookup = kept_lookup
         self.policy = policy
         self.offload = offload
         self.resident = ResidentBytes()
@@ -116,6 +135,7 @@ class _Run:
         self.timeline: list[tuple[int, int]] = []
         self.step = 0
         self.bytes: dict[tuple[int, int], list[int]] = {}
+        self.moved: dict[tuple[int, int], list[int]] = {}  # of `bytes`, what a copy moves
         self.state: dict[tuple[int, int], list[GroupState]] = {}
         self.kept: list[tuple[int, int]] = []
         self.bytes_offloaded = 0
@@ -143,25 +163,27 @@ class _Run:
             self.kept.append(chunk)
         sizes = self.lookup(*chunk)
         self.bytes[chunk] = sizes
+        kept = self.kept_lookup(*chunk) if self.kept_lookup is not None else [0] * len(sizes)
+        moved = self.moved[chunk] = [n - k for n, k in zip(sizes, kept, strict=True)]
         states = self.state[chunk] = []
         held: list[int] = []
         for g, nbytes in enumerate(sizes):
             # NOTE as the engine's commit (OffloadGroup.commit, then ChunkOffloadHandler.commit_group):
             # the group's bytes are saved, then the group held since the previous commit is
             # released, at EVERY commit (a kept or empty group's too), then the group is held if copied.
-            copied = offload and self.policy.offload_group(key, g) and nbytes > 0
+            copied = offload and self.policy.offload_group(key, g) and moved[g] > 0
             self.resident.saved(nbytes)
             self._note()
             self._move_to_host(chunk, held)
             held = [g] if copied else []
             if copied:
-                self.bytes_offloaded += nbytes
+                self.bytes_offloaded += moved[g]
             states.append(GroupState.OFFLOADING if copied else GroupState.KEPT if nbytes else GroupState.RELEASED)
         self._move_to_host(chunk, held)
 
     def _move_to_host(self, chunk: tuple[int, int], groups: list[int]) -> None:
         for g in groups:
-            self.resident.moved_to_host(self.bytes[chunk][g])
+            self.resident.moved_to_host(self.moved[chunk][g])
             self.state[chunk][g] = GroupState.ON_HOST
             self._note()
 
@@ -171,7 +193,7 @@ class _Run:
     def _reload(self, chunk: tuple[int, int], g: int) -> None:
         """A reload; reloading and resident are one state here (RESIDENT: no copy takes time)."""
         if self.state[chunk][g] is GroupState.ON_HOST:
-            self.resident.moved_to_device(self.bytes[chunk][g])
+            self.resident.moved_to_device(self.moved[chunk][g])
             self.state[chunk][g] = GroupState.RESIDENT
             self._note()
 

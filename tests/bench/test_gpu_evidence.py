@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_evidence.sh"
-STEPS = ("install", "env", "tests", "sanitizer", "replay", "bandwidth", "overhead")
+STEPS = ("install", "env", "tests", "sanitizer", "replay", "compare", "replay_last", "bandwidth", "overhead")
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 
@@ -97,4 +97,4 @@ def test_a_failing_step_does_not_stop_the_others(tmp_path: Path) -> None:
     log = (out / "evidence.log").read_text()
     assert "=== step env: print_environment" in log and "command: bash bench/gpu_evidence.sh" in log
     assert f"torch {__import__('torch').__version__}" in log
-    assert "bandwidth stand-in fails" in log and "=== limit 60s" in log
+    assert "bandwidth stand-in fails" in log and "=== limit 30s" in log

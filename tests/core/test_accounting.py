@@ -204,9 +204,15 @@ def test_bytes_return_to_zero_and_groups_count_calls(order, model_chunks, offloa
             for kind in ("qkv_linear", "attn_proj", "mlp_fc1"):
                 assert stats.groups[kind].bytes_offloaded == calls * LINEAR_INPUT, kind
                 assert stats.groups[kind].tensors_offloaded == calls, kind
+            # Layer 0's attn_norm saves the chunk's input, which the driver holds until the
+            # chunk's backward: after the first chunk of each model chunk it stays on device
+            # (NOTE [Storages held elsewhere]); every other saved byte is copied.
             for kind in ("attn_norm", "mlp_norm"):
-                assert stats.groups[kind].bytes_offloaded == calls * (LINEAR_INPUT + NORM_STATS), kind
-                assert stats.groups[kind].tensors_offloaded == 3 * calls, kind
+                g = stats.groups[kind]
+                assert g.bytes_offloaded + g.bytes_kept_held_elsewhere == calls * (LINEAR_INPUT + NORM_STATS), kind
+                assert g.bytes_kept_held_elsewhere % LINEAR_INPUT == 0, kind  # whole inputs only
+            assert stats.groups["mlp_norm"].bytes_kept_held_elsewhere == 0
+            assert stats.groups["attn_norm"].bytes_kept_held_elsewhere > 0
 
     run_schedule(
         lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload)),

@@ -30,6 +30,8 @@ from torch import nn
 from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.core import Stream, StreamBackend
 
+from ._models import Fn
+
 HIDDEN = 48  # divisible by 3: the three views are equal thirds
 ROWS = 16
 
@@ -203,3 +205,45 @@ def test_measure_time_times_each_copy_and_compute_wait() -> None:
     assert phase["backward"] == _times(RELOAD_OPS, groups)
     # Per group: its D2H copy, its H2D copy, the release wait and the wait before its first use.
     assert phase["timed"] == Counter({"copy": 2 * groups, "wait_event": 2 * groups})
+
+
+class SaveTwoStorages(torch.autograd.Function):
+    """``x.exp() * x.sin()`` saving both factors: two fresh storages in one group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        e, s = x.exp(), x.sin()
+        ctx.save_for_backward(e, s, x)
+        return e * s
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        e, s, x = ctx.saved_tensors
+        return grad * (e * s + e * x.cos())
+
+
+def test_one_launch_per_group_whatever_its_storages_and_no_host_allocation_after_warmup() -> None:
+    """NOTE [CUDA host path]: a group's copies go out in one launch per direction (one stream
+    switch, one timing); from the second iteration on the pool allocates nothing."""
+    streams = CountingStreams()
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1, measure_time=True), streams=streams)
+    layers = 3
+    model = nn.Sequential(*[Fn(SaveTwoStorages.apply) for _ in range(layers)])
+    for i, layer in enumerate(model):
+        manager.offload_module(layer, f"g{i}")
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    allocations = []
+    try:
+        for _ in range(3):
+            start = len(streams.log)
+            with manager.iteration():
+                with manager.chunk(microbatch=0):
+                    loss = model(x * 1.0).sum()
+                loss.backward()
+            copies = [(stream, n) for op, stream, _, n in streams.log[start:] if op == "copy"]
+            allocations.append(manager.stats().pool.allocations)
+            # Each group's input (x * 1.0, or the previous group's output) and its two factors: 3 storages, 1 launch.
+            assert copies == [("d2h", 3 * ROWS * HIDDEN * 4)] * layers + [("h2d", 3 * ROWS * HIDDEN * 4)] * layers
+    finally:
+        manager.close()
+    assert allocations[1] == allocations[2] == allocations[0] > 0

@@ -211,7 +211,7 @@ def test_gradient_that_views_an_unpacked_tensor_survives_pool_reuse(make_manager
     z = _randn(H, H, seed=10).mul(7.0).requires_grad_(True)
     with mgr.iteration():
         with mgr.chunk(microbatch=1):
-            w = other(z * 1.0)
+            w = other(z * 1.0)  # a fresh storage: the test holds z, not z * 1.0
         w.sum().backward()
     stats = mgr.stats()
     assert stats.pool.allocations == allocations, "the second chunk should reuse the pooled buffer"

@@ -167,7 +167,12 @@ class _CpuCopyStream(Stream):
     def _run_batch(self, batch: list[tuple]) -> bool:
         """Run one batch of operations on the worker thread, in order; False once told to stop."""
         plain = self._plain
-        for op, arg, timing, nbytes in batch:
+        # Popped, not iterated: once an event of the batch is set, the worker holds nothing of
+        # the work before it (a copy's source must be freeable: NOTE [Storages held elsewhere]).
+        batch.reverse()
+        pop = batch.pop
+        while batch:
+            op, arg, timing, nbytes = pop()
             if op == _RUN:
                 if timing is None and plain:
                     if self._error is None:

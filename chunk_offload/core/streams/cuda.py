@@ -25,14 +25,25 @@ class _CudaEvent(Event):
 
 
 class _CudaStream(Stream):
-    """A CUDA stream; ``stream=None`` means whatever stream is current when used (compute)."""
+    """A CUDA stream; ``stream=None`` means whatever stream is current when used (compute).
 
-    def __init__(self, name: str, clocks: VectorClocks, stream: torch.cuda.Stream | None) -> None:
+    NOTE [CUDA host path]
+    Each call here runs per group, so it avoids torch.cuda's heavier Python helpers: the
+    current stream is asked for by device index (no device lookup), work is issued between
+    two `torch.cuda.set_stream` calls instead of the `torch.cuda.stream` context (which asks
+    for the current stream of two devices on entry and exit), and `wait_stream` re-records
+    one event per stream pair instead of making one per call. Re-recording is safe: a
+    ``cudaStreamWaitEvent`` waits for the record made before it, whatever is recorded later.
+    """
+
+    def __init__(self, name: str, clocks: VectorClocks, stream: torch.cuda.Stream | None, device_index: int) -> None:
         super().__init__(name, clocks)
         self._stream = stream
+        self._index = device_index
+        self._wait_events: dict[int, torch.cuda.Event] = {}  # by the id of the stream waited on
 
     def _raw(self) -> torch.cuda.Stream:
-        return self._stream if self._stream is not None else torch.cuda.current_stream()
+        return self._stream if self._stream is not None else torch.cuda.current_stream(self._index)
 
     def launch(self, fn, *, timed=False, nbytes=0):
         raw = self._raw()
@@ -42,8 +53,12 @@ class _CudaStream(Stream):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record(raw)
-        with torch.cuda.stream(raw):
+        previous = torch.cuda.current_stream(self._index)
+        torch.cuda.set_stream(raw)
+        try:
             fn()
+        finally:
+            torch.cuda.set_stream(previous)
         if timed:
             end.record(raw)
             return mark, Timing(start=start, end=end)
@@ -71,16 +86,25 @@ class _CudaStream(Stream):
             return Timing(start=start, end=end)
         return None
 
+    def wait_stream(self, other: Stream) -> None:
+        event = self._wait_events.get(other.id)
+        if event is None:
+            event = self._wait_events[other.id] = torch.cuda.Event()
+        event.record(other._raw())
+        self._raw().wait_event(event)
+        self._vc.merge_stream(self.id, other.id)
+
 
 class CudaStreams(StreamBackend):
     """Compute is the current CUDA stream at each call; two dedicated copy streams."""
 
     def __init__(self, device: torch.device | int | str | None = None, *, check_order: bool = False) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pin_memory = True
         self._clocks = VectorClocks(check_order)
-        self.compute = _CudaStream("compute", self._clocks, None)
-        self.d2h = _CudaStream("d2h", self._clocks, torch.cuda.Stream(self.device))
-        self.h2d = _CudaStream("h2d", self._clocks, torch.cuda.Stream(self.device))
-
-
+        index = self.device.index
+        self.compute = _CudaStream("compute", self._clocks, None, index)
+        self.d2h = _CudaStream("d2h", self._clocks, torch.cuda.Stream(self.device), index)
+        self.h2d = _CudaStream("h2d", self._clocks, torch.cuda.Stream(self.device), index)

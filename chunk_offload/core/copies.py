@@ -1,0 +1,101 @@
+"""A group's copies: its saved storages to host at commit, and back to the device in backward.
+
+Functions of the group's storages and the engine context, so that `OffloadGroup` keeps only
+its states; each copy direction is one launch on its stream (one stream switch and one
+timing per group: NOTE [CUDA host path] in streams/cuda.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import torch
+
+from ._torch_compat import weak_storage
+from .saved import Storage, alive, byte_view, copy_pairs
+
+if TYPE_CHECKING:
+    from .engine_context import EngineContext
+    from .streams import Event, Mark
+
+__all__ = ["copy_to_device", "copy_to_host", "view_device_bytes"]
+
+Wait = Callable[..., None]
+"""`OffloadGroup._wait`: ``wait(stream, event, wait_name)``, skippable by name in tests."""
+
+
+def view_device_bytes(ctx: "EngineContext", name: str, storages: Iterable[Storage]) -> tuple[list[Storage], "Mark | None"]:
+    """The storages to copy, each given its uint8 byte view (``aten::set_`` on compute).
+
+    NOTE [Offload order]
+    The CUDA sanitizer counts the ``set_`` that makes a byte view as a compute-stream write of
+    the saved storage. So the views are made first and the returned compute mark follows them
+    and every save: d2h waits on compute after it (R1 covers the views too), and the offload
+    requires it. A view made after d2h's wait would race the copy that reads it.
+    """
+    stats = ctx.stats.group(name)
+    copied: list[Storage] = []
+    for storage in storages:
+        if storage.pinned:
+            continue
+        refs = alive(storage)
+        storage.device_bytes = byte_view(refs[0].tensor, storage.start, storage.nbytes)
+        storage.weak = weak_storage(storage.device_bytes)  # NOTE [Storages held elsewhere]
+        stats.tensors_offloaded += len(refs)
+        copied.append(storage)
+    return copied, ctx.streams.compute.tick()
+
+
+def copy_to_host(ctx: "EngineContext", name: str, storages: Iterable[Storage], wait: Wait) -> "Event":
+    """Copy the group's unpinned storages into host buffers; the event of the copies."""
+    streams = ctx.streams
+    d2h = streams.d2h
+    copied, viewed_mark = view_device_bytes(ctx, name, storages)
+    if "offload_after_compute" not in ctx.skip_waits:
+        d2h.wait_stream(streams.compute)
+    d2h.require(viewed_mark, rule="R1", what="offload of {!r} reading a saved tensor or its byte view", subject=name)
+    pairs = []
+    nbytes = 0
+    for storage in copied:
+        buf = ctx.pool.acquire(storage.nbytes)
+        if buf.fence is not None:
+            wait(d2h, buf.fence, "reuse_after_reload")
+            d2h.require(buf.fence.mark, rule="R3", what="offload of {!r} writing a reused host buffer", subject=name)
+        storage.host = buf
+        pairs.append((buf.view(), storage.device_bytes))
+        nbytes += storage.nbytes
+    _, timing = d2h.launch(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
+    ctx.stats.timing(name, "offload_time_s", timing)
+    ctx.stats.group(name).bytes_offloaded += nbytes
+    return d2h.record_event()
+
+
+def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], offload_event: "Event") -> "Event":
+    """Copy ``storages`` back from their host buffers into new device buffers; the event of the copies."""
+    streams = ctx.streams
+    h2d = streams.h2d
+    for storage in storages:
+        # NOTE [Reload allocation]: the reload buffer is allocated on the compute stream, so the
+        # caching allocator frees it in compute order after its last use; the copy stream must
+        # therefore wait on compute before writing it (R4).
+        storage.device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=streams.device)
+    alloc_mark = streams.compute.tick()
+    if "reload_after_alloc" not in ctx.skip_waits:
+        h2d.wait_stream(streams.compute)
+    h2d.require(alloc_mark, rule="R4", what="reload of {!r} writing its device buffer", subject=name)
+    h2d.require(offload_event.mark, rule="R4", what="reload of {!r} reading a host buffer before its offload finished", subject=name)
+    nbytes = 0
+    for storage in storages:
+        nbytes += storage.nbytes
+        storage.on_host = False
+    pairs = [(storage.device_bytes, storage.host.view()) for storage in storages]
+    _, timing = h2d.launch(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
+    ctx.stats.timing(name, "reload_time_s", timing)
+    ctx.stats.group(name).bytes_reloaded += nbytes
+    ctx.resident.moved_to_device(nbytes)
+    event = h2d.record_event()
+    for storage in storages:
+        ctx.pool.release(storage.host, event)
+        storage.host = None
+    return event

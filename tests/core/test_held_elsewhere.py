@@ -1,0 +1,143 @@
+"""Storages another reference holds are learned at a chunk's end and kept on device from then on.
+
+NOTE [Storages held elsewhere] (core/held_elsewhere.py): copying such a storage frees nothing.
+The first chunk copies it and finds, at its forward's end, that its memory outlived the release;
+later chunks at the same place keep it on device, uncopied, and the records say so, so that the
+theory (`simulate` with the kept bytes) predicts what the device shows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chunk_offload import OffloadConfig, OffloadManager
+from chunk_offload.core.held_elsewhere import HeldElsewhere
+from chunk_offload.schedule import megatron_plan, simulate
+from chunk_offload.report import stage_report
+
+from ._models import Fn, assert_clean
+
+ROWS, COLS = 16, 64
+F32 = 4
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return (x * 1.0).exp()  # exp saves its output: a fresh storage the group saves
+
+
+def _run(manager: OffloadManager | None, module: Fn, x: torch.Tensor, *, held: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward + backward; with ``held``, an op outside the group saves the group's output too."""
+    x.grad = None
+    with manager.iteration() if manager else _null():
+        with manager.chunk(microbatch=0) if manager else _null():
+            y = module(x)
+            out = (y * y).sum() if held else y.sum()  # mul saves y: held by autograd outside the group
+            del y  # otherwise this frame holds it
+        out.backward()
+    return out.detach(), x.grad.clone()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_storage_saved_outside_the_group_is_copied_once_then_kept() -> None:
+    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    module = Fn(_exp)
+    expected = _run(None, module, x, held=True)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        manager.offload_module(module, "exp")
+        nbytes = ROWS * COLS * F32
+        first = _run(manager, module, x, held=True)
+        g = manager.last_iteration.groups["exp"]
+        assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (nbytes, nbytes, 0)
+        second = _run(manager, module, x, held=True)
+        record = manager.last_iteration
+        g = record.groups["exp"]
+        assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (0, 0, nbytes)
+        assert record.group_bytes[(0, 0)] == [nbytes] and record.group_kept_bytes[(0, 0)] == [nbytes]
+        for got in (first, second):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert_clean(manager)
+    finally:
+        manager.close()
+
+
+def test_a_storage_only_the_group_holds_is_copied_every_time() -> None:
+    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    module = Fn(_exp)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        manager.offload_module(module, "exp")
+        for _ in range(2):
+            _run(manager, module, x, held=False)
+            g = manager.last_iteration.groups["exp"]
+            assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (ROWS * COLS * F32, 0, 0)
+            assert manager.last_iteration.group_kept_bytes[(0, 0)] == [0]
+        assert_clean(manager)
+    finally:
+        manager.close()
+
+
+def test_learned_places_are_forgotten_when_the_modules_change() -> None:
+    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    module = Fn(_exp)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        registration = manager.offload_module(module, "exp")
+        _run(manager, module, x, held=True)
+        registration.remove()
+        manager.offload_module(module, "exp")
+        _run(manager, module, x, held=True)
+        g = manager.last_iteration.groups["exp"]
+        assert g.bytes_copied_held_elsewhere == ROWS * COLS * F32 and g.bytes_kept_held_elsewhere == 0
+    finally:
+        manager.close()
+
+
+def test_places_are_keyed_by_vp_stage_group_index_and_name() -> None:
+    held = HeldElsewhere()
+    held.note(1, 3, "core_attn", 2)
+    assert held.kept(1, 3, "core_attn") == {2}
+    assert held.kept(0, 3, "core_attn") is None and held.kept(1, 3, "qkv_linear") is None
+    assert len(held) == 1
+    held.clear()
+    assert len(held) == 0
+
+
+def test_the_report_predicts_the_drop_with_kept_bytes_exactly() -> None:
+    """1F1B on stage 0 of 4: each chunk's output is held by the schedule (as a pipeline holds
+    what it sent until backward); the report's theory, with the kept bytes, equals the accounting."""
+    plan = megatron_plan(pp_size=4, pp_rank=0, num_microbatches=8)
+    module = Fn(_exp)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    inputs = [torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(8)]
+    try:
+        manager.offload_module(module, "exp")
+        records = []
+        for offload in (False, True, False, True):
+            with manager.iteration(offload=offload):
+                pending = {}
+                for action in plan.actions:
+                    mb = action.microbatch
+                    if action.kind.value == "F":
+                        with manager.chunk(microbatch=mb):
+                            y = module(inputs[mb])
+                            pending[mb] = (y * y).sum()
+                    else:
+                        pending.pop(mb).backward()
+            records.append(manager.last_iteration)
+        baseline, offloaded = records[2], records[3]
+        report = stage_report(baseline=baseline, offloaded=offloaded, plan=plan, rank=0)
+        assert offloaded.groups["exp"].bytes_offloaded == 0  # all kept once learned
+        assert report.theoretical_drop == report.measured_drop == 0
+        naive = simulate(plan, offloaded.group_bytes)  # without the kept bytes: a drop that never comes
+        assert naive.drop > 0
+        assert_clean(manager)
+    finally:
+        manager.close()
