@@ -34,6 +34,7 @@ __all__ = [
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ATTENTIONS = ("sdpa", "local")
 """Core attentions the builder puts into megatron's local layer spec: ``"sdpa"`` is
 `chunk_offload.devkit.attention.SDPAttention` (torch's flash-style kernels), ``"local"`` megatron's
@@ -72,7 +73,9 @@ class GPTShape:
     """megatron's ``add_bias_linear`` (MoE with EP=1 and TP=1 needs False in megatron-core 0.16.1:
     the expert MLP adds its fc2 bias in place onto a view)."""
     dtype: torch.dtype = torch.float32
-    """Parameter and activation dtype."""
+    """Parameter and activation dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``; in a
+    half dtype every parameter and buffer is cast, as Megatron-LM's ``Float16Module`` does (see
+    NOTE [ Half-precision chunks ])."""
     recompute_granularity: str | None = None
     """megatron's activation recomputation: ``"selective"`` (``recompute_modules``, core attention
     by default) or ``"full"``; None for none."""
@@ -99,6 +102,8 @@ class GPTShape:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
             raise ChunkOffloadError(f"attention must be one of {list(ATTENTIONS)}, got {self.attention!r}")
+        if self.dtype not in _DTYPES:
+            raise ChunkOffloadError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.normalization not in _NORMALIZATIONS:
             raise ChunkOffloadError(f"normalization must be one of {list(_NORMALIZATIONS)}, got {self.normalization!r}")
         if self.position_embedding_type not in _POSITION_EMBEDDINGS:
@@ -172,6 +177,7 @@ def build_gpt_chunks(
         pipeline_dtype=shape.dtype,
         params_dtype=shape.dtype,
         bf16=shape.dtype == torch.bfloat16,
+        fp16=shape.dtype == torch.float16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # Fused kernels are CUDA (or torch.compile) paths; the unfused ones are plain torch.
@@ -223,8 +229,36 @@ def build_gpt_chunks(
             position_embedding_type=shape.position_embedding_type,
             vp_stage=vp,
         )
-        chunks.append(chunk.to(device) if device is not None else chunk)
+        chunk = chunk.to(device) if device is not None else chunk
+        chunks.append(_cast_like_float16_module(chunk, shape.dtype))
     return chunks
+
+
+# NOTE [ Half-precision chunks ]
+# Megatron-LM trains in bf16 / fp16 by wrapping each chunk in ``Float16Module`` (megatron-core
+# 0.16.1 and 0.19.2 alike, megatron/core/transformer/module.py): its constructor casts the whole
+# chunk with ``module.bfloat16()`` / ``module.half()``, which turns every floating-point parameter
+# and buffer into the half dtype, including those built fp32 whatever ``params_dtype`` says
+# (torch's norms, the learned position embedding, the MoE router's weight). Its forward then
+# converts fp32 tensor inputs to the half dtype on the first chunk of the first stage and the
+# outputs to fp32 on the last chunk of the last stage. `build_gpt_chunks` does the cast itself
+# rather than returning the wrapper: the integrations walk GPTModel chunks (hooks on their layers,
+# ``set_input_tensor``, ``pre_process`` / ``post_process``), and callers that want Megatron-LM's
+# wrapper around them (tests/_megatron.py) still can, its cast is then a no-op. The forward's
+# conversions change nothing for these chunks: their inputs are integer tokens and positions and
+# no mask (nothing fp32 to convert), what the previous stage sends is already in the half dtype,
+# and the loss is fp32 (megatron's cross entropy upcasts the logits; `gpt_forward_step` and the
+# stage replay also take ``.float()`` of it). What megatron keeps fp32 on purpose stays so either
+# way: the MoE router casts its ``expert_bias`` buffer back to fp32 on every forward.
+
+
+def _cast_like_float16_module(chunk: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``chunk`` cast as ``Float16Module`` casts it for ``dtype``; unchanged for fp32. See NOTE [ Half-precision chunks ]."""
+    if dtype == torch.bfloat16:
+        return chunk.bfloat16()
+    if dtype == torch.float16:
+        return chunk.half()
+    return chunk
 
 
 def _have_apex() -> bool:

@@ -7,6 +7,7 @@ Importing this module does not touch CUDA: every test module of tests/gpu skips 
 from __future__ import annotations
 
 import os
+from typing import Iterator
 
 import pytest
 import torch
@@ -34,13 +35,30 @@ def make_manager():
     return new_manager
 
 
+def _deterministic_algorithms(*, warn_only: bool) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True, warn_only=...)`` while the fixture is alive, restored after."""
+    previous, previous_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=previous_warn)
+
+
 @pytest.fixture
 def deterministic():
     """Deterministic kernels where torch has them (a warning where it does not), restored after."""
-    previous, previous_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(previous, warn_only=previous_warn)
+    yield from _deterministic_algorithms(warn_only=True)
+
+
+@pytest.fixture
+def strictly_deterministic():
+    """Deterministic kernels only (an op without one raises), restored after.
+
+    Needed to compare gradients of bf16 / fp16 SDPA bit for bit: torch's flash attention backward
+    takes its deterministic path only so; with ``warn_only`` it warns and stays non-deterministic.
+    """
+    yield from _deterministic_algorithms(warn_only=False)
 
 
 @pytest.fixture

@@ -8,7 +8,10 @@ PP=1 (megatron's no-pipelining order F0 B0 F1 B1 ...; every chunk offloaded, sin
 would keep every chunk of it on device), and stage 0 of PP=4 under the plan's policy. The
 vocabulary is small so that the logits do not dwarf the saved activations, and the core
 attention is torch's SDPA where `GPTShape` offers it; losses and gradients must also be
-bit-identical between the two modes.
+bit-identical between the two modes. The model is bf16, cast whole as Megatron-LM's
+``Float16Module`` casts it (`build_gpt_chunks`); SDPA then runs flash attention, whose backward
+is deterministic only under ``torch.use_deterministic_algorithms(True)`` without ``warn_only``
+(the ``strictly_deterministic`` fixture), which the bit-identity of the gradients needs.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ TOLERANCE = 0.01
     [(1, None, 8), (4, "plan", 16)],
     ids=["pp1_every_chunk", "pp4_stage0_plan"],
 )
-def test_measured_drop_matches_theory(pp: int, policy, layers: int) -> None:
+def test_measured_drop_matches_theory(pp: int, policy, layers: int, strictly_deterministic) -> None:
     from chunk_offload.devkit.gpt import GPTShape
     from chunk_offload.replay import megatron_stage, replay
 
@@ -54,6 +57,7 @@ def test_measured_drop_matches_theory(pp: int, policy, layers: int) -> None:
     base, off = result.baseline, result.offload
     assert base.last.device_peak_bytes is not None, "peaks are not device memory: did the replay run on CUDA?"
     assert off.bytes_offloaded > 0 and result.theoretical_drop > 0, result.summary()
+    assert {p.dtype for c in stage.chunks for p in c.parameters()} == {torch.bfloat16}
     assert abs(result.ratio - 1.0) <= TOLERANCE, f"R = {result.ratio:.4f} is not within {TOLERANCE:.0%} of 1: {result.summary()}"
     assert all(torch.equal(x, y) for x, y in zip(base.losses, off.losses, strict=True))
     differing = [name for name in base.grads if not torch.equal(base.grads[name], off.grads[name])]

@@ -15,6 +15,11 @@ tensor above one byte offloaded):
   `chunk_offload.schedule.simulate` predicts from the baseline's bytes per group: R == 1.0
   (> 0 on stage 0; 0 on the last stage under `PlanPolicy`).
 
+In bf16 and fp16 (stage 0 and the last stage of PP=2, and the CLI's ``--dtype``) every parameter,
+every received activation, chunk output and gradient and every offloaded saved tensor has the dtype
+(but the fp32 log-sum-exp of SDPA), the losses are fp32, and the offload replay equals the baseline
+bit for bit.
+
 Bad arguments raise `ChunkOffloadError` naming the value and the fix.
 """
 
@@ -54,18 +59,20 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _replay(pp: int, stage: int, vp: int, policy, **kwargs):
+def _replay(pp: int, stage: int, vp: int, policy, shape: GPTShape = _SHAPE, microbatches: int = _MICROBATCHES, **kwargs):
+    """The stage's structure, its parameters' dtypes by name and the replay's result."""
     from chunk_offload.replay import megatron_stage, replay
 
-    with megatron_stage(_SHAPE, pp_size=pp, pp_rank=stage, vp_size=vp) as built:
+    with megatron_stage(shape, pp_size=pp, pp_rank=stage, vp_size=vp) as built:
         structure = [
             (c.pre_process, c.post_process, len(c.decoder.layers), hasattr(c, "embedding"), hasattr(c, "output_layer"))
             for c in built.chunks
         ]
+        dtypes = {f"chunk{vp}.{name}": p.dtype for vp, c in enumerate(built.chunks) for name, p in c.named_parameters()}
         result = replay(
-            built, modules=_MODULES, num_microbatches=_MICROBATCHES, schedule_policy=policy, min_offload_bytes=1, keep_tensors=True, **kwargs
+            built, modules=_MODULES, num_microbatches=microbatches, schedule_policy=policy, min_offload_bytes=1, keep_tensors=True, **kwargs
         )
-    return structure, result
+    return structure, dtypes, result
 
 
 def _assert_equal(a: dict, b: dict, what: str) -> None:
@@ -81,7 +88,7 @@ def _assert_equal(a: dict, b: dict, what: str) -> None:
     ids=["pp4_stage0", "pp4_stage3_group_start", "pp4_stage3", "pp4_vpp2_stage0"],
 )
 def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy) -> None:
-    structure, result = _replay(pp, stage, vp, policy)
+    structure, dtypes, result = _replay(pp, stage, vp, policy)
 
     # The stage's chunks.
     layers = _SHAPE.num_layers // (pp * vp)
@@ -90,6 +97,7 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
         for v in range(vp)
     ]
     assert structure == expected
+    assert set(dtypes.values()) == {torch.float32}
 
     # The plan is megatron's; the manager saw it run (checked on every iteration inside replay too).
     plan = megatron_plan(pp_size=pp, pp_rank=stage, num_microbatches=_MICROBATCHES, vp_size=vp if vp > 1 else None)
@@ -149,14 +157,15 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
     assert "step time (ms)" in table
 
 
-def test_cli_prints_table_and_writes_json(tmp_path, capsys) -> None:
+@pytest.mark.parametrize(("flag", "dtype"), [(None, "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
+def test_cli_prints_table_and_writes_json(tmp_path, capsys, flag: str | None, dtype: str) -> None:
     from chunk_offload.replay.__main__ import main
 
     out = tmp_path / "replay.json"
     argv = [
         "--pp", "2", "--stage", "0", "--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16",
         "--vocab", "64", "--microbatches", "4", "--modules", "core_attn", "--min-offload-bytes", "1",
-        "--iterations", "1", "--json", str(out),
+        "--iterations", "1", "--json", str(out), *(["--dtype", flag] if flag else []),
     ]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -165,6 +174,43 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys) -> None:
     assert summary["R"] == 1.0 and summary["measured_drop_bytes"] > 0
     assert f"R = {summary['R']:.4f}" in printed
     assert "sdpa attention" in printed and summary["args"]["attention"] == "sdpa"
+    assert f"micro batch 1, torch.{dtype}, sdpa" in printed and summary["args"]["dtype"] == flag
+
+
+@pytest.mark.parametrize("stage", [0, 1], ids=["first_stage", "last_stage"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_replay_in_half_precision(monkeypatch, dtype: torch.dtype, stage: int) -> None:
+    from chunk_offload.core.tensor_policy import OffloadPolicy
+
+    offloaded: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    offload_key = OffloadPolicy.offload_key
+
+    def recording(self, tensor, inputs=()):
+        key = offload_key(self, tensor, inputs)
+        if key > 0:
+            offloaded.append((tensor.dtype, tuple(tensor.shape)))
+        return key
+
+    monkeypatch.setattr(OffloadPolicy, "offload_key", recording)
+    shape = GPTShape(**{**_SHAPE.__dict__, "num_layers": 4, "dtype": dtype})
+    _, dtypes, result = _replay(2, stage, 1, None, shape=shape, microbatches=2, iterations=1)
+
+    base, off = result.baseline, result.offload
+    assert set(dtypes.values()) == {dtype}
+    # Every saved tensor the offload iterations copied (warm-up and measured) is in the dtype,
+    # but SDPA's log-sum-exp [b, heads, s], which torch keeps in fp32.
+    lse = (torch.float32, (shape.micro_batch_size, shape.num_attention_heads, shape.seq_length))
+    assert off.bytes_offloaded > 0 and {t for t in offloaded if t[0] != dtype} == {lse}
+    assert len(base.losses) == len(off.losses) == (2 if stage == 1 else 0)
+    assert all(x.dtype == torch.float32 and torch.equal(x, y) for x, y in zip(base.losses, off.losses, strict=True))
+    _assert_equal(base.grads, off.grads, "parameter gradients")
+    assert base.grads.keys() == dtypes.keys() and {g.dtype for g in base.grads.values()} == {dtype}
+    for what, tensors in (("outputs", (base.outputs, off.outputs)), ("input_grads", (base.input_grads, off.input_grads))):
+        if tensors[0]:
+            _assert_equal(*tensors, what)
+            assert {t.dtype for t in tensors[0].values()} == {dtype}, what
+    assert set(base.outputs) == ({(0, 0), (1, 0)} if stage == 0 else set())
+    assert set(base.input_grads) == ({(0, 0), (1, 0)} if stage == 1 else set())
 
 
 _CLI = ["--pp", "2", "--stage", "0", "--modules", "core_attn"]
