@@ -48,8 +48,10 @@ __all__ = [
     "BuiltinResult",
     "builtin_config",
     "builtin_unavailable",
+    "collect_offloaded",
     "megatron_offload_on_cpu",
     "run_builtin",
+    "summary_to_log",
     "te_cpu_offload_stand_in",
 ]
 
@@ -200,32 +202,41 @@ def run_builtin(stage: MegatronStage, plan: Plan, *, iterations: int, warmup: in
 
 def _iteration(driver: ChunkDriver, plan: Plan, off_interface: Any, kept: Kept) -> int:
     """One iteration of ``plan``, then megatron's end-of-iteration reset. Returns the bytes offloaded."""
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
-
     driver.zero_grads()
     pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     offloaded: dict[int, tuple[Any, int]] = {}
     for action in plan.actions:
         if action.kind is ActionKind.FORWARD:
             pending[action.chunk] = driver.forward(*action.chunk, kept)
-            _collect_offloaded(PipelineOffloadManager.get_instance(), offloaded)
+            collect_offloaded(offloaded)
         else:
             driver.backward(*action.chunk, *pending.pop(action.chunk), kept)
-    # forward_backward_func's last step; it prints megatron's summary table after the warm-up.
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        off_interface.reset()
-    if printed.getvalue().strip():
-        logger.debug("megatron-core offload summary:\n%s", printed.getvalue())
+    with summary_to_log():
+        off_interface.reset()  # forward_backward_func's last step
     return sum(nbytes for _, nbytes in offloaded.values())
 
 
-def _collect_offloaded(manager: Any, offloaded: dict[int, tuple[Any, int]]) -> None:
-    """Add the host copies megatron holds now to ``offloaded`` (by identity; reads, never writes).
+@contextlib.contextmanager
+def summary_to_log() -> Iterator[None]:
+    """Send what is printed meanwhile (megatron's offload summary table, printed by ``print`` at the
+    first ``reset()`` after its warm-up) to this module's debug log instead of stdout."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        yield
+    if printed.getvalue().strip():
+        logger.debug("megatron-core offload summary:\n%s", printed.getvalue())
+
+
+def collect_offloaded(offloaded: dict[int, tuple[Any, int]]) -> None:
+    """Add the host copies megatron's offload manager holds now to ``offloaded`` (by identity; reads, never writes).
 
     megatron keeps an offloaded tensor as a tuple ``(device, host_copy, use_pool)`` in its
     group until the backward reloads it; right after a forward, every copy that forward made is
-    still there. The tuple itself is kept in ``offloaded`` so that its id stays unique.
+    still there. The tuple itself is kept in ``offloaded`` so that its id stays unique. Call it
+    after each chunk forward; the bytes copied are ``sum(n for _, n in offloaded.values())``.
     """
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    manager = PipelineOffloadManager.get_instance()
     for handler in getattr(manager, "_cached_chunks_forward", ()):
         for group in getattr(handler, "offload_groups", ()):
             for state in getattr(group, "_tensors", {}).values():
