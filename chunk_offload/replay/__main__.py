@@ -138,59 +138,33 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("--link-gbps simulates a link on CPU copy streams; ignored on CUDA")
         else:
             streams = CpuStreams(link_bytes_per_s=args.link_gbps * 1e9)
-    if args.compare == "megatron":
-        return _compare(args, shape, streams)
-    try:
-        with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
-            result = replay(
-                stage,
-                modules=args.modules,
-                num_microbatches=args.microbatches,
-                iterations=args.iterations,
-                warmup=args.warmup,
-                streams=streams,
-                min_offload_bytes=args.min_offload_bytes,
-            )
-    except torch.OutOfMemoryError as e:
-        print(f"out of device memory: {e}", file=sys.stderr)
-        return EXIT_OUT_OF_MEMORY
-    _print_and_save(args, shape, result.format(), result.summary())
-    return 0
-
-
-def _compare(args: argparse.Namespace, shape: GPTShape, streams: CpuStreams | None) -> int:
-    """``--compare megatron``: the three-mode table (`compare_with_megatron`)."""
-    try:
-        comparison = compare_with_megatron(
-            shape,
-            pp_size=args.pp,
-            pp_rank=args.stage,
-            vp_size=args.vpp,
-            modules=args.modules,
-            num_microbatches=args.microbatches,
-            iterations=args.iterations,
-            warmup=args.warmup,
-            seed=args.seed,
-            min_offload_bytes=args.min_offload_bytes,
-            streams=streams,
-        )
-    except torch.OutOfMemoryError as e:
-        print(f"out of device memory: {e}", file=sys.stderr)
-        return EXIT_OUT_OF_MEMORY
-    _print_and_save(args, shape, comparison.format(), comparison.summary())
-    return 0
-
-
-def _print_and_save(args: argparse.Namespace, shape: GPTShape, table: str, summary: dict) -> None:
-    print(
-        f"model: {shape.num_layers} layers, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch_size}, "
-        f"{shape.dtype}, {args.attention} attention"
+    common = dict(
+        modules=args.modules,
+        num_microbatches=args.microbatches,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        streams=streams,
+        min_offload_bytes=args.min_offload_bytes,
     )
-    print(table)
+    try:
+        if args.compare == "megatron":
+            result = compare_with_megatron(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, **common)
+        else:
+            with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
+                result = replay(stage, **common)
+    except torch.OutOfMemoryError as e:
+        print(f"out of device memory: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
+    print(
+        f"model: {layers} layers, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch_size}, {dtype}, "
+        f"{args.attention} attention"
+    )
+    print(result.format())
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **summary}
+        summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **result.summary()}
         args.json.write_text(json.dumps(summary, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

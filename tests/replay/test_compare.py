@@ -14,33 +14,18 @@ On CPU, at tiny size:
 
 from __future__ import annotations
 
-import importlib.util
-import json
-
 import pytest
 import torch
 
 from chunk_offload.devkit.gpt import GPTShape
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-        reason='megatron-core is not installed (pip install "chunk-offload[megatron]")',
-    ),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU checks; on CUDA peaks are device memory"),
-]
+from ._common import needs_megatron_on_cpu, run_cli
+
+pytestmark = needs_megatron_on_cpu
 
 _SHAPE = GPTShape(
     num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, micro_batch_size=2, attention="sdpa"
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _megatron_copies_on_cpu() -> bool:
@@ -96,17 +81,7 @@ def test_three_modes_bit_identical(pp: int, stage: int, vp: int, modules: str) -
 
 
 def test_cli_compare_writes_three_modes(tmp_path, capsys) -> None:
-    from chunk_offload.replay.__main__ import main
-
-    out = tmp_path / "compare.json"
-    argv = [
-        "--pp", "2", "--stage", "1", "--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "64",
-        "--microbatches", "4", "--modules", "core_attn", "--min-offload-bytes", "1", "--iterations", "1",
-        "--compare", "megatron", "--json", str(out),
-    ]  # fmt: skip
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    summary = json.loads(out.read_text())
+    printed, summary = run_cli(capsys, tmp_path / "compare.json", "--pp", "2", "--stage", "1", "--compare", "megatron")
     assert list(summary["modes"]) == ["none", "chunk_offload", "megatron"]
     assert summary["modes"]["megatron"]["losses"] is True and summary["modes"]["megatron"]["grads"] is True
     assert summary["args"]["compare"] == "megatron" and summary["replay"]["stage"] == "stage 1 of 2"

@@ -20,23 +20,17 @@ Bad arguments raise `ChunkOffloadError` naming the value and the fix.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 
 import pytest
 import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.devkit.gpt import GPTShape
+
+from ._common import needs_megatron_on_cpu, run_cli
 from chunk_offload.schedule.megatron import megatron_plan
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-        reason='megatron-core is not installed (pip install "chunk-offload[megatron]")',
-    ),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU accounting checks; on CUDA peaks are device memory"),
-]
+pytestmark = needs_megatron_on_cpu
 
 # torch's SDPA core attention, the replay's default.
 _SHAPE = GPTShape(
@@ -44,14 +38,6 @@ _SHAPE = GPTShape(
 )
 _MODULES = ("core_attn", "qkv_linear")
 _MICROBATCHES = 8
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the host's cores are shared; tiny matrices gain nothing from more
-    yield
-    torch.set_num_threads(threads)
 
 
 def _replay(pp: int, stage: int, vp: int, policy, **kwargs):
@@ -150,17 +136,7 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
 
 
 def test_cli_prints_table_and_writes_json(tmp_path, capsys) -> None:
-    from chunk_offload.replay.__main__ import main
-
-    out = tmp_path / "replay.json"
-    argv = [
-        "--pp", "2", "--stage", "0", "--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16",
-        "--vocab", "64", "--microbatches", "4", "--modules", "core_attn", "--min-offload-bytes", "1",
-        "--iterations", "1", "--json", str(out),
-    ]  # fmt: skip
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    summary = json.loads(out.read_text())
+    printed, summary = run_cli(capsys, tmp_path / "replay.json", "--pp", "2", "--stage", "0")
     assert summary["stage"] == "stage 0 of 2" and summary["modules"] == ["core_attn"]
     assert summary["R"] == 1.0 and summary["measured_drop_bytes"] > 0
     assert f"R = {summary['R']:.4f}" in printed
