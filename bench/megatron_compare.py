@@ -35,7 +35,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -92,10 +92,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str, budget: int | None) -> dict[str, Any]:
-    """One run: fresh model, warm-up, measured iterations through megatron's schedule."""
+def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Module, modules: list[str], run: str,
+                  budget: int | None) -> tuple[Callable, Callable, Any, dict[int, tuple[Any, int]]]:  # fmt: skip
+    """``run``'s offload around ``model``: (forward_backward_func, forward_step_func, manager or None,
+    megatron's host copies seen in the current iteration); undone when ``stack`` closes."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    forward_backward, manager, seen = get_forward_backward_func(), None, {}
+    if run.startswith("chunk-offload"):
+        manager = attach([model], modules, config=OffloadConfig(min_offload_bytes=args.min_offload_bytes),
+                         device_budget_bytes=budget if run.endswith("budget") else None)  # fmt: skip
+        stack.callback(manager.close)
+        stack.callback(manager.detach)
+        return manager.wrap(forward_backward), gpt_forward_step, manager, seen
+    if run != "megatron":
+        return forward_backward, gpt_forward_step, manager, seen
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        FineGrainedActivationOffloadingInterface as off_interface,
+    )
+
+    stack.enter_context(builtin.te_cpu_offload_stand_in())
+    stack.enter_context(builtin.megatron_offload_on_cpu())
+    off_interface.reset_instance()  # megatron's manager is a process-wide singleton: start afresh
+    stack.callback(off_interface.reset_instance)
+
+    def step(data_iterator: Iterator, chunk: torch.nn.Module) -> Any:
+        output = gpt_forward_step(data_iterator, chunk)
+        builtin.collect_offloaded(seen)  # right after the chunk forward: every copy it made is held
+        return output
+
+    return forward_backward, step, manager, seen
+
+
+def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str, budget: int | None) -> dict[str, Any]:
+    """One run: fresh model, warm-up, measured iterations through megatron's schedule."""
     dtype = _DTYPES[args.dtype]
     overrides = builtin.builtin_config(modules, min_offload_bytes=args.min_offload_bytes, dtype=dtype) if run == "megatron" else None
     times, peaks, copied, losses = [], [], [], None
@@ -104,36 +134,12 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
         # The whole model in the run's dtype (build_gpt_chunks' own dtype handling is being reworked).
         model = stage.chunks[0].to(dtype)
         cuda, device = stage.device.type == "cuda", stage.device
-        forward_backward = get_forward_backward_func()
-        manager = None
-        if run.startswith("chunk-offload"):
-            manager = attach([model], modules, config=OffloadConfig(min_offload_bytes=args.min_offload_bytes),
-                             device_budget_bytes=budget if run.endswith("budget") else None)  # fmt: skip
-            stack.callback(manager.close)
-            stack.callback(manager.detach)
-            forward_backward = manager.wrap(forward_backward)
-        seen: dict[int, tuple[Any, int]] = {}
-        step = gpt_forward_step
-        if run == "megatron":
-            stack.enter_context(builtin.te_cpu_offload_stand_in())
-            stack.enter_context(builtin.megatron_offload_on_cpu())
-            from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-                FineGrainedActivationOffloadingInterface as off_interface,
-            )
-
-            off_interface.reset_instance()
-            stack.callback(off_interface.reset_instance)
-
-            def step(data_iterator, chunk):  # noqa: ANN001 - megatron's forward_step_func signature
-                output = gpt_forward_step(data_iterator, chunk)
-                builtin.collect_offloaded(seen)  # the chunk forward just ran
-                return output
-
+        forward_backward, step, manager, seen = _with_offload(stack, args, model, modules, run, budget)
         batches = stage.token_batches(args.microbatches, iteration=0)
         for i in range(args.warmup + args.iterations):
             model.zero_grad(set_to_none=False)
             seen.clear()
-            if cuda:
+            if cuda:  # each iteration timed alone, its peak its own
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
@@ -149,20 +155,16 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             times.append(elapsed)
             record = manager.engine.last_iteration if manager is not None else None
             peaks.append(torch.cuda.max_memory_allocated(device) if cuda else record.peak_bytes if record else None)
-            if record is not None:
-                copied.append(sum(g.bytes_offloaded for g in record.groups.values()))
-            else:
-                copied.append(sum(n for _, n in seen.values()))
+            copied.append(sum(g.bytes_offloaded for g in record.groups.values()) if record else sum(n for _, n in seen.values()))
             if losses is None:
                 losses = [d["lm loss"].detach().cpu() for d in store]
         grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
-        saved_peak = record.peak_resident_bytes if manager is not None else None
     if cuda:
         torch.cuda.empty_cache()
-    peak = None if any(p is None for p in peaks) else max(peaks)
-    return {"run": run, "modules": ",".join(modules), "peak_bytes": peak, "median_step_s": statistics.median(times),
-            "min_step_s": min(times), "bytes_copied": copied[-1], "budget_bytes": budget if run.endswith("budget") else None,
-            "saved_peak_bytes": saved_peak, "_losses": losses, "_grads": grads}  # fmt: skip
+    return {"run": run, "modules": ",".join(modules), "peak_bytes": None if None in peaks else max(peaks),
+            "median_step_s": statistics.median(times), "min_step_s": min(times), "bytes_copied": copied[-1],
+            "budget_bytes": budget if run.endswith("budget") else None,
+            "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses, "_grads": grads}  # fmt: skip
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:

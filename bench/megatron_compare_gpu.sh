@@ -3,7 +3,9 @@
 # (issue 26): bench/megatron_compare.py at the issue's sizes (megatron-core 0.16.1), then the
 # stage replay's --compare megatron on stage 0 of a PP=4 job under 0.16.1 and 0.19.2.
 # The replay runs fp32: its bf16 build is being fixed (build_gpt_chunks dtype handling).
-# Expects the wheels in .whl-0.16.1/ and .whl-0.19.2/ (see /work/shared/GPU.md, step 1).
+# Expects the wheels in .whl-0.16.1/ and .whl-0.19.2/ (ignored, carried: see /work/shared/GPU.md, step 1):
+#   for v in 0.16.1 0.19.2; do python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl-$v megatron-core==$v; done
 # Writes every table and JSON to $OUT.
 #
 #   OUT=out bash bench/megatron_compare_gpu.sh
