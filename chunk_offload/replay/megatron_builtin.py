@@ -87,7 +87,7 @@ class BuiltinResult(Kept):
 def builtin_unavailable(modules: Sequence[str]) -> str | None:
     """Why megatron-core's built-in offload cannot run here, or None when it can."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec(_OFFLOAD_MODULE) is None:
-        return "this megatron-core has no fine_grained_activation_offload module (it came with 0.16)"
+        return "this megatron-core has no fine_grained_activation_offload module (0.16.1 and 0.19.2 have it)"
     missing = [m for m in modules if m not in _MEGATRON_MODULES]
     if missing:
         return f"it has no offload module {', '.join(map(repr, missing))} (its modules: {', '.join(_MEGATRON_MODULES)})"
