@@ -30,7 +30,7 @@ fi
 cd "$repo"
 # The Megatron-dependent subset; the 20-step run and the DDP/optimizer matrix are left to the main
 # run (0.16.1): Megatron-LM's pretrain in tests/megatron_lm trains through its DDP and optimizer.
-echo "+ megatron-core $("$venv/bin/python" -c 'import megatron.core; print(megatron.core.__version__)' 2>/dev/null): tests/megatron_lm tests/devkit tests/integrations/megatron"
+echo "+ megatron-core $("$venv/bin/python" -c 'import megatron.core; print(megatron.core.__version__)' 2>/dev/null): tests/megatron_lm tests/devkit tests/integrations/megatron tests/replay/test_compare.py"
 CHUNK_OFFLOAD_REQUIRE_MEGATRON_TRAINING=1 PYTHONPATH="$repo" \
-    "$venv/bin/python" -m pytest -q tests/megatron_lm tests/devkit tests/integrations/megatron \
+    "$venv/bin/python" -m pytest -q tests/megatron_lm tests/devkit tests/integrations/megatron tests/replay/test_compare.py \
     --ignore=tests/integrations/megatron/test_long_run.py --ignore=tests/integrations/megatron/test_megatron_ddp.py

@@ -23,7 +23,10 @@ __all__ = ["CPU", "CpuEvent", "CpuStream", "CudaToCpuMode", "cuda_type_name", "i
 class CpuEvent:
     """Stands in for ``torch.cuda.Event``; CPU work is done when the call returns, so it is always complete."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, external: bool = False
+    ):
+        # ``external`` (torch >= 2.9): megatron-core 0.19's activation offloading asks for it.
         self.enable_timing = enable_timing
         self._recorded_at: float | None = None
 

@@ -15,7 +15,7 @@ in for it, see `SequenceParallelTorchNorm`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -142,11 +142,14 @@ def build_gpt_chunks(
     deallocate_pipeline_outputs: bool = True,
     microbatch_group_size_per_vp_stage: int | None = None,
     device: torch.device | str | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks, one per virtual stage, as megatron's schedules expect them.
 
     ``microbatch_group_size_per_vp_stage``: megatron's interleaved-schedule option (None: the
-    pipeline size); the schedule reads it from the first chunk's config.
+    pipeline size); the schedule reads it from the first chunk's config. ``config_overrides``:
+    further ``TransformerConfig`` fields, e.g. megatron's own fine-grained activation offloading
+    (``fine_grained_activation_offloading``, ``offload_modules``), which must be set at build time.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -197,6 +200,7 @@ def build_gpt_chunks(
         activation_func=F.silu if shape.swiglu else F.gelu,
         bias_activation_fusion=shape.bias_activation_fusion,
         **moe,
+        **(config_overrides or {}),
     )
     chunks = []
     for vp_stage in range(virtual_pipeline or 1):

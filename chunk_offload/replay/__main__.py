@@ -6,6 +6,8 @@
 Runs on the CUDA device when there is one (peaks: ``torch.cuda.max_memory_allocated``), else on
 the CPU (peaks: the manager's accounting of saved bytes; ``--link-gbps`` simulates a host link).
 Exit status 3 when the device runs out of memory, so scripts can retry a smaller shape.
+``--compare megatron`` adds megatron-core's own fine-grained activation offloading as a third
+mode on the same stage, plan, modules and seed (`chunk_offload.replay.compare`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..core.errors import ChunkOffloadError
 from ..core.streams import CpuStreams
 from ..devkit.gpt import ATTENTIONS, GPTShape
 from ..planner import PipelineConfig, canonical_modules
+from .compare import compare_with_megatron
 from .run import replay
 from .stage import megatron_stage
 
@@ -67,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--warmup", type=int, default=1, help="warm-up iterations per mode")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    g.add_argument(
+        "--compare",
+        choices=["megatron"],
+        default=None,
+        help="megatron: also run megatron-core's built-in fine-grained activation offloading; one table of three modes",
+    )
     args = p.parse_args(argv)
     _check(p, args)
     return args
@@ -129,17 +138,20 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("--link-gbps simulates a link on CPU copy streams; ignored on CUDA")
         else:
             streams = CpuStreams(link_bytes_per_s=args.link_gbps * 1e9)
+    common = dict(
+        modules=args.modules,
+        num_microbatches=args.microbatches,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        streams=streams,
+        min_offload_bytes=args.min_offload_bytes,
+    )
     try:
-        with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
-            result = replay(
-                stage,
-                modules=args.modules,
-                num_microbatches=args.microbatches,
-                iterations=args.iterations,
-                warmup=args.warmup,
-                streams=streams,
-                min_offload_bytes=args.min_offload_bytes,
-            )
+        if args.compare == "megatron":
+            result = compare_with_megatron(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, **common)
+        else:
+            with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
+                result = replay(stage, **common)
     except torch.OutOfMemoryError as e:
         print(f"out of device memory: {e}", file=sys.stderr)
         return EXIT_OUT_OF_MEMORY

@@ -3,17 +3,8 @@
 `replay` attaches one `MegatronOffloadManager` to the stage's chunks and runs the plan's
 iterations alternately as baselines (``manager.iteration(offload=False)``: the same groups
 and bytes are tracked, nothing is copied) and with offload, after one warm-up of each. Each
-action does what megatron-core's schedules do on that stage:
-
-- ``F``: the chunk's forward inside the manager's chunk scope (opened by its hooks). The first
-  chunk of the first stage reads tokens; any other chunk gets a synthetic received activation
-  (`MegatronStage.received_activation`) through ``set_input_tensor``. The last chunk of the last
-  stage computes the mean token loss divided by the number of microbatches. Other outputs are
-  "sent" and then freed as megatron frees them (``deallocate_output_tensor``), which keeps
-  only their autograd graph.
-- ``B``: the chunk's backward from a synthetic received gradient (the loss on the last chunk),
-  through megatron's ``custom_backward``; the gradient of the received activation is then
-  "sent" (dropped).
+action does what megatron-core's schedules do on that stage (`ChunkDriver`): ``F`` the
+chunk's forward inside the manager's chunk scope (opened by its hooks), ``B`` its backward.
 
 Gradients accumulate into ``param.grad`` over the microbatches and are zeroed in place before
 each iteration, as megatron's persistent gradient buffers are. Every iteration sees the same
@@ -39,6 +30,7 @@ from ..report.stage import StageReport, kept_bytes_of, stage_report
 from ..schedule import PlanPolicy, Simulation, simulate
 from ..core.actions import ActionKind
 from ..schedule.plan import Plan
+from .driver import ChunkDriver, Kept
 from .stage import MegatronStage
 
 __all__ = ["ModeResult", "ReplayResult", "replay"]
@@ -47,21 +39,17 @@ _MIB = float(1 << 20)
 
 
 @dataclass(kw_only=True)
-class ModeResult:
-    """The measured iterations of one mode: without offload (baseline) or with it."""
+class ModeResult(Kept):
+    """The measured iterations of one mode: without offload (baseline) or with it.
+
+    The `Kept` tensors are those of the last measured iteration (grads, outputs and input
+    gradients only with ``keep_tensors``).
+    """
 
     offload: bool
     """Whether copies were made."""
     records: list[IterationRecord] = field(repr=False)
     """The manager's record of each measured iteration (peaks, bytes per group, times)."""
-    losses: list[torch.Tensor] = field(repr=False)
-    """Loss of each microbatch of the last measured iteration (last stage only; else empty)."""
-    grads: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    """With ``keep_tensors``: parameter gradients after the last iteration, ``"chunk{vp}.{name}"``."""
-    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
-    """With ``keep_tensors``: gradient of each received activation, by (microbatch, vp_stage)."""
-    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
-    """With ``keep_tensors``: each chunk's output before it was freed, by (microbatch, vp_stage)."""
 
     @property
     def last(self) -> IterationRecord:
@@ -304,77 +292,28 @@ class _Runner:
     """Runs one plan's iterations on one stage through one manager."""
 
     def __init__(self, stage: MegatronStage, plan: Plan, manager: MegatronOffloadManager, *, keep_tensors: bool) -> None:
-        from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
-
-        self.stage = stage
         self.plan = plan
         self.manager = manager
-        self.keep = keep_tensors
-        self.num_microbatches = 1 + max(mb for mb, _ in plan.chunks)
-        self._custom_backward = custom_backward
-        self._deallocate = deallocate_output_tensor
-        needs_tokens = any(stage.is_first(vp) or stage.is_last(vp) for vp in range(stage.vp_size))
-        self._batches = stage.token_batches(self.num_microbatches, iteration=0) if needs_tokens else None
+        self.driver = ChunkDriver(stage, 1 + max(mb for mb, _ in plan.chunks), keep_tensors=keep_tensors)
 
     def run(self, *, offload: bool) -> ModeResult:
         """One iteration of the plan, as a result of one record."""
-        for chunk in self.stage.chunks:
-            chunk.zero_grad(set_to_none=False)
-        result = ModeResult(offload=offload, records=[], losses=[])
+        driver = self.driver
+        driver.zero_grads()
+        result = ModeResult(offload=offload, records=[])
         pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         with self.manager.iteration(offload=offload):
             for action in self.plan.actions:
                 if action.kind is ActionKind.FORWARD:
-                    pending[action.chunk] = self._forward(*action.chunk, result)
+                    pending[action.chunk] = driver.forward(*action.chunk, result)
                 else:
-                    self._backward(*action.chunk, *pending.pop(action.chunk), result)
+                    driver.backward(*action.chunk, *pending.pop(action.chunk), result)
         internal_assert(not pending, f"chunks without backward after the plan: {sorted(pending)}")
         difference = self.plan.diff(self.manager.observed_order)
         internal_assert(difference is None, f"the manager saw another order than the replayed plan: {difference}")
         result.records.append(self.manager.last_iteration)
-        if self.keep:
-            result.grads = {
-                f"chunk{vp}.{name}": p.grad.detach().cpu().clone()
-                for vp, chunk in enumerate(self.stage.chunks)
-                for name, p in chunk.named_parameters()
-                if p.grad is not None
-            }
+        driver.keep_grads(result)
         return result
-
-    def _forward(self, microbatch: int, vp_stage: int, result: ModeResult) -> tuple[torch.Tensor, torch.Tensor | None]:
-        stage = self.stage
-        chunk = stage.chunks[vp_stage]
-        first, last = stage.is_first(vp_stage), stage.is_last(vp_stage)
-        batch = self._batches[microbatch] if self._batches is not None else None
-        received = None
-        if not first:
-            received = stage.received_activation(iteration=0, microbatch=microbatch, vp_stage=vp_stage)
-        chunk.set_input_tensor(received)
-        output = chunk(
-            batch["tokens"] if first else None,
-            batch["position_ids"] if first else None,
-            None,  # megatron's default causal mask
-            labels=batch["labels"] if last else None,
-        )
-        if last:
-            output = output.float().mean() / self.num_microbatches  # megatron divides the loss by the microbatches
-            result.losses.append(output.detach().clone())
-        else:
-            if self.keep:
-                result.outputs[(microbatch, vp_stage)] = output.detach().cpu().clone()
-            # Sent to the next stage: only the graph is kept (megatron's deallocate_pipeline_outputs).
-            self._deallocate(output, chunk.config.deallocate_pipeline_outputs)
-        return output, received
-
-    def _backward(self, microbatch: int, vp_stage: int, output: torch.Tensor, received: torch.Tensor | None, result: ModeResult) -> None:
-        last = self.stage.is_last(vp_stage)
-        grad = None if last else self.stage.received_grad(iteration=0, microbatch=microbatch, vp_stage=vp_stage)
-        if self.stage.chunks[vp_stage].config.deallocate_pipeline_outputs:
-            self._custom_backward(output, grad)
-        else:
-            torch.autograd.backward(output, grad_tensors=grad)
-        if received is not None and self.keep:
-            result.input_grads[(microbatch, vp_stage)] = received.grad.detach().cpu().clone()
 
 
 def _merge(runs: list[ModeResult]) -> ModeResult:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -136,13 +136,16 @@ def megatron_stage(
     vp_size: int = 1,
     seed: int = 1234,
     device: torch.device | str | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
 ) -> Iterator[MegatronStage]:
     """Build stage ``pp_rank`` of ``pp_size`` (``vp_size`` chunks) in this process; tear down on exit.
 
     Starts a one-process ``torch.distributed`` world (gloo on CPU, NCCL on CUDA) unless one is
     already running with world size 1, and megatron's model parallelism; on a CPU-only host
     megatron's CUDA calls are redirected (`cpu_compat`) while the stage is alive. ``device``:
-    default the current CUDA device, else the CPU.
+    default the current CUDA device, else the CPU. ``config_overrides``: further
+    ``TransformerConfig`` fields for `build_gpt_chunks` (megatron's built-in offload needs its
+    flags at build time).
     """
     _check(shape, pp_size, pp_rank, vp_size)
     import torch.distributed as dist
@@ -197,6 +200,7 @@ def megatron_stage(
             pipeline_parallel=pp_size,
             virtual_pipeline=vp_size if vp_size > 1 else None,
             device=device,
+            config_overrides=config_overrides,
         )
         logger.info(
             "stage %d of %d: %d chunk(s) of %d layer(s) on %s",

@@ -25,23 +25,17 @@ Bad arguments raise `ChunkOffloadError` naming the value and the fix.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 
 import pytest
 import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.devkit.gpt import GPTShape
+
+from ._common import needs_megatron_on_cpu, run_cli
 from chunk_offload.schedule.megatron import megatron_plan
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-        reason='megatron-core is not installed (pip install "chunk-offload[megatron]")',
-    ),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU accounting checks; on CUDA peaks are device memory"),
-]
+pytestmark = needs_megatron_on_cpu
 
 # torch's SDPA core attention, the replay's default.
 _SHAPE = GPTShape(
@@ -159,17 +153,8 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
 
 @pytest.mark.parametrize(("flag", "dtype"), [(None, "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
 def test_cli_prints_table_and_writes_json(tmp_path, capsys, flag: str | None, dtype: str) -> None:
-    from chunk_offload.replay.__main__ import main
-
-    out = tmp_path / "replay.json"
-    argv = [
-        "--pp", "2", "--stage", "0", "--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16",
-        "--vocab", "64", "--microbatches", "4", "--modules", "core_attn", "--min-offload-bytes", "1",
-        "--iterations", "1", "--json", str(out), *(["--dtype", flag] if flag else []),
-    ]  # fmt: skip
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    summary = json.loads(out.read_text())
+    dtype_args = ["--dtype", flag] if flag else []
+    printed, summary = run_cli(capsys, tmp_path / "replay.json", "--pp", "2", "--stage", "0", *dtype_args)
     assert summary["stage"] == "stage 0 of 2" and summary["modules"] == ["core_attn"]
     assert summary["R"] == 1.0 and summary["measured_drop_bytes"] > 0
     assert f"R = {summary['R']:.4f}" in printed

@@ -1,0 +1,244 @@
+"""chunk-offload side by side with megatron-core's fine-grained activation offloading (issue 26).
+
+One GPT on one device, trained through megatron's own no-pipelining schedule (PP=1,
+``get_forward_backward_func()`` in a one-process world), which is how both offloads are meant
+to be used. For each ``--modules`` set, four runs one after another, each on a fresh build of the
+model from the same seed (so the same weights and inputs):
+
+- none: no offload;
+- chunk-offload: `chunk_offload.integrations.megatron.attach` with its defaults (at PP=1 every
+  backward follows its forward at once, so the default plan keeps everything on device);
+- chunk-offload budget: the same with ``device_budget_bytes`` (``--budget-bytes``; default:
+  megatron's measured peak for these modules on CUDA, i.e. the same memory, else half of
+  chunk-offload's saved peak);
+- megatron: megatron-core's built-in offload (``fine_grained_activation_offloading``, same
+  modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
+  missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``).
+
+Each iteration is timed with the device synchronised before and after; the peak is
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (on CPU: chunk-offload's
+accounting of saved bytes, n/a for the others). Losses are those of the first measured
+iteration; grads those of the last; both are compared with ``torch.equal`` to the run without
+offload. On CUDA, flash attention's backward is not deterministic, so grads may differ without
+any offload; the losses (forward only) are the fair check there.
+
+    python bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 \\
+        --dtype bf16 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from chunk_offload.core.config import OffloadConfig
+from chunk_offload.core.errors import ChunkOffloadError
+from chunk_offload.devkit.gpt import ATTENTIONS, GPTShape, gpt_forward_step
+from chunk_offload.integrations.megatron import attach
+from chunk_offload.module_names import canonical_modules
+from chunk_offload.replay import megatron_builtin as builtin
+from chunk_offload.replay.stage import megatron_stage
+
+__all__ = ["main", "parse_args"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RUNS = ("none", "chunk-offload", "chunk-offload budget", "megatron")
+_GB = 1e9
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; usage errors exit with status 2."""
+    p = argparse.ArgumentParser(prog="bench/megatron_compare.py", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=2, help="transformer layers")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--seq", type=int, default=32, help="sequence length")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
+    p.add_argument("--microbatches", type=int, default=2, help="microbatches per iteration")
+    p.add_argument("--vocab", type=int, default=128, help="vocabulary size")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="the whole model is cast to it")
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="core attention (default sdpa)")
+    p.add_argument("--modules", action="append", default=None, help="comma-separated offload modules; repeat for several sets")
+    p.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors below this stay on device")
+    p.add_argument("--budget-bytes", type=int, default=None, help="device budget of the budget run (default: see above)")
+    p.add_argument("--iterations", type=int, default=4, help="measured iterations per run")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per run (megatron's offload needs >= 1)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    for flag in ("layers", "hidden", "heads", "seq", "micro_batch_size", "microbatches", "vocab", "iterations"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
+    if args.warmup < 1:
+        p.error(f"--warmup must be an integer >= 1 (megatron's offload warms up in its first iteration), got {args.warmup}")
+    for flag in ("min_offload_bytes", "budget_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            p.error(f"--{flag.replace('_', '-')} must be an integer >= 0, got {value}")
+    if args.hidden % args.heads:
+        p.error(f"--hidden must be divisible by --heads ({args.heads}), got {args.hidden}")
+    try:
+        args.modules = [canonical_modules(m) for m in (args.modules or ["core_attn,qkv_linear"])]
+    except ChunkOffloadError as e:
+        p.error(f"--modules: {e}")
+    return args
+
+
+def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Module, modules: list[str], run: str,
+                  budget: int | None) -> tuple[Callable, Callable, Any, dict[int, tuple[Any, int]]]:  # fmt: skip
+    """``run``'s offload around ``model``: (forward_backward_func, forward_step_func, manager or None,
+    megatron's host copies seen in the current iteration); undone when ``stack`` closes."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward, manager, seen = get_forward_backward_func(), None, {}
+    if run.startswith("chunk-offload"):
+        manager = attach([model], modules, config=OffloadConfig(min_offload_bytes=args.min_offload_bytes),
+                         device_budget_bytes=budget if run.endswith("budget") else None)  # fmt: skip
+        stack.callback(manager.close)
+        stack.callback(manager.detach)
+        return manager.wrap(forward_backward), gpt_forward_step, manager, seen
+    if run != "megatron":
+        return forward_backward, gpt_forward_step, manager, seen
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        FineGrainedActivationOffloadingInterface as off_interface,
+    )
+
+    stack.enter_context(builtin.te_cpu_offload_stand_in())
+    stack.enter_context(builtin.megatron_offload_on_cpu())
+    off_interface.reset_instance()  # megatron's manager is a process-wide singleton: start afresh
+    stack.callback(off_interface.reset_instance)
+
+    def step(data_iterator: Iterator, chunk: torch.nn.Module) -> Any:
+        output = gpt_forward_step(data_iterator, chunk)
+        builtin.collect_offloaded(seen)  # right after the chunk forward: every copy it made is held
+        return output
+
+    return forward_backward, step, manager, seen
+
+
+def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str, budget: int | None) -> dict[str, Any]:
+    """One run: fresh model, warm-up, measured iterations through megatron's schedule."""
+    dtype = _DTYPES[args.dtype]
+    overrides = builtin.builtin_config(modules, min_offload_bytes=args.min_offload_bytes, dtype=dtype) if run == "megatron" else None
+    times, peaks, copied, losses = [], [], [], None
+    with ExitStack() as stack:
+        stage = stack.enter_context(megatron_stage(shape, pp_size=1, pp_rank=0, seed=args.seed, config_overrides=overrides))
+        # The whole model in the run's dtype (build_gpt_chunks' own dtype handling is being reworked).
+        model = stage.chunks[0].to(dtype)
+        cuda, device = stage.device.type == "cuda", stage.device
+        forward_backward, step, manager, seen = _with_offload(stack, args, model, modules, run, budget)
+        batches = stage.token_batches(args.microbatches, iteration=0)
+        for i in range(args.warmup + args.iterations):
+            model.zero_grad(set_to_none=False)
+            seen.clear()
+            if cuda:  # each iteration timed alone, its peak its own
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            with builtin.summary_to_log():
+                store = forward_backward(forward_step_func=step, data_iterator=iter(batches), model=model,
+                                         num_microbatches=args.microbatches, seq_length=args.seq,
+                                         micro_batch_size=args.micro_batch_size, forward_only=False)  # fmt: skip
+            if cuda:
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+            if i < args.warmup:
+                continue
+            times.append(elapsed)
+            record = manager.engine.last_iteration if manager is not None else None
+            peaks.append(torch.cuda.max_memory_allocated(device) if cuda else record.peak_bytes if record else None)
+            copied.append(sum(g.bytes_offloaded for g in record.groups.values()) if record else sum(n for _, n in seen.values()))
+            if losses is None:
+                losses = [d["lm loss"].detach().cpu() for d in store]
+        grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"run": run, "modules": ",".join(modules), "peak_bytes": None if None in peaks else max(peaks),
+            "median_step_s": statistics.median(times), "min_step_s": min(times), "bytes_copied": copied[-1],
+            "budget_bytes": budget if run.endswith("budget") else None,
+            "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses, "_grads": grads}  # fmt: skip
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:
+    losses = len(a["_losses"]) == len(b["_losses"]) and all(map(torch.equal, a["_losses"], b["_losses"]))
+    grads = a["_grads"].keys() == b["_grads"].keys() and all(torch.equal(g, b["_grads"][k]) for k, g in a["_grads"].items())
+    return {"losses_identical": losses, "grads_identical": grads}
+
+
+def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -> list[dict[str, Any]]:
+    """The four runs of one module set (megatron's replaced by one skip row where it cannot run)."""
+    rows = [_run(args, shape, modules, "none", None)]
+    skip = builtin.builtin_unavailable(modules)
+    megatron = None if skip else _run(args, shape, modules, "megatron", None)
+    rows.append(_run(args, shape, modules, "chunk-offload", None))
+    budget = args.budget_bytes
+    if budget is None:
+        budget = megatron["peak_bytes"] if megatron and megatron["peak_bytes"] is not None and rows[0]["peak_bytes"] \
+            else (rows[1]["saved_peak_bytes"] or 0) // 2  # fmt: skip
+    rows.append(_run(args, shape, modules, "chunk-offload budget", budget))
+    rows.append(megatron if megatron is not None else {"run": "megatron", "modules": ",".join(modules), "skipped": skip})
+    base = rows[0]
+    for row in rows:
+        if "skipped" not in row:
+            row.update(_same(base, row), overhead=row["median_step_s"] / base["median_step_s"] - 1)
+    return rows
+
+
+def _format(rows: list[dict[str, Any]], device: str) -> str:
+    def gb(value: int | None) -> str:
+        return "n/a" if value is None else f"{value / _GB:.4g}"
+
+    w = 2 + max(len(r["modules"]) for r in rows)
+    lines = [f"{'modules':<{w}}{'run':<22}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'GB copied':>11}"
+             f"{'losses =':>10}{'grads =':>9}"]  # fmt: skip
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['modules']:<{w}}{r['run']:<22}skipped: {r['skipped']}")
+            continue
+        lines.append(
+            f"{r['modules']:<{w}}{r['run']:<22}{gb(r['peak_bytes']):>9}{r['median_step_s'] * 1e3:>11.2f}{r['min_step_s'] * 1e3:>9.2f}"
+            f"{r['overhead'] * 100:>9.1f}%{gb(r['bytes_copied']):>11}{'yes' if r['losses_identical'] else 'no':>10}"
+            f"{'yes' if r['grads_identical'] else 'no':>9}"
+        )
+    cpu = device == "cpu"
+    lines.append("peak: " + ("CPU has no device allocator: chunk-offload's accounting of saved bytes, n/a for the others"
+                             if cpu else "torch.cuda.max_memory_allocated per iteration (max over measured iterations)"))  # fmt: skip
+    lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'"
+                 + ("" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every module set; print the table (and write the JSON). Returns the exit status."""
+    args = parse_args(argv)
+    import megatron.core
+
+    shape = GPTShape(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, vocab_size=args.vocab,
+                     seq_length=args.seq, micro_batch_size=args.micro_batch_size, dtype=_DTYPES[args.dtype],
+                     attention=args.attention)  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = [row for modules in args.modules for row in _module_set(args, shape, modules)]
+    print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro batch "
+          f"{args.micro_batch_size}, {args.microbatches} microbatches, {args.dtype}, {args.attention}; PP=1 "
+          f"(megatron no-pipelining schedule); device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; "
+          f"megatron-core {megatron.core.__version__}")  # fmt: skip
+    print(_format(rows, device))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                         "device": device, "megatron_core": megatron.core.__version__, "rows": public},
+                                        indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""One stage, three ways: no offload, chunk-offload, and megatron-core's built-in offload.
+
+`compare_with_megatron` replays the same stage (same shape, seed and therefore weights), the
+same plan (megatron's schedule for the stage) and the same inputs three ways: the replay's
+baseline and chunk-offload iterations (`replay`, alternating, on one build of the chunks), then
+megatron-core's fine-grained activation offloading (`megatron_builtin`) on a second build with
+megatron's offload flags, which its layers read when they are built. Where megatron's path
+cannot run, `Comparison.skipped` says why and the other two modes stand alone.
+
+Peaks: on CUDA ``torch.cuda.max_memory_allocated`` of each iteration for every mode; on CPU
+there is no device allocator, so the table shows chunk-offload's accounting of saved bytes for
+the first two modes and n/a for megatron's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..core.errors import ChunkOffloadError
+from ..core.streams import StreamBackend
+from ..devkit.gpt import GPTShape
+from ..module_names import canonical_modules
+from .megatron_builtin import BuiltinResult, builtin_config, builtin_unavailable, run_builtin
+from .run import ReplayResult, replay
+from .stage import megatron_stage
+
+__all__ = ["Comparison", "compare_with_megatron"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = float(1 << 20)
+MODES = ("none", "chunk_offload", "megatron")
+"""The modes, as named in the JSON summary."""
+
+
+@dataclass(kw_only=True)
+class Comparison:
+    """The three modes of one stage replay and whether they agree bit for bit."""
+
+    replay: ReplayResult
+    """No offload (``replay.baseline``) and chunk-offload (``replay.offload``)."""
+    builtin: BuiltinResult | None
+    """megatron-core's built-in offload; None when skipped."""
+    skipped: str | None
+    """Why megatron's path did not run; None when it ran."""
+    megatron_version: str
+    """The megatron-core version that ran."""
+
+    def identical(self, mode: str) -> dict[str, bool | None]:
+        """Whether ``mode``'s losses and parameter gradients equal the no-offload run's (`torch.equal`).
+
+        ``losses`` is None on a stage without the loss (not the last stage).
+        """
+        base = self.replay.baseline
+        other = self.replay.offload if mode == "chunk_offload" else self.builtin
+        if other is None:
+            raise ChunkOffloadError(f"chunk_offload: mode {mode!r} did not run; identical() takes 'chunk_offload' or 'megatron'")
+        losses = None
+        if base.losses:
+            losses = len(base.losses) == len(other.losses) and all(map(torch.equal, base.losses, other.losses))
+        grads = base.grads.keys() == other.grads.keys() and all(torch.equal(g, other.grads[k]) for k, g in base.grads.items())
+        return {"losses": losses, "grads": grads}
+
+    def _modes(self) -> dict[str, dict[str, Any]]:
+        r = self.replay
+        cpu = r.baseline.last.device_peak_bytes is None
+        modes: dict[str, dict[str, Any]] = {
+            "none": {"step_time_s": r.baseline.step_time_s, "peak_bytes": r.baseline.peak_bytes, "bytes_offloaded": 0},
+            "chunk_offload": {
+                "step_time_s": r.offload.step_time_s,
+                "peak_bytes": r.offload.peak_bytes,
+                "drop_bytes": r.measured_drop,
+                "R": r.ratio,
+                "bytes_offloaded": r.offload.bytes_offloaded,
+                "wait_time_s": r.offload.wait_time_s,
+                "offload_copy_time_s": r.offload.offload_time_s,
+                **self.identical("chunk_offload"),
+            },
+        }
+        if self.builtin is None:
+            modes["megatron"] = {"skipped": self.skipped}
+        else:
+            b = self.builtin
+            modes["megatron"] = {
+                "step_time_s": b.step_time_s,
+                "peak_bytes": b.peak_bytes,
+                "drop_bytes": None if b.peak_bytes is None or cpu else r.baseline.peak_bytes - b.peak_bytes,
+                "bytes_offloaded": b.bytes_offloaded[-1],
+                "megatron_version": self.megatron_version,
+                **self.identical("megatron"),
+            }
+        return modes
+
+    def summary(self) -> dict[str, Any]:
+        """The figures of `format` as plain numbers (for JSON), with the replay's own summary."""
+        cpu = self.replay.baseline.last.device_peak_bytes is None
+        return {
+            "modes": self._modes(),
+            "peak_measure": "chunk-offload accounting of saved bytes (CPU)" if cpu else "torch.cuda.max_memory_allocated",
+            "replay": self.replay.summary(),
+        }
+
+    def format(self) -> str:
+        """The side-by-side table, with the one-line skip reason when megatron's path did not run."""
+        r, modes = self.replay, self._modes()
+        cpu = r.baseline.last.device_peak_bytes is None
+        names = ["none", "chunk_offload"] + ([] if self.builtin is None else ["megatron"])
+        headers = {"none": "no offload", "chunk_offload": "chunk-offload", "megatron": f"megatron {self.megatron_version}"}
+
+        def row(label: str, cells: dict[str, str]) -> str:
+            return f"{label:<30}" + "".join(f"{cells.get(n, '-'):>20}" for n in names)
+
+        def mib(value: int | None) -> str:
+            return "n/a" if value is None else f"{value / _MIB:.2f}"
+
+        rows = [
+            f"{r.stage}, {r.plan.source}, {len(r.plan.chunks)} chunk forwards, device {r.device}; "
+            f"modules {','.join(r.modules)}",
+            row("", headers),
+            row("step time (ms)", {n: f"{m['step_time_s'] * 1e3:.2f}" for n, m in modes.items() if "step_time_s" in m}),
+            row("peak (MiB)" + (" [accounting]" if cpu else ""), {n: mib(m.get("peak_bytes")) for n, m in modes.items() if "skipped" not in m}),
+            row("drop vs none (MiB)", {n: mib(m["drop_bytes"]) for n, m in modes.items() if "drop_bytes" in m}),
+            row("R (measured/theory)", {"chunk_offload": "n/a" if r.ratio is None else f"{r.ratio:.4f}", "megatron": "n/a"}),
+            row("offloaded / iteration (MiB)", {n: mib(m["bytes_offloaded"]) for n, m in modes.items() if "bytes_offloaded" in m}),
+            row("compute wait (ms)", {"chunk_offload": f"{r.offload.wait_time_s * 1e3:.2f}", "megatron": "n/a"}),
+            row("D2H copy time (ms)", {"chunk_offload": f"{r.offload.offload_time_s * 1e3:.2f}", "megatron": "n/a"}),
+            row("losses bit-identical", {n: _yes(m["losses"]) for n, m in modes.items() if "losses" in m} | {"none": "(reference)"}),
+            row("grads bit-identical", {n: _yes(m["grads"]) for n, m in modes.items() if "grads" in m} | {"none": "(reference)"}),
+        ]
+        if cpu:
+            rows.append("peak on CPU: chunk-offload's accounting of saved bytes; megatron's path has none (n/a)")
+        else:
+            rows.append("peak: torch.cuda.max_memory_allocated per iteration; grads on CUDA depend on deterministic kernels")
+        if self.skipped is not None:
+            rows.append(f"megatron-core built-in offload: skipped: {self.skipped}")
+        elif cpu and self.builtin is not None and self.builtin.bytes_offloaded[-1] == 0:
+            rows.append(f"megatron-core {self.megatron_version} copied nothing on CPU (0.19 manages CUDA tensors only)")
+        return "\n".join(rows)
+
+
+def _yes(flag: bool | None) -> str:
+    return "n/a" if flag is None else "yes" if flag else "NO"
+
+
+def compare_with_megatron(
+    shape: GPTShape,
+    *,
+    pp_size: int,
+    pp_rank: int,
+    vp_size: int = 1,
+    modules: str | Sequence[str],
+    num_microbatches: int | None = None,
+    iterations: int = 1,
+    warmup: int = 1,
+    seed: int = 1234,
+    min_offload_bytes: int = 1 << 20,
+    streams: StreamBackend | None = None,
+    skip_builtin: str | None = None,
+) -> Comparison:
+    """Replay stage ``pp_rank`` of ``pp_size`` without offload, with chunk-offload and with megatron's own.
+
+    ``skip_builtin``: a reason not to run megatron's path (it is reported as the skip line).
+    ``streams`` go to chunk-offload only; the other arguments are `replay`'s and `megatron_stage`'s.
+    """
+    import megatron.core
+
+    modules = canonical_modules(modules)
+    with megatron_stage(shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed) as stage:
+        result = replay(
+            stage,
+            modules=modules,
+            num_microbatches=num_microbatches,
+            iterations=iterations,
+            warmup=warmup,
+            streams=streams,
+            min_offload_bytes=min_offload_bytes,
+            keep_tensors=True,
+        )
+    reason = skip_builtin or builtin_unavailable(modules)
+    builtin = None
+    if reason is None:
+        overrides = builtin_config(modules, min_offload_bytes=min_offload_bytes, dtype=shape.dtype)
+        try:
+            with megatron_stage(
+                shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed, config_overrides=overrides
+            ) as stage:
+                builtin = run_builtin(stage, result.plan, iterations=iterations, warmup=warmup, keep_tensors=True)
+        except torch.OutOfMemoryError:
+            raise
+        except (AssertionError, ValueError, RuntimeError) as e:  # megatron's own refusals are asserts
+            logger.debug("megatron-core's built-in offload failed", exc_info=True)
+            reason = f"megatron-core raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+    return Comparison(replay=result, builtin=builtin, skipped=reason, megatron_version=megatron.core.__version__)
+

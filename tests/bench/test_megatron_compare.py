@@ -1,0 +1,88 @@
+"""`bench/megatron_compare.py` tiny on CPU: four runs per module set through megatron's own schedule.
+
+Checks that every run has its row, that the three offloading runs are bit-identical to the run
+without offload (losses and grads; CPU kernels are deterministic), that megatron-core 0.16.1's
+built-in offload and the budgeted chunk-offload run copy bytes while the default chunk-offload
+run at PP=1 keeps everything on device, that a module megatron lacks gives one skip row, and
+that a bad flag is a usage error (exit status 2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "megatron_compare.py"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+    reason='megatron-core is not installed (pip install "chunk-offload[megatron]")',
+)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _megatron_copies_on_cpu() -> bool:
+    import megatron.core
+
+    return tuple(int(x) for x in megatron.core.__version__.split(".")[:2]) < (0, 19)
+
+
+def test_four_runs_bit_identical(tmp_path) -> None:
+    out = tmp_path / "compare.json"
+    done = _run("--min-offload-bytes", "1", "--iterations", "2", "--warmup", "1",
+                "--modules", "core_attn,qkv_linear", "--modules", "mlp_fc1", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    runs = {(r["modules"], r["run"]): r for r in rows}
+    assert [r["run"] for r in rows] == ["none", "chunk-offload", "chunk-offload budget", "megatron"] * 2
+    ran = [r for r in rows if "skipped" not in r]
+    assert all(r["losses_identical"] and r["grads_identical"] for r in ran), done.stdout
+    assert all(r["median_step_s"] > 0 and r["min_step_s"] <= r["median_step_s"] for r in ran)
+    modules = "core_attn,qkv_linear"
+    assert runs[(modules, "chunk-offload")]["bytes_copied"] == 0  # PP=1: every backward follows at once
+    budget = runs[(modules, "chunk-offload budget")]
+    assert budget["bytes_copied"] > 0 and budget["peak_bytes"] <= budget["budget_bytes"]
+    megatron = runs[(modules, "megatron")]
+    assert (megatron["bytes_copied"] > 0) == _megatron_copies_on_cpu()
+    assert runs[("mlp_fc1", "megatron")]["skipped"].startswith("it has no offload module 'mlp_fc1'")
+    skip_rows = [line for line in done.stdout.splitlines() if "skipped:" in line]
+    assert len(skip_rows) == 1 and skip_rows[0].split()[:2] == ["mlp_fc1", "megatron"]
+    assert "losses =" in done.stdout and "peak: CPU has no device allocator" in done.stdout
+
+
+def test_bad_flag_exits_2() -> None:
+    done = _run("--no-such-flag")
+    assert done.returncode == 2, done.stderr
+    assert "unrecognized arguments: --no-such-flag" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--layers", "0"], "--layers must be an integer >= 1, got 0"),
+        (["--modules", "mlp_fc2"], "--modules: chunk_offload: unknown offload module 'mlp_fc2'"),
+        (["--warmup", "0"], "--warmup must be an integer >= 1"),
+        (["--hidden", "30", "--heads", "4"], "--hidden must be divisible by --heads (4), got 30"),
+        (["--budget-bytes", "-1"], "--budget-bytes must be an integer >= 0, got -1"),
+    ],
+)
+def test_usage_errors(capsys, argv: list[str], message: str) -> None:
+    spec = importlib.util.spec_from_file_location("megatron_compare", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
