@@ -4,9 +4,10 @@
 # side by side with megatron-core's built-in offload where the replay offers --compare, the PP=1
 # comparison with megatron's built-in (bench/megatron_compare.py), the pinned-memcpy bandwidth
 # probe and the host-overhead bench with its profile. Every log and JSON goes under the output
-# folder, in at most 8 files: evidence.log (every step's output, in order), summary.txt (one
-# line per step: status, seconds, limit), tests.xml and sanitizer.xml (pytest JUnit),
-# replay.json, replay_last.json, compare.json, bandwidth.json.
+# folder, in at most 8 files: evidence.log (every step's output, in order, pytest's per-test
+# results included), summary.txt (one line per step: status, seconds, limit), replay.json,
+# replay_last.json, compare.json (hidden 4096), compare_host.json (the host-bound configuration),
+# bandwidth.json.
 #
 # Each step runs under its own time limit, in the order of what matters most; a failing step
 # does not stop the others; the exit status is 1 if any step failed or timed out. The steps take
@@ -32,24 +33,25 @@ declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [sanitizer]=120 [replay]=170
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
-    [tests]='"$PY" -m pytest -q -rsP -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/tests.xml"'
-    [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu --junitxml "$OUT_DIR/sanitizer.xml"'
+    [tests]='"$PY" -m pytest -v -rsP -p no:cacheprovider tests/gpu'
+    [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu'
     [replay]='replay_stage 0 replay.json'
-    [compare]='"$PY" bench/megatron_compare.py $COMPARE_ARGS --json "$OUT_DIR/compare.json"'
+    [compare]='compare_pp1'
     [replay_last]='replay_stage 3 replay_last.json'
     [bandwidth]='"$PY" bench/bandwidth.py --json "$OUT_DIR/bandwidth.json"'
     [overhead]='"$PY" bench/overhead.py --profile 5'
 )
-# Issue 26's configurations: 8 layers at hidden 4096 (compute-bound) with two module sets and a
-# budget near Megatron's peak, then the host-bound one (16 layers, hidden 1024, seq 1024).
-readonly COMPARE_ARGS='--layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 --dtype bf16 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm --host-bound'
-export COMPARE_ARGS
+# Issue 26's configurations, both module sets each: 8 layers at hidden 4096, seq 4096, 4
+# microbatches (compute-bound), then 16 layers at hidden 1024, seq 1024, 8 microbatches (host-bound).
+readonly COMPARE_COMMON='--micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 2 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
+export COMPARE_COMMON
 # What the function steps run, for the plan that --dry-run prints.
 declare -A DESCRIBE=(
     [install]='"$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl (when .whl/ has wheels)'
     [env]='date, git rev-parse HEAD, nvidia-smi, python/torch/CUDA/device, megatron-core/numpy/pytest versions'
     [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 --attention sdpa [--compare megatron if --help lists it] --json "$OUT_DIR/replay.json"'
     [replay_last]='the same as replay with --stage 3 (the last stage) --json "$OUT_DIR/replay_last.json"'
+    [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --json "$OUT_DIR/compare.json"; then --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 ... --json "$OUT_DIR/compare_host.json"'
 )
 readonly LOG_HALF_BYTES=$((1 << 20))  # a step's log above 2 MiB keeps its first and last MiB
 
@@ -122,6 +124,17 @@ replay_stage() {
         echo "seq $seq does not fit on the device (exit 3: out of memory); trying a shorter one"
     done
     return 3
+}
+
+compare_pp1() {
+    local rc=0
+    # shellcheck disable=SC2086  # COMPARE_COMMON is a list of options
+    "$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON \
+        --json "$OUT_DIR/compare.json" || rc=$?
+    # shellcheck disable=SC2086
+    "$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON \
+        --json "$OUT_DIR/compare_host.json" || rc=$?
+    return "$rc"
 }
 
 fetch_wheels() {
@@ -213,7 +226,7 @@ main() {
     cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
     PY=${PYTHON:-python3}
     export PY OUT_DIR COMMAND_LINE
-    export -f install_wheels print_environment replay_stage
+    export -f install_wheels print_environment replay_stage compare_pp1
     if ((fetch)); then
         fetch_wheels
         exit

@@ -137,6 +137,18 @@ class ReplayResult:
         seconds = self.offload.offload_time_s
         return self.offload.bytes_offloaded / seconds if seconds > 0 else math.nan
 
+    @property
+    def kept_held_elsewhere_bytes(self) -> int:
+        """Bytes per iteration the offload kept on device because another reference holds them
+        (a copy would free nothing: NOTE [Storages held elsewhere]), from the last measured iteration."""
+        return sum(g.bytes_kept_held_elsewhere for g in self.offload.last.groups.values())
+
+    @property
+    def unexplained_drop(self) -> int:
+        """Measured minus theoretical drop: device memory outside the saved-bytes accounting at the
+        two peaks (0 on CPU, where the measure is that accounting)."""
+        return self.measured_drop - self.theoretical_drop
+
     def summary(self) -> dict[str, Any]:
         """The figures of `format` as plain numbers (for JSON)."""
         return {
@@ -157,6 +169,8 @@ class ReplayResult:
             "accounting_drop_bytes": self.accounting_drop,
             "theoretical_drop_bytes": self.theoretical_drop,
             "R": self.ratio,
+            "kept_held_elsewhere_bytes": self.kept_held_elsewhere_bytes,
+            "unexplained_drop_bytes": self.unexplained_drop,
             "bytes_offloaded": self.offload.bytes_offloaded,
             # Saved bytes of each group of the first chunk's first forward, in forward order (each
             # layer's offloaded modules in call order), for comparison with the planner's model.
@@ -181,6 +195,10 @@ class ReplayResult:
             f"{'resident saved peak (MiB)':<28}{b.last.peak_resident_bytes / _MIB:>14.2f}{o.last.peak_resident_bytes / _MIB:>14.2f}",
             f"drop: measured {self.measured_drop / _MIB:.2f} MiB, theoretical {self.theoretical_drop / _MIB:.2f} MiB, "
             "R = " + ("n/a (the plan predicts no drop)" if self.ratio is None else f"{self.ratio:.4f}"),
+            f"kept on device, held by another reference (a copy frees nothing, not in the theory): "
+            f"{self.kept_held_elsewhere_bytes / _MIB:.2f} MiB per iteration",
+            f"measured - theoretical drop: {self.unexplained_drop / _MIB:.2f} MiB (device memory outside the saved-bytes "
+            "accounting at the two peaks: temporaries, allocator rounding; docs/report.md)",
             f"offloaded {o.bytes_offloaded / _MIB:.2f} MiB per iteration in {o.offload_time_s * 1e3:.2f} ms of copies "
             f"({self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s); compute waited {o.wait_time_s * 1e3:.2f} ms",
         ]
