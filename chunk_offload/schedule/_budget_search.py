@@ -29,6 +29,8 @@ __all__ = ["SearchResult", "model_peak", "search_offload"]
 # The searches tried, best (fewest bytes) taken, the first of equals: additions at the peak by
 # reach, additions at the peak cheapest first (each then pruned), and pruning from every group copied.
 _RULES = ("reach", "peak", "reverse")
+# How many of the chosen groups, largest first, `_Search.swap` tries to replace by cheaper ones.
+_SWAPS = 16
 
 Chunk = tuple[int, int]
 _ON_HOST, _RESIDENT = GroupState.ON_HOST, GroupState.RESIDENT
@@ -169,6 +171,14 @@ class _Profile:
         self.copied[chunk], self.spans[chunk] = set(copied), new
         return raised
 
+    def clone(self) -> "_Profile":
+        """An independent copy of this choice."""
+        other = _Profile.__new__(_Profile)
+        other.layout, other.values = self.layout, self.values.copy()
+        other.copied = {chunk: set(groups) for chunk, groups in self.copied.items()}
+        other.spans = {chunk: dict(spans) for chunk, spans in self.spans.items()}
+        return other
+
     def covered(self, chunk: Chunk, spans: dict[int, tuple[int, int]], position: int) -> int:
         sizes = self.layout.sizes[chunk]
         return sum(sizes[g] for g, (start, end) in spans.items() if start <= position < end)
@@ -191,11 +201,17 @@ class _Search:
         self.latest = np.array([layout.latest_reload(c, g) for c, g in self.keys], dtype=np.int64)
         self.index = {key: i for i, key in enumerate(self.keys)}
 
-    def forward(self, rule: str) -> _Profile | None:
-        """Add groups at the peak until it fits (``rule``: which unit first, see `_pick`); None
-        when stuck (no single group or pair lowers the peak)."""
-        profile = _Profile(self.layout)
+    def forward(self, rule: str, start: _Profile | None = None, banned: int | None = None) -> _Profile | None:
+        """Add groups at the peak until it fits (``rule``: which unit first, see `_pick`), from
+        nothing or from ``start`` (changed in place) never adding ``banned``; None when stuck
+        (no single group or pair lowers the peak)."""
+        profile = start if start is not None else _Profile(self.layout)
         chosen = np.zeros(len(self.keys), dtype=bool)
+        for chunk, groups in profile.copied.items():
+            for g in groups:
+                chosen[self.index[(chunk, g)]] = True
+        if banned is not None:
+            chosen[banned] = True
         while True:
             position = int(profile.values.argmax()) if self.layout.positions else 0
             excess = profile.peak() - self.target
@@ -333,6 +349,24 @@ class _Search:
                 profile.set(chunk, profile.copied[chunk] | {g})
         return profile
 
+    def swap(self, profile: _Profile) -> _Profile:
+        """Keep one copied group on device again (the `_SWAPS` largest, one at a time) and cover
+        the excess it leaves with other groups (additions at the peak, then pruning); taken when
+        fewer bytes are copied. Pruning leaves no group the peak fits without, but a large group
+        may still be worth less than the smaller ones that would replace it."""
+        best, best_bytes = profile, self.copied_bytes(profile)
+        copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
+        for i in sorted(copied, key=lambda i: (-int(self.nbytes[i]), i))[:_SWAPS]:
+            chunk, g = self.keys[i]
+            trial = best.clone()
+            trial.set(chunk, trial.copied[chunk] - {g})
+            grown = self.forward("peak", trial, banned=i)
+            if grown is not None:
+                grown = self.prune(grown)
+                if self.copied_bytes(grown) < best_bytes:
+                    best, best_bytes = grown, self.copied_bytes(grown)
+        return best
+
     def copied_bytes(self, profile: _Profile) -> int:
         return sum(self.layout.sizes[chunk][g] for chunk, groups in profile.copied.items() for g in groups)
 
@@ -368,7 +402,7 @@ def search_offload(
     for rule in _RULES:
         grown = search.forward(rule) if rule != "reverse" else None
         results.append(search.prune(grown if grown is not None else search.everything()))
-    best = min(results, key=search.copied_bytes)  # the first of equals
+    best = search.swap(min(results, key=search.copied_bytes))  # the first of equals
     offloaded = {chunk: frozenset(groups) for chunk, groups in best.copied.items() if groups}
     return SearchResult(offloaded, best.peak(), baseline, lowest)
 
