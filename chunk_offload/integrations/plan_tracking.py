@@ -6,8 +6,10 @@
   ran (a list of `Action`s) into a plan, and `diff` says how it differs from the current one;
   `after_iteration` applies the device and host budgets (`budgets.Budgets`) after each complete
   training iteration; without a device budget it gives the `PlanPolicy` the groups each chunk
-  saved (and the measured `CopyTiming`), so that chunks whose backward follows at once copy
-  all but their last groups from the next iteration on (NOTE [Kept tail] in core/ordering.py).
+  saved, so that chunks whose backward follows at once copy all but their last group from the
+  next iteration on (NOTE [Kept tail] in core/ordering.py). It passes no measured timing: copy
+  times vary from run to run, and so would the bytes copied; a `PlanPolicy` built with
+  ``timing=CopyTiming.from_record(...)`` and given as ``schedule_policy`` uses one.
 
 A plan read from a schedule's tables is checked against the order the schedule really ran; on a
 difference the integration warns with both orders side by side (`chunk_offload.core.diff_actions`)
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch.distributed as dist
 
 from ..core import Action, ChunkOffloadError, IterationRecord, OffloadManager, SchedulePolicy
-from ..schedule import CopyTiming, Plan, PlanPolicy
+from ..schedule import Plan, PlanPolicy
 from .budgets import Budgets
 
 if TYPE_CHECKING:
@@ -78,7 +80,6 @@ class PlanTracking:
         self.ran_policy: SchedulePolicy | None = None
         """The engine's policy during the latest complete training iteration (None: none yet)."""
         self._group_bytes: dict[tuple[int, int], list[int]] = {}  # of the last complete iteration
-        self._timing: CopyTiming | None = None  # of the last complete iteration, for self.plan
 
     def bind(self, engine: OffloadManager, *, pipeline_group: dist.ProcessGroup | None = None, blocking: bool = True) -> None:
         """The engine whose `schedule_policy` `use` sets.
@@ -92,8 +93,6 @@ class PlanTracking:
 
     def use(self, plan: Plan | None) -> None:
         """Make ``plan`` the current plan; with ``"plan"`` the engine's decisions follow it (none without one)."""
-        if plan is not self.plan:
-            self._timing = None  # its action starts are those of the previous plan
         self.plan = plan
         if not self.from_plan:
             return
@@ -107,14 +106,13 @@ class PlanTracking:
     def _plan_policy(self, plan: Plan) -> PlanPolicy:
         """The policy without a device budget: the groups of the last record when they cover ``plan``."""
         known = all(chunk in self._group_bytes for chunk in plan.chunks)
-        return PlanPolicy(plan, group_bytes=self._group_bytes if known else None, timing=self._timing, **self.budgets.plan_budgets)
+        return PlanPolicy(plan, group_bytes=self._group_bytes if known else None, **self.budgets.plan_budgets)
 
     def _learn_groups(self, record: IterationRecord | None) -> None:
-        """With the plan and no device budget: the policy follows the groups and timing of ``record``."""
+        """With the plan and no device budget: the policy follows the groups of ``record``."""
         if not self.from_plan or self.plan is None or record is None or self.budgets.device_budget is not None:
             return
         self._group_bytes = {chunk: list(sizes) for chunk, sizes in record.group_bytes.items()}
-        self._timing = CopyTiming.from_record(record, self.plan)
         policy = self._plan_policy(self.plan)
         current = self._engine.schedule_policy
         if not isinstance(current, PlanPolicy) or current.plan is not self.plan or current.copied_head != policy.copied_head:
