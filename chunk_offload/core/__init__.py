@@ -14,7 +14,7 @@ from .handler import ChunkOffloadHandler
 from .host_pool import HostPool, HostPoolStats
 from .manager import OffloadManager
 from .marks import ModuleOffload
-from .ordering import prefetch_selection, reload_ahead_selection
+from .ordering import kept_tail, prefetch_selection, reload_ahead_selection
 from .schedule_policy import SchedulePolicy
 from .stats import GroupStats, IterationRecord, OffloadStats
 from .streams import CpuStreams, CudaStreams, Event, Stream, StreamBackend, default_streams
@@ -47,6 +47,7 @@ __all__ = [
     "diff_actions",
     "format_actions",
     "is_marked_not_offloadable",
+    "kept_tail",
     "mark_not_offloadable",
     "prefetch_selection",
     "reload_ahead_selection",

@@ -12,8 +12,9 @@ thus overlaps the compute of g + 1. When the chunk's forward ends, every group i
 Backward runs groups in reverse: when group g's backward starts, compute waits for g's
 reload (issued now if nobody prefetched it) and the reload of g - 1 is issued, so it overlaps
 g's backward compute. A `SchedulePolicy` may start the reload of a chunk's last groups
-earlier, during the action before the chunk's backward (`prefetch`), or keep a chunk whose
-backward follows at once on device (``offload=False``). Which groups are reloaded early is
+earlier, during the action before the chunk's backward (`prefetch`), keep a chunk on device
+(``offload=False``), or keep some of its groups (``offload_group``: the last groups of a chunk
+whose backward follows at once, NOTE [Kept tail] in `ordering.py`). Which groups are reloaded early is
 decided in `ordering.py` (NOTE [Reload order]).
 """
 

@@ -12,6 +12,17 @@ for a prefetch of the chunk (`SchedulePolicy.prefetch_on`: which chunk, during w
 with which byte budget); `prefetch_selection` picks that chunk's groups. To change which
 groups are reloaded early, edit one of these two functions; to change which chunk is
 prefetched when, edit the policy (`chunk_offload.schedule.PlanPolicy.prefetch_on`).
+
+NOTE [Kept tail]
+In a chunk whose backward follows its forward at once (PP=1, the last stage under 1F1B), the
+first groups' saved tensors still wait for the forward of every later group and the backward
+of every later group, so they are worth copying; the last ones are not: a copy out and back
+cannot end before their backward needs them. `kept_tail` says how many last groups stay on
+device: every group from the end whose copy out and back (twice its bytes over the link rate)
+takes longer than the compute between its commit and its backward (the forward and backward
+of the groups after it); at least the last group, whose backward starts right after its
+commit. Without timing (no link rate measured yet), the last group alone. The others are
+copied at their commits and reloaded in backward by `reload_ahead_selection`.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from typing import Sequence
 
 from .group_state import GroupState
 
-__all__ = ["prefetch_selection", "reload_ahead_selection"]
+__all__ = ["kept_tail", "prefetch_selection", "reload_ahead_selection"]
 
 _LOADED = (GroupState.RELOADING, GroupState.RESIDENT)
 
@@ -70,3 +81,24 @@ def prefetch_selection(groups: Sequence[tuple[GroupState, int]], budget_bytes: i
         if budget_bytes is None:
             break
     return chosen
+
+
+def kept_tail(group_bytes: Sequence[int], *, bytes_per_s: float | None = None, compute_s: Sequence[float] | None = None) -> int:
+    """How many last groups of a chunk whose backward follows its forward at once stay on device.
+
+    ``group_bytes``: the chunk's saved bytes per group, in forward order; ``bytes_per_s``: the
+    link's copy rate; ``compute_s``: each group's forward plus backward compute seconds. Without
+    both: 1 (the last group). See NOTE [Kept tail].
+    """
+    n = len(group_bytes)
+    if n == 0:
+        return 0
+    if bytes_per_s is None or compute_s is None:
+        return 1
+    kept, after = 1, float(compute_s[-1])
+    for g in reversed(range(n - 1)):
+        if 2 * group_bytes[g] / bytes_per_s <= after:
+            break
+        kept += 1
+        after += float(compute_s[g])
+    return kept

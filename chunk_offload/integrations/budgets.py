@@ -21,7 +21,11 @@ NOTE [Device budget]
   their group counts change): a peak is a sum of group bytes, so with MoE layers, whose expert
   groups follow the routing, the choice holds for any iteration that saves no more than one
   before it did. Dense layers save the same bytes every iteration: predicted == measured.
-- An infeasible budget warns once per rank (`budget_shortfall_message`) and offloads every group.
+- An infeasible budget warns once per rank (`budget_shortfall_message`: by how many bytes, and
+  what would reach it) and offloads every group. A budget the choice was predicted to meet but
+  an iteration run under it exceeded (its measured peak: ``device_peak_bytes`` on CUDA, the
+  resident saved bytes on CPU) warns once too (`budget_exceeded_message`). Either way the
+  report's ``budget_shortfall_bytes`` says by how much.
 - ``"auto"``: every pipeline rank's lowest peak (plus its overhead) is all-gathered over the
   pipeline (`Exchange`, NOTE [Deferred exchanges]); the budget is `level_budget` of them, the
   smallest every rank meets. Until it is known every group is offloaded.
@@ -48,6 +52,7 @@ from ..schedule import (
     OffloadChoice,
     Plan,
     PlanPolicy,
+    budget_exceeded_message,
     budget_shortfall_message,
     choose_offload,
     level_budget,
@@ -113,6 +118,9 @@ class Budgets:
         """Every node rank's host need, in node order, once gathered."""
         self.host_caps: list[int] | None = None
         """Every node rank's cap, in node order, once split."""
+        self.shortfall_bytes: int | None = None
+        """The latest bytes by which the budget was out of reach: predicted (the lowest peak over
+        it) or measured (an iteration under a choice that fits peaked over it); None: not seen."""
         self._group_bytes: dict[tuple[int, int], list[int]] = {}
         self._choice_plan: Plan | None = None
         self._key: tuple | None = None
@@ -156,6 +164,7 @@ class Budgets:
         new_policy = None
         if self.device_budget is not None:
             if usable:
+                self._check_measured(record, pp_rank=pp_rank)
                 self._update_group_bytes(record.group_bytes)
             budget = self._budget(plan, record, usable)
             if usable and budget is not None:
@@ -163,6 +172,20 @@ class Budgets:
         if self._node is not None:
             self._split_host(plan, record, new_policy or policy, usable)
         return new_policy
+
+    def _check_measured(self, record: IterationRecord, *, pp_rank: int) -> None:
+        """Warn once when an iteration run under a choice that fits (the latest: a new one applies
+        from the next iteration on) peaked over the budget."""
+        running = self.choice
+        budget = self.device_budget if self.device_budget != "auto" else self.leveled_budget
+        if running is None or not running.fits or budget is None or not record.offload:
+            return
+        peak = record.device_peak_bytes if record.device_peak_bytes is not None else record.peak_resident_bytes
+        if peak > budget:
+            self.shortfall_bytes = peak - budget
+        if peak > budget and not self._warned:
+            self._warned = True
+            warnings.warn(budget_exceeded_message(rank=pp_rank, budget_bytes=budget, peak_bytes=peak), RuntimeWarning, stacklevel=3)
 
     def _update_group_bytes(self, recorded: dict[tuple[int, int], list[int]]) -> None:
         """The largest bytes per group so far (NOTE [Device budget]); reset when the chunks or group counts change."""
@@ -199,6 +222,8 @@ class Budgets:
         self._key = key
         self.choice = choose_offload(plan, sizes, budget, timing=timing, **self.plan_budgets)
         self._choice_plan = plan
+        if not self.choice.fits:
+            self.shortfall_bytes = self.choice.lowest_peak_bytes - self.choice.budget_bytes
         if not self.choice.fits and not self._warned:
             self._warned = True
             warnings.warn(budget_shortfall_message(self.choice, rank=pp_rank), RuntimeWarning, stacklevel=2)
@@ -235,6 +260,7 @@ class Budgets:
             "leveled_budget": self.leveled_budget,
             "offloaded_groups": choice.offloaded_by_name(record.group_names) if choice is not None and record is not None else {},
             "budget_fits": choice.fits if choice is not None else None,
+            "budget_shortfall_bytes": self.shortfall_bytes,
             "host_budget": self.host_budget,
             "host_cap": self.host_cap,
         }

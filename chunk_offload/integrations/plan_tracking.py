@@ -5,7 +5,11 @@
   `PlanPolicy` built from it on the engine; `observed_plan` turns the order a schedule really
   ran (a list of `Action`s) into a plan, and `diff` says how it differs from the current one;
   `after_iteration` applies the device and host budgets (`budgets.Budgets`) after each complete
-  training iteration.
+  training iteration; without a device budget it gives the `PlanPolicy` the groups each chunk
+  saved, so that chunks whose backward follows at once copy all but their last group from the
+  next iteration on (NOTE [Kept tail] in core/ordering.py). It passes no measured timing: copy
+  times vary from run to run, and so would the bytes copied; a `PlanPolicy` built with
+  ``timing=CopyTiming.from_record(...)`` and given as ``schedule_policy`` uses one.
 
 A plan read from a schedule's tables is checked against the order the schedule really ran; on a
 difference the integration warns with both orders side by side (`chunk_offload.core.diff_actions`)
@@ -73,6 +77,9 @@ class PlanTracking:
         self._engine: OffloadManager | None = None
         self.plan: Plan | None = None
         """The rank's current plan (None: none known)."""
+        self.ran_policy: SchedulePolicy | None = None
+        """The engine's policy during the latest complete training iteration (None: none yet)."""
+        self._group_bytes: dict[tuple[int, int], list[int]] = {}  # of the last complete iteration
 
     def bind(self, engine: OffloadManager, *, pipeline_group: dist.ProcessGroup | None = None, blocking: bool = True) -> None:
         """The engine whose `schedule_policy` `use` sets.
@@ -94,14 +101,36 @@ class PlanTracking:
         elif self.budgets.device_budget is not None:
             self._engine.schedule_policy = self.budgets.policy(plan)
         else:
-            self._engine.schedule_policy = PlanPolicy(plan, **self.budgets.plan_budgets)
+            self._engine.schedule_policy = self._plan_policy(plan)
+
+    def _plan_policy(self, plan: Plan) -> PlanPolicy:
+        """The policy without a device budget: the groups of the last record when they cover ``plan``."""
+        known = all(chunk in self._group_bytes for chunk in plan.chunks)
+        return PlanPolicy(plan, group_bytes=self._group_bytes if known else None, **self.budgets.plan_budgets)
+
+    def _learn_groups(self, record: IterationRecord | None) -> None:
+        """With the plan and no device budget: the policy follows the groups of ``record``."""
+        if not self.from_plan or self.plan is None or record is None or self.budgets.device_budget is not None:
+            return
+        self._group_bytes = {chunk: list(sizes) for chunk, sizes in record.group_bytes.items()}
+        policy = self._plan_policy(self.plan)
+        current = self._engine.schedule_policy
+        if not isinstance(current, PlanPolicy) or current.plan is not self.plan or current.copied_head != policy.copied_head:
+            self._engine.schedule_policy = policy
+
+    def iteration_ended(self) -> None:
+        """Call first when a training iteration closes, before any change of plan: keeps the policy
+        it ran under (`ran_policy`, which the report and tests simulate)."""
+        self.ran_policy = self._engine.schedule_policy
 
     def after_iteration(self, record: IterationRecord | None) -> None:
         """After each complete training iteration (its record, None if discarded): apply the budgets.
 
-        Every rank calls it once per training iteration, after any change of plan; a no-op
-        without budgets (NOTEs [Device budget] and [Node host budget] in ``budgets.py``).
+        Every rank calls it once per training iteration, after any change of plan. Without a
+        device budget the plan's policy learns the chunks' groups (NOTE [Kept tail]); the
+        budgets: NOTEs [Device budget] and [Node host budget] in ``budgets.py``.
         """
+        self._learn_groups(record)
         budgets = self.budgets
         if not budgets.active:
             return

@@ -251,8 +251,9 @@ def estimate_stages(
 ) -> list[StageEstimate]:
     """One `StageEstimate` per pipeline rank for offloading ``modules``.
 
-    ``policy``: ``"plan"`` uses `PlanPolicy` (chunks whose backward follows their forward at once
-    stay on device, the next backward chunk is prefetched), ``"all"`` the engine's default
+    ``policy``: ``"plan"`` uses `PlanPolicy` in its steady state, the groups known (chunks whose
+    backward follows their forward at once copy all but their last group, NOTE [Kept tail]; the
+    next backward chunk is prefetched), ``"all"`` the engine's default
     `SchedulePolicy` (offload every chunk). ``min_offload_bytes`` as in `OffloadConfig`.
     """
     planner = StagePlanner(
@@ -325,7 +326,8 @@ class StagePlanner:
                 worst, copy_s, compute_s = layer, c, f
         if worst is None:  # nothing offloaded: report the first layer's compute
             compute_s = hardware.compute_seconds(layer_forward_flops(dims, layers[0][0]))
-        simulation = simulate(plan, group_bytes, policy=PlanPolicy(plan) if self.policy == "plan" else None)
+        policy = PlanPolicy(plan, group_bytes=group_bytes) if self.policy == "plan" else None
+        simulation = simulate(plan, group_bytes, policy=policy)
         return StageEstimate(
             pp_rank=pp_rank,
             layers=layers,

@@ -98,6 +98,9 @@ class StageReport:
     """With a device budget: per offloaded module, the groups the budget's choice copies to host."""
     budget_fits: bool | None = None
     """With a device budget: whether the choice's predicted peak fits it (False: lowest peak taken)."""
+    budget_shortfall_bytes: int | None = None
+    """With a device budget: the latest bytes by which it was out of reach, predicted (lowest peak
+    over it) or measured (a peak over it under a choice that fits); None: never."""
     host_budget: int | None = None
     """The node's host budget (``--chunk-offload-host-budget``), or None."""
     host_cap: int | None = None
@@ -150,7 +153,7 @@ class StageReport:
         return report
 
 
-_BUDGET_FIELDS = ("device_budget", "leveled_budget", "offloaded_groups", "budget_fits", "host_budget", "host_cap")
+_BUDGET_FIELDS = ("device_budget", "leveled_budget", "offloaded_groups", "budget_fits", "budget_shortfall_bytes", "host_budget", "host_cap")
 
 
 def _plain(value: Any) -> Any:
@@ -183,7 +186,8 @@ def stage_report(
             the simulation applies the same one.
         baseline_iteration, offload_iteration: 0-based numbers of the two iterations in the run.
         budgets: the budget fields (``device_budget``, ``leveled_budget``, ``offloaded_groups``,
-            ``budget_fits``, ``host_budget``, ``host_cap``) as the integration's budgets summarize them.
+            ``budget_fits``, ``budget_shortfall_bytes``, ``host_budget``, ``host_cap``) as the
+            integration's budgets summarize them.
     """
     budget_fields = {f.name for f in fields(StageReport)} & set(_BUDGET_FIELDS)
     unknown = sorted(set(budgets or {}) - budget_fields)

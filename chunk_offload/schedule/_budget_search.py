@@ -2,11 +2,11 @@
 
 `simulate` replays every accounting event of a plan in Python; the search needs the peak of
 thousands of candidate choices, so it works on an equivalent model instead. Every event of the
-engine's order gets a fixed position (`_Layout`): a group's save, the release that follows each
-commit, the reload points of each backward group, the prefetch points, the frees. Saves and
+engine's order gets a fixed position (`_budget_layout.Layout`): a group's save, the release
+that follows each commit, the reload points of each backward group, the prefetch points, the frees. Saves and
 frees do not depend on the choice: they give the baseline profile of resident bytes. A copied
 group takes its bytes off the profile from its release to its reload; only the reload point
-depends on the choice, and only on the choices within its own chunk (`_Layout.reloads` runs the
+depends on the choice, and only on the choices within its own chunk (`Layout.reloads` runs the
 engine's reload rules, `prefetch_selection` and `reload_ahead_selection`, on that chunk). The
 peak of a choice is then the maximum of the profile; `choose_offload` checks its final choice
 with `simulate` itself.
@@ -14,14 +14,12 @@ with `simulate` itself.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..core import GroupState, prefetch_selection, reload_ahead_selection
-from ..core.actions import ActionKind
+from ._budget_layout import Chunk, Layout as _Layout
 from .plan import Plan
 
 __all__ = ["SearchResult", "model_peak", "search_offload"]
@@ -29,114 +27,9 @@ __all__ = ["SearchResult", "model_peak", "search_offload"]
 # The searches tried, best (fewest bytes) taken, the first of equals: additions at the peak by
 # reach, additions at the peak cheapest first (each then pruned), and pruning from every group copied.
 _RULES = ("reach", "peak", "reverse")
+# How many of the chosen groups, largest first, `_Search.swap` tries to replace by cheaper ones.
+_SWAPS = 16
 
-Chunk = tuple[int, int]
-_ON_HOST, _RESIDENT = GroupState.ON_HOST, GroupState.RESIDENT
-
-
-class _Layout:
-    """Fixed event positions of one plan, in `simulate`'s (the engine's) order."""
-
-    def __init__(self, plan: Plan, sizes: Mapping[Chunk, Sequence[int]], prefetch_bytes: int | None, reload_ahead_bytes: int | None) -> None:
-        self.sizes = {chunk: list(sizes[chunk]) for chunk in plan.chunks}
-        self.reload_ahead_bytes = reload_ahead_bytes
-        self.release: dict[Chunk, list[int]] = {}
-        self.free: dict[Chunk, list[int]] = {}
-        self.reload_self: dict[Chunk, list[int]] = {}
-        self.reload_ahead: dict[Chunk, list[int]] = {}
-        self.prefetch: dict[Chunk, tuple[int, int | None]] = {}  # chunk -> (position, budget)
-        deltas: list[tuple[int, int]] = []
-        weights = {a.chunk for a in plan.actions if a.kind is ActionKind.WEIGHT}
-        forwarded: set[Chunk] = set()
-        actions = plan.actions
-        take = itertools.count().__next__  # the next position
-
-        def request(step: int) -> None:  # PlanPolicy.prefetch_on, skipped as simulate skips it
-            following = actions[step + 1] if step + 1 < len(actions) else None
-            if prefetch_bytes != 0 and following is not None and following.kind is ActionKind.BACKWARD and following.chunk in forwarded:
-                self.prefetch[following.chunk] = (take(), prefetch_bytes)
-
-        for step, action in enumerate(actions):
-            chunk, n = action.chunk, len(self.sizes[action.chunk])
-            free = self.free.setdefault(chunk, [0] * n)
-            if action.kind is ActionKind.FORWARD:
-                request(step)
-                commits = []
-                for g in range(n):
-                    deltas.append((take(), self.sizes[chunk][g]))  # the group's save
-                    commits.append(take())  # its commit releases the group held before it
-                self.release[chunk] = commits[1:] + [take()]  # the chunk's end releases the last
-                forwarded.add(chunk)
-            elif action.kind is ActionKind.BACKWARD:
-                rs, ra = [0] * n, [0] * n
-                for g in reversed(range(n)):
-                    rs[g], ra[g] = take(), take()
-                    if g == n - 1:
-                        request(step)
-                    if chunk not in weights:
-                        free[g] = take()
-                self.reload_self[chunk], self.reload_ahead[chunk] = rs, ra
-            else:
-                for g in reversed(range(n)):
-                    free[g] = take()
-        self.positions = take()
-        profile = np.zeros(self.positions + 1, dtype=np.int64)
-        for position, nbytes in deltas:
-            profile[position] += nbytes
-        for chunk, free in self.free.items():
-            for g, position in enumerate(free):
-                profile[position] -= self.sizes[chunk][g]
-        self.baseline = np.cumsum(profile)[: self.positions]
-
-    def earliest_reload(self, chunk: Chunk, g: int) -> int:
-        """No choice reloads group ``g`` of ``chunk`` before this position: its chunk's prefetch,
-        else backward's one-ahead reload (with a reload-ahead budget: the chunk's first backward step)."""
-        rs, ra = self.reload_self[chunk], self.reload_ahead[chunk]
-        if self.reload_ahead_bytes is not None:
-            first = rs[-1]
-        else:
-            first = ra[g + 1] if g + 1 < len(rs) else rs[g]
-        return min(first, self.prefetch[chunk][0]) if chunk in self.prefetch else first
-
-    def latest_reload(self, chunk: Chunk, g: int) -> int:
-        """No choice reloads group ``g`` of ``chunk`` after this position (its own backward step)."""
-        return self.reload_self[chunk][g]
-
-    def prefetched(self, chunk: Chunk, copied: set[int] | frozenset[int]) -> list[int]:
-        """The groups of ``copied`` the chunk's prefetch reloads (`prefetch_selection`)."""
-        if chunk not in self.prefetch or not copied:
-            return []
-        sizes = self.sizes[chunk]
-        budget = self.prefetch[chunk][1]
-        if budget is None:  # prefetch_selection's one-group rule, without building the list
-            top = max((g for g in copied if sizes[g] > 0), default=None)
-            return [] if top is None else [top]
-        states = [_ON_HOST if g in copied and b > 0 else GroupState.KEPT for g, b in enumerate(sizes)]
-        return prefetch_selection(list(zip(states, sizes)), budget)
-
-    def reloads(self, chunk: Chunk, copied: set[int] | frozenset[int]) -> dict[int, int]:
-        """Group -> position of its reload, for the groups ``copied`` of ``chunk``."""
-        sizes = self.sizes[chunk]
-        rs, ra, budget = self.reload_self[chunk], self.reload_ahead[chunk], self.reload_ahead_bytes
-        early = self.prefetched(chunk, copied)
-        at = dict.fromkeys(early, self.prefetch[chunk][0]) if early else {}
-        if budget is None:
-            # Backward reloads the group before the running one (reload_ahead_selection's
-            # one-ahead rule); the last group, unless prefetched, when its own backward starts.
-            n = len(sizes)
-            for g in copied:
-                if g not in at and sizes[g] > 0:
-                    at[g] = ra[g + 1] if g + 1 < n else rs[g]
-            return at
-        states = [_ON_HOST if g in copied and b > 0 and g not in at else GroupState.KEPT for g, b in enumerate(sizes)]
-        for g in early:
-            states[g] = _RESIDENT
-        for g in reversed(range(len(sizes))):
-            if states[g] is _ON_HOST:
-                states[g], at[g] = _RESIDENT, rs[g]
-            for i in reload_ahead_selection(list(zip(states, sizes)), g, budget):
-                states[i], at[i] = _RESIDENT, ra[g]
-        return at
 
 
 class _Profile:
@@ -169,6 +62,14 @@ class _Profile:
         self.copied[chunk], self.spans[chunk] = set(copied), new
         return raised
 
+    def clone(self) -> "_Profile":
+        """An independent copy of this choice."""
+        other = _Profile.__new__(_Profile)
+        other.layout, other.values = self.layout, self.values.copy()
+        other.copied = {chunk: set(groups) for chunk, groups in self.copied.items()}
+        other.spans = {chunk: dict(spans) for chunk, spans in self.spans.items()}
+        return other
+
     def covered(self, chunk: Chunk, spans: dict[int, tuple[int, int]], position: int) -> int:
         sizes = self.layout.sizes[chunk]
         return sum(sizes[g] for g, (start, end) in spans.items() if start <= position < end)
@@ -191,11 +92,17 @@ class _Search:
         self.latest = np.array([layout.latest_reload(c, g) for c, g in self.keys], dtype=np.int64)
         self.index = {key: i for i, key in enumerate(self.keys)}
 
-    def forward(self, rule: str) -> _Profile | None:
-        """Add groups at the peak until it fits (``rule``: which unit first, see `_pick`); None
-        when stuck (no single group or pair lowers the peak)."""
-        profile = _Profile(self.layout)
+    def forward(self, rule: str, start: _Profile | None = None, banned: int | None = None) -> _Profile | None:
+        """Add groups at the peak until it fits (``rule``: which unit first, see `_pick`), from
+        nothing or from ``start`` (changed in place) never adding ``banned``; None when stuck
+        (no single group or pair lowers the peak)."""
+        profile = start if start is not None else _Profile(self.layout)
         chosen = np.zeros(len(self.keys), dtype=bool)
+        for chunk, groups in profile.copied.items():
+            for g in groups:
+                chosen[self.index[(chunk, g)]] = True
+        if banned is not None:
+            chosen[banned] = True
         while True:
             position = int(profile.values.argmax()) if self.layout.positions else 0
             excess = profile.peak() - self.target
@@ -333,6 +240,24 @@ class _Search:
                 profile.set(chunk, profile.copied[chunk] | {g})
         return profile
 
+    def swap(self, profile: _Profile) -> _Profile:
+        """Keep one copied group on device again (the `_SWAPS` largest, one at a time) and cover
+        the excess it leaves with other groups (additions at the peak, then pruning); taken when
+        fewer bytes are copied. Pruning leaves no group the peak fits without, but a large group
+        may still be worth less than the smaller ones that would replace it."""
+        best, best_bytes = profile, self.copied_bytes(profile)
+        copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
+        for i in sorted(copied, key=lambda i: (-int(self.nbytes[i]), i))[:_SWAPS]:
+            chunk, g = self.keys[i]
+            trial = best.clone()
+            trial.set(chunk, trial.copied[chunk] - {g})
+            grown = self.forward("peak", trial, banned=i)
+            if grown is not None:
+                grown = self.prune(grown)
+                if self.copied_bytes(grown) < best_bytes:
+                    best, best_bytes = grown, self.copied_bytes(grown)
+        return best
+
     def copied_bytes(self, profile: _Profile) -> int:
         return sum(self.layout.sizes[chunk][g] for chunk, groups in profile.copied.items() for g in groups)
 
@@ -368,7 +293,7 @@ def search_offload(
     for rule in _RULES:
         grown = search.forward(rule) if rule != "reverse" else None
         results.append(search.prune(grown if grown is not None else search.everything()))
-    best = min(results, key=search.copied_bytes)  # the first of equals
+    best = search.swap(min(results, key=search.copied_bytes))  # the first of equals
     offloaded = {chunk: frozenset(groups) for chunk, groups in best.copied.items() if groups}
     return SearchResult(offloaded, best.peak(), baseline, lowest)
 

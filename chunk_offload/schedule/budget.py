@@ -6,7 +6,7 @@ device-resident saved bytes, and returns an `OffloadChoice`: the groups to copy,
 groups of single chunks, with the peak `simulate` predicts for them. `PlanPolicy(plan,
 offload_groups=choice)` makes the engine apply it. `level_budget` is the budget every rank of a
 pipeline can meet ('auto'), `budget_shortfall_message` the error or warning for a rank that
-cannot meet its budget.
+cannot meet its budget, `budget_exceeded_message` the warning for a measured peak above it.
 
 NOTE [Budget choice]
 A rank whose baseline peak fits offloads nothing. Otherwise, starting from nothing offloaded,
@@ -20,7 +20,10 @@ compute come first under both (`CopyTiming`: a copy out and back takes less time
 measured compute between the chunk's forward and its backward; without timing, a longer
 lifespan in actions). Each result, and every group copied, is then pruned: a group is kept on
 device again, largest first, wherever the peak still fits without it. The result copying the
-fewest bytes is taken. The peak is `simulate`'s, prefetch and reload-ahead budgets included
+fewest bytes is taken, then swapped (`_Search.swap`): each of its largest groups in turn is kept
+on device and the excess it leaves covered by additions at the peak (cheapest covering first),
+then pruned; a swap copying fewer bytes is taken. Pruning alone leaves every chosen group needed,
+but a large group may still cost more than the smaller ones at the same peak. The peak is `simulate`'s, prefetch and reload-ahead budgets included
 (the search runs on an exact model of it, `_budget_search`; the final choice is simulated).
 Deterministic; on a 70B-like plan (PP=8, VPP=2, 32 microbatches, 3,200 groups) about a second
 of CPU at most.
@@ -39,7 +42,7 @@ from .plan import Plan
 from .plan_policy import PlanPolicy
 from .simulate import GroupBytes, _lookup, simulate
 
-__all__ = ["CopyTiming", "OffloadChoice", "budget_shortfall_message", "choose_offload", "level_budget"]
+__all__ = ["CopyTiming", "OffloadChoice", "budget_exceeded_message", "budget_shortfall_message", "choose_offload", "level_budget"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,13 +183,29 @@ def _slack(plan: Plan, sizes: Mapping[tuple[int, int], Sequence[int]], timing: C
     return out
 
 
+_REACH_HINT = (
+    "offload more modules (--chunk-offload-modules), recompute activations (--recompute-granularity), "
+    "use a smaller micro batch or fewer microbatches in flight, or raise the budget"
+)
+"""What lowers a stage's saved bytes beyond what offloading the chosen modules reaches."""
+
+
 def budget_shortfall_message(choice: OffloadChoice, *, rank: int) -> str:
-    """The error or warning for a rank whose budget cannot be met (names rank, budget and lowest peak)."""
+    """The error or warning for a rank whose budget cannot be met: rank, budget, lowest peak, the
+    bytes missing and what would reach it."""
     return (
-        f"chunk_offload: pipeline rank {rank}: device budget {_size(choice.budget_bytes)} cannot be met: the lowest "
-        f"peak reachable is {_size(choice.lowest_peak_bytes)} (every group offloaded; without offload "
-        f"{_size(choice.baseline_peak_bytes)}); raise the budget to at least {_size(choice.lowest_peak_bytes)}, "
-        "use 'auto', or offload more modules / use fewer microbatches in flight"
+        f"chunk_offload: pipeline rank {rank}: device_budget_bytes {_size(choice.budget_bytes)} cannot be met: the "
+        f"lowest peak reachable is {_size(choice.lowest_peak_bytes)} (every group offloaded; without offload "
+        f"{_size(choice.baseline_peak_bytes)}), {choice.lowest_peak_bytes - choice.budget_bytes} bytes over; to reach it, "
+        f"{_REACH_HINT} (to at least {choice.lowest_peak_bytes} bytes, or 'auto')"
+    )
+
+
+def budget_exceeded_message(*, rank: int, budget_bytes: int, peak_bytes: int) -> str:
+    """The warning for a rank whose measured peak exceeded a budget the choice was predicted to meet."""
+    return (
+        f"chunk_offload: pipeline rank {rank}: device_budget_bytes {_size(budget_bytes)} was not met: the iteration "
+        f"peaked at {_size(peak_bytes)}, {peak_bytes - budget_bytes} bytes over; to reach it, {_REACH_HINT}"
     )
 
 

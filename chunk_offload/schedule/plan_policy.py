@@ -1,8 +1,13 @@
 """`PlanPolicy`: offload and prefetch decisions read from the rank's plan.
 
-- Lifespan: a chunk whose backward follows its forward after fewer than ``min_lifespan``
-  other actions (the last stage under 1F1B, where every ``F`` is followed by its ``B``) stays
-  on device: a copy out and straight back would cost bandwidth and stall its backward.
+- Lifespan: in a chunk whose backward follows its forward after fewer than ``min_lifespan``
+  other actions (PP=1, the last stage under 1F1B, where every ``F`` is followed by its ``B``)
+  the first groups still wait for every later group's forward and backward: they are copied,
+  and the last groups stay on device (`chunk_offload.core.kept_tail`, NOTE [Kept tail] in
+  core/ordering.py: the last group; with a measured ``timing``, every last group whose copy out
+  and back would not hide behind the compute after it). This needs the chunk's groups
+  (``group_bytes``, e.g. a first iteration's `IterationRecord.group_bytes`); a chunk whose
+  groups are not known yet stays on device whole.
 - Prefetch: when the action just before a chunk's backward starts (a forward in steady
   1F1B, the previous backward in the cool-down), the reload of that chunk's last groups starts,
   so they are on device when its backward begins. ``prefetch_bytes`` bounds what is reloaded
@@ -21,13 +26,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from ..core.errors import ChunkOffloadError
-from ..core.actions import ChunkKey
+from ..core import kept_tail
+from ..core.actions import Action, ActionKind, ChunkKey
 from ..core.schedule_policy import SchedulePolicy
-from ..core.actions import Action, ActionKind
 from .plan import Plan
+from .simulate import GroupBytes, _lookup
 
 if TYPE_CHECKING:
-    from .budget import OffloadChoice
+    from .budget import CopyTiming, OffloadChoice
 
 __all__ = ["PlanPolicy"]
 
@@ -37,8 +43,9 @@ class PlanPolicy(SchedulePolicy):
 
     Args:
         plan: the rank's actions for one iteration.
-        min_lifespan: offload a chunk only if at least this many actions run between its
-            forward and its backward.
+        min_lifespan: a chunk with fewer actions between its forward and its backward copies
+            only its first groups (NOTE [Kept tail]), or none while ``group_bytes`` does not
+            know it.
         prefetch_bytes: reload budget per chunk, issued during the action before its
             backward; None: the chunk's last group; 0: no plan-driven prefetch.
         reload_ahead_bytes: within a chunk's backward, bytes of earlier groups that may be
@@ -47,6 +54,11 @@ class PlanPolicy(SchedulePolicy):
         offload_groups: (microbatch, vp_stage) -> indices of the chunk's groups to copy (an
             `OffloadChoice`, or its ``offloaded`` mapping); every other group stays on device
             and ``min_lifespan`` is not applied. None: every group of an offloaded chunk.
+        group_bytes: saved bytes per group of each chunk, as `simulate` takes them, for the
+            chunks ``min_lifespan`` concerns; None: those chunks stay on device whole.
+        timing: a measured `CopyTiming` of the plan: the link rate and the compute seconds of
+            those chunks (their forward and backward, spread over their groups by bytes) set
+            how many last groups stay (`kept_tail`); None: the last group.
     """
 
     def __init__(
@@ -57,6 +69,8 @@ class PlanPolicy(SchedulePolicy):
         prefetch_bytes: int | None = None,
         reload_ahead_bytes: int | None = None,
         offload_groups: "OffloadChoice | Mapping[tuple[int, int], Iterable[int]] | None" = None,
+        group_bytes: GroupBytes | None = None,
+        timing: "CopyTiming | None" = None,
     ) -> None:
         if not isinstance(plan, Plan):
             raise ChunkOffloadError(f"PlanPolicy needs a chunk_offload.schedule.Plan, got {type(plan).__name__}")
@@ -70,8 +84,18 @@ class PlanPolicy(SchedulePolicy):
         self._step = {a: i for i, a in enumerate(plan.actions)}
         self.offload_groups = _group_sets(offload_groups, plan)
         """The per-group decisions: (microbatch, vp_stage) -> group indices copied; None without."""
+        self.group_bytes = group_bytes
+        """The chunks' saved bytes per group the lifespan rule read (None: not known)."""
+        self.timing = timing
+        """The measured timing the lifespan rule read (None: not known)."""
+        self.copied_head: dict[tuple[int, int], int] = {}
+        """Chunks ``min_lifespan`` concerns, whose groups are known: how many first groups are copied."""
         if self.offload_groups is None:
-            self._offload = {chunk: plan.lifespan(*chunk) >= min_lifespan for chunk in plan.chunks}
+            short = [chunk for chunk in plan.chunks if plan.lifespan(*chunk) < min_lifespan]
+            if group_bytes is not None:
+                self.copied_head = _copied_heads(plan, short, group_bytes, timing)
+            self._offload = {chunk: True for chunk in plan.chunks}
+            self._offload.update({chunk: self.copied_head.get(chunk, 0) > 0 for chunk in short})
         else:
             self._offload = {chunk: bool(self.offload_groups.get(chunk)) for chunk in plan.chunks}
 
@@ -98,7 +122,8 @@ class PlanPolicy(SchedulePolicy):
 
     def offload_group(self, key: ChunkKey, index: int) -> bool:
         if self.offload_groups is None:
-            return True
+            head = self.copied_head.get(tuple(key))
+            return head is None or index < head
         return index in self.offload_groups.get(tuple(key), ())
 
     def reload_ahead_bytes(self, key: ChunkKey) -> int | None:
@@ -118,6 +143,25 @@ class PlanPolicy(SchedulePolicy):
         if following.kind is not ActionKind.BACKWARD or not self._offload.get(following.chunk, True):
             return ()
         return ((ChunkKey(*following.chunk), self.prefetch_bytes),)
+
+
+def _copied_heads(plan: Plan, chunks: list[tuple[int, int]], group_bytes: GroupBytes, timing: "CopyTiming | None") -> dict[tuple[int, int], int]:
+    """For each of ``chunks`` (backward right after forward): how many first groups are copied (NOTE [Kept tail])."""
+    lookup = _lookup(group_bytes)
+    heads = {}
+    for chunk in chunks:
+        sizes = lookup(*chunk)
+        rate = compute = None
+        if timing is not None and sizes:
+            rate = timing.bytes_per_s
+            starts = timing.action_starts_s
+            backward = plan.index(ActionKind.BACKWARD, *chunk)
+            end = starts[backward + 1] if backward + 1 < len(starts) else timing.iteration_s
+            window = max(0.0, end - starts[plan.index(ActionKind.FORWARD, *chunk)])
+            total = sum(sizes)
+            compute = [window * b / total if total else window / len(sizes) for b in sizes]
+        heads[chunk] = len(sizes) - kept_tail(sizes, bytes_per_s=rate, compute_s=compute)
+    return heads
 
 
 def _group_sets(offload_groups, plan: Plan) -> dict[tuple[int, int], frozenset[int]] | None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from chunk_offload.core import GroupState
-from chunk_offload.core.ordering import prefetch_selection, reload_ahead_selection
+from chunk_offload.core.ordering import kept_tail, prefetch_selection, reload_ahead_selection
 
 H, K, L, R, X = GroupState.ON_HOST, GroupState.KEPT, GroupState.RELOADING, GroupState.RESIDENT, GroupState.RELEASED
 
@@ -33,3 +33,12 @@ def test_prefetch_takes_the_last_groups_within_the_budget():
     assert prefetch_selection(groups, 50) == [2, 1]
     assert prefetch_selection(groups, 29) == []  # the first does not fit: stop there
     assert prefetch_selection([(H, 10), (K, 20), (X, 0)], None) == [0]  # kept and empty groups are skipped
+
+
+def test_kept_tail_keeps_the_groups_whose_copy_cannot_hide():
+    assert kept_tail([]) == 0
+    assert kept_tail([10, 20, 30]) == 1  # no timing: the last group only
+    # 10 bytes/s: a group of b bytes needs 2 b / 10 s out and back; each group computes 1 s.
+    assert kept_tail([10, 20, 30], bytes_per_s=10.0, compute_s=[1.0, 1.0, 1.0]) == 2  # 20 B: 4 s > 1 s; 10 B: 2 s <= 2 s
+    assert kept_tail([10, 20, 30], bytes_per_s=10.0, compute_s=[1.0, 1.0, 5.0]) == 1  # 20 B: 4 s <= 5 s
+    assert kept_tail([50, 20, 30], bytes_per_s=10.0, compute_s=[1.0, 1.0, 1.0]) == 3  # nothing hides

@@ -95,11 +95,12 @@ def _table_rows(stdout: str) -> list[list[str]]:
 
 
 def _offloads_some_chunk(pipeline: int, virtual: int | None, pp_rank: int) -> bool:
-    """Whether the default plan policy offloads any chunk of ``pp_rank`` (the example's 4 microbatches)."""
+    """Whether the default plan policy offloads any chunk of ``pp_rank`` (the example's 4
+    microbatches) once the baseline measured the groups (two or more per chunk here)."""
     from chunk_offload.schedule import PlanPolicy, megatron_plan
 
     plan = megatron_plan(pp_size=pipeline, pp_rank=pp_rank, num_microbatches=4, vp_size=virtual)
-    return len(PlanPolicy(plan).kept_chunks()) < len(plan.chunks)
+    return len(PlanPolicy(plan, group_bytes=lambda mb, vp: [1, 1]).kept_chunks()) < len(plan.chunks)
 
 
 def _check_report(stdout: str, prefix: Path, world: int, pipeline: int, offloads: list[bool]) -> None:
@@ -133,7 +134,8 @@ def _losses(stdout: str) -> list[str]:
     "world, pipeline, virtual, parallel, iterations",
     [
         (2, 2, 2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], "wrap"),
-        # No pipeline: every backward follows its forward at once, so the plan keeps every chunk.
+        # No pipeline: every backward follows its forward at once, so the plan copies all groups of
+        # a chunk but its last (NOTE [Kept tail]) once the baseline iteration measured them.
         # Iterations delimited by the manager itself, as under Megatron-LM's own training loop.
         # megatron's own core attention (the s x s softmax) instead of the default SDPA.
         (2, 1, None, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2", "--attention", "local"], "auto"),

@@ -20,7 +20,7 @@ from chunk_offload.integrations.exchange import Exchange
 from chunk_offload.integrations.megatron import attach as megatron_attach
 from chunk_offload.integrations.pipelining import attach as pipelining_attach
 from chunk_offload.integrations.plan_tracking import PlanTracking
-from chunk_offload.schedule import Plan, choose_offload, megatron_plan, simulate
+from chunk_offload.schedule import Plan, budget_exceeded_message, choose_offload, megatron_plan, simulate
 
 ATTACHES = {"megatron": lambda **kw: megatron_attach(nn.Linear(2, 2), "core_attn", **kw), "pipelining": lambda **kw: pipelining_attach(object(), ["x"], **kw)}
 
@@ -85,10 +85,42 @@ def test_budgets_choose_once_per_change_and_warn_once_when_infeasible() -> None:
         warnings.simplefilter("always")
         tight.after_iteration(plan, record, first, pp_rank=0)
         tight.after_iteration(plan, _record(plan, [1000, 3000, 2001], offload=False), first, pp_rank=0)
-    shortfalls = [str(w.message) for w in caught if "device budget" in str(w.message)]
-    assert len(shortfalls) == 1 and "pipeline rank 0" in shortfalls[0]
+    shortfalls = [str(w.message) for w in caught if "device_budget_bytes" in str(w.message)]
+    assert (lowest, baseline) == (7000, 12000)
+    assert shortfalls == [
+        "chunk_offload: pipeline rank 0: device_budget_bytes 6.8 KiB (6999 bytes) cannot be met: the lowest peak reachable "
+        "is 6.8 KiB (7000 bytes) (every group offloaded; without offload 11.7 KiB (12000 bytes)), 1 bytes over; to reach "
+        "it, offload more modules (--chunk-offload-modules), recompute activations (--recompute-granularity), use a "
+        "smaller micro batch or fewer microbatches in flight, or raise the budget (to at least 7000 bytes, or 'auto')"
+    ]
     assert tight.choice.predicted_peak_bytes == tight.choice.lowest_peak_bytes
-    assert tight.summary(record)["budget_fits"] is False
+    assert tight.summary(record)["budget_fits"] is False and tight.summary(record)["budget_shortfall_bytes"] == 3  # the latest choice: 7002 bytes (a group of 2001)
+
+
+def test_budgets_warn_once_when_a_measured_peak_exceeds_a_budget_predicted_to_fit() -> None:
+    """A choice predicted to fit, then an iteration under it peaking above the budget (on CUDA,
+    memory the accounting does not see): one warning with the bytes over, and the report field."""
+    plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
+    record = _record(plan, [1000, 3000, 2000], offload=False)
+    budget = record.peak_saved_bytes - 1
+    budgets = Budgets(device_budget_bytes=budget, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None)
+    budgets.bind(pipeline_group=None, blocking=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        policy = budgets.after_iteration(plan, record, budgets.policy(plan), pp_rank=1)
+        assert budgets.choice.fits and budgets.summary(record)["budget_shortfall_bytes"] is None
+        over = _record(plan, [1000, 3000, 2000], offload=True)  # measured: the baseline's peak, budget + 1
+        for _ in range(2):
+            budgets.after_iteration(plan, over, policy, pp_rank=1)
+    messages = [str(w.message) for w in caught]
+    assert messages == [budget_exceeded_message(rank=1, budget_bytes=budget, peak_bytes=budget + 1)]
+    assert messages[0] == (
+        f"chunk_offload: pipeline rank 1: device_budget_bytes {budget / 1024:.1f} KiB ({budget} bytes) was not met: the "
+        f"iteration peaked at {(budget + 1) / 1024:.1f} KiB ({budget + 1} bytes), 1 bytes over; to reach it, offload more "
+        "modules (--chunk-offload-modules), recompute activations (--recompute-granularity), use a smaller micro batch or "
+        "fewer microbatches in flight, or raise the budget"
+    )
+    assert budgets.summary(over)["budget_shortfall_bytes"] == 1
 
 
 def test_budgets_auto_and_host_split_in_one_process() -> None:
@@ -143,7 +175,9 @@ def test_choices_use_the_largest_bytes_each_group_saved_so_far() -> None:
     budget = (choose_offload(plan, envelope, 0).lowest_peak_bytes + first.peak_saved_bytes) // 2
     budgets = Budgets(device_budget_bytes=budget, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None)
     budgets.after_iteration(plan, first, budgets.policy(plan), pp_rank=0)
-    policy = budgets.after_iteration(plan, second, budgets.policy(plan), pp_rank=0)
+    with pytest.warns(RuntimeWarning, match=r"was not met: the iteration peaked at 10\.7 KiB \(11000 bytes\), 1500 bytes over"):
+        # the synthetic record's peak is the one without offload, over the budget the first choice met
+        policy = budgets.after_iteration(plan, second, budgets.policy(plan), pp_rank=0)
     assert budgets.choice == choose_offload(plan, envelope, budget)
     for record in (first, second):  # each iteration's own bytes peak at or under the envelope's prediction
         assert simulate(plan, record.group_bytes, policy=policy).peak_resident_bytes <= budgets.choice.predicted_peak_bytes <= budget

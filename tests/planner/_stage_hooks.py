@@ -39,4 +39,5 @@ class RecordHooks(OffloadHooks):
             "bytes_offloaded": sum(g.bytes_offloaded for g in record.groups.values()),
             "group_bytes": {tuple(k): list(v) for k, v in record.group_bytes.items()},
             "plan": None if plan is None else [str(a) for a in plan.actions],
+            "policy": self.manager.tracking.ran_policy,
         }

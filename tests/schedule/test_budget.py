@@ -14,8 +14,10 @@ import pytest
 from chunk_offload import ChunkOffloadError
 from chunk_offload.schedule import (
     CopyTiming,
+    OffloadChoice,
     Plan,
     PlanPolicy,
+    budget_exceeded_message,
     budget_shortfall_message,
     choose_offload,
     level_budget,
@@ -98,8 +100,27 @@ def test_infeasible_budget_reports_the_lowest_peak(pipeline):
     assert not choice.fits
     assert choice.lowest_peak_bytes == choice.predicted_peak_bytes == lowest
     message = budget_shortfall_message(choice, rank=3)
-    assert message.startswith("chunk_offload: pipeline rank 3: device budget ")
+    assert message.startswith("chunk_offload: pipeline rank 3: device_budget_bytes ")
     assert f"({lowest - 1} bytes)" in message and f"lowest peak reachable is " in message and f"({lowest} bytes)" in message
+    assert f"), 1 bytes over; to reach it, offload more modules" in message
+
+
+def test_shortfall_and_exceeded_messages_say_by_how_much_and_what_reaches_it():
+    choice = OffloadChoice(
+        budget_bytes=9_000, offloaded={}, predicted_peak_bytes=11_000, baseline_peak_bytes=20_000, lowest_peak_bytes=11_000, bytes_offloaded=0
+    )
+    assert budget_shortfall_message(choice, rank=1) == (
+        "chunk_offload: pipeline rank 1: device_budget_bytes 8.8 KiB (9000 bytes) cannot be met: the lowest peak reachable "
+        "is 10.7 KiB (11000 bytes) (every group offloaded; without offload 19.5 KiB (20000 bytes)), 2000 bytes over; "
+        "to reach it, offload more modules (--chunk-offload-modules), recompute activations (--recompute-granularity), "
+        "use a smaller micro batch or fewer microbatches in flight, or raise the budget (to at least 11000 bytes, or 'auto')"
+    )
+    assert budget_exceeded_message(rank=0, budget_bytes=9_000_000_000, peak_bytes=11_000_000_000) == (
+        "chunk_offload: pipeline rank 0: device_budget_bytes 8.4 GiB (9000000000 bytes) was not met: the iteration "
+        "peaked at 10.2 GiB (11000000000 bytes), 2000000000 bytes over; to reach it, offload more modules "
+        "(--chunk-offload-modules), recompute activations (--recompute-granularity), use a smaller micro batch or "
+        "fewer microbatches in flight, or raise the budget"
+    )
 
 
 def test_level_budget_levels_the_peaks(pipeline):

@@ -82,6 +82,19 @@ def test_close_to_the_optimum_on_small_cases():
     assert optimal >= 0.75 * cases
 
 
+def test_a_large_group_gives_way_to_a_cheaper_one_on_the_peak():
+    """Additions and pruning alone copy groups 1 and 2 of chunk 1 (130 bytes), each needed once
+    the other is copied; one group of chunk 2, on host at the same peak, meets the budget with
+    100 (the swap pass: keep one chosen group on device, cover the excess with cheaper ones)."""
+    plan = megatron_plan(pp_size=3, pp_rank=0, num_microbatches=3)
+    sizes = {(0, 0): [100, 50, 50], (1, 0): [10, 100, 30], (2, 0): [100, 100, 100]}
+    assert model_peak(plan, sizes, {(1, 0): {1, 2}}) <= 559 and model_peak(plan, sizes, {(1, 0): {1}}) > 559
+    choice = choose_offload(plan, sizes, 559)
+    assert dict(choice.offloaded) == {(2, 0): frozenset({0})} and choice.bytes_offloaded == 100
+    simulated = simulate(plan, sizes, policy=PlanPolicy(plan, offload_groups=choice))
+    assert simulated.peak_resident_bytes == choice.predicted_peak_bytes == 540 <= 559 < simulated.peak_saved_bytes == 640
+
+
 def _grouped(subset) -> dict[tuple[int, int], set[int]]:
     out: dict[tuple[int, int], set[int]] = {}
     for chunk, g in subset:

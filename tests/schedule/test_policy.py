@@ -6,7 +6,7 @@ import pytest
 
 from chunk_offload import ChunkOffloadError
 from chunk_offload.core import ChunkKey
-from chunk_offload.schedule import Plan, PlanPolicy
+from chunk_offload.schedule import CopyTiming, Plan, PlanPolicy, megatron_plan, simulate
 
 
 def test_plan_policy_decisions():
@@ -29,3 +29,23 @@ def test_plan_policy_decisions():
     assert PlanPolicy(plan, reload_ahead_bytes=4096).reload_ahead_bytes(ChunkKey(1, 0)) == 4096
     with pytest.raises(ChunkOffloadError, match="PlanPolicy needs a chunk_offload.schedule.Plan, got list"):
         PlanPolicy(["0F0"])
+
+
+def test_chunks_whose_backward_follows_copy_all_but_their_last_group():
+    """NOTE [Kept tail]: at PP=1 each F is followed by its B; with the groups known the first
+    ones are copied, without them the chunk stays whole; a timing keeps more of the tail."""
+    plan = megatron_plan(pp_size=1, pp_rank=0, num_microbatches=2)
+    assert [str(a) for a in plan.actions] == ["0F0", "0B0", "0F1", "0B1"]
+    assert PlanPolicy(plan).kept_chunks() == plan.chunks
+    policy = PlanPolicy(plan, group_bytes={0: [100, 100, 100, 100]})
+    assert policy.copied_head == {(0, 0): 3, (1, 0): 3} and policy.kept_chunks() == []
+    assert [policy.offload_group(ChunkKey(1, 0), g) for g in range(4)] == [True, True, True, False]
+    assert simulate(plan, {0: [100] * 4}, policy=PlanPolicy(plan)).peak_resident_bytes == 400
+    predicted = simulate(plan, {0: [100] * 4}, policy=policy)
+    assert (predicted.peak_resident_bytes, predicted.bytes_offloaded) == (200, 600)
+    # Actions start at 0, 1, 2, 3 s of a 4 s iteration: 2 s of forward and backward per chunk,
+    # 0.5 s per group; at 1000 bytes/s a copy out and back of 100 bytes takes 0.2 s.
+    timing = CopyTiming(bytes_per_s=1000.0, action_starts_s=[0.0, 1.0, 2.0, 3.0], iteration_s=4.0)
+    assert PlanPolicy(plan, group_bytes={0: [100] * 4}, timing=timing).copied_head == {(0, 0): 3, (1, 0): 3}
+    slow = CopyTiming(bytes_per_s=250.0, action_starts_s=[0.0, 1.0, 2.0, 3.0], iteration_s=4.0)  # 0.8 s: hides behind 2 groups
+    assert PlanPolicy(plan, group_bytes={0: [100] * 4}, timing=slow).copied_head == {(0, 0): 2, (1, 0): 2}

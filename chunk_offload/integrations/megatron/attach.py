@@ -16,7 +16,8 @@ warn once, naming both ways to open iterations.
 
 The rank's plan comes from Megatron's own schedule tables (`chunk_offload.schedule.megatron_plan`)
 at the first training call, and drives a `PlanPolicy` by default: chunks whose backward follows
-at once stay on device, and the next backward chunk is reloaded during the action before it.
+at once copy all but their last groups once an iteration measured them (NOTE [Kept tail]), and
+the next backward chunk is reloaded during the action before it.
 The order in which chunks really ran is recorded per iteration (`observed_order`) and checked
 against the plan after every iteration: on a difference a warning shows both, and the observed
 order becomes the plan.
@@ -175,6 +176,7 @@ class MegatronOffloadManager(AttachedManager):
     def _after_training_call(self) -> None:
         self._training_calls += 1
         self._keep_record(self.engine.last_iteration)
+        self.tracking.iteration_ended()
         self._check_plan()
         self.tracking.after_iteration(self.engine.last_iteration)
 

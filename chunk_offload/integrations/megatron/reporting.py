@@ -4,7 +4,7 @@ The manager keeps the `IterationRecord` of its first ``baseline_iterations`` tra
 ran without copies, and of its latest call (``manager.records``). The report compares the first
 baseline record with the latest one and takes the theoretical drop from the rank's Megatron
 plan (``manager.plan``) simulated with the recorded bytes per group, under the manager's own
-schedule policy (NOTEs [Report measure] and [Theoretical drop] in `chunk_offload/report/stage.py`).
+schedule policy, the one its latest record ran under (NOTEs [Report measure] and [Theoretical drop] in `chunk_offload/report/stage.py`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def build_stage_report(manager: "MegatronOffloadManager") -> StageReport:
         offloaded=records[-1],
         plan=plan,
         rank=rank,
-        policy=manager.schedule_policy,
+        policy=manager.tracking.ran_policy if manager.tracking.ran_policy is not None else manager.schedule_policy,  # the latest record's
         baseline_iteration=baseline,
         offload_iteration=manager.training_calls - 1,  # the latest training call
         budgets=manager.budgets.summary(records[-1]) if manager.budgets.active else None,

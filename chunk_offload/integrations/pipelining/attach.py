@@ -139,6 +139,7 @@ class PipelineOffloadManager(AttachedManager):
             self.observed_order = []
             with self.engine.iteration():
                 result = step(*args, **kwargs)
+            self.tracking.iteration_ended()
             self._check_order()
             self.tracking.after_iteration(self.engine.last_iteration)
             return result

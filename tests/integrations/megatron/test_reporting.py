@@ -56,9 +56,9 @@ class _ReportHooks(OffloadHooks):
             "files": files,
             "records": list(manager.records),
             "plan": manager.plan,
-            # simulate(plan, bytes).drop with the manager's own policy, computed where that policy lives.
+            # simulate(plan, bytes).drop with the policy the last iteration ran, computed where that policy lives.
             "simulated_drop": simulate(
-                manager.plan, lambda m, v: manager.records[0].group_bytes[(m, v)], policy=manager.schedule_policy
+                manager.plan, lambda m, v: manager.records[0].group_bytes[(m, v)], policy=manager.tracking.ran_policy
             ).drop,
         }
 

@@ -85,7 +85,8 @@ class CaseResult:
     registered: dict[str, int]
     """Per offload-module name: submodules registered on this rank."""
     records: list[dict[str, object]] = field(default_factory=list)
-    """After each offload step: its `IterationRecord`'s peaks, group bytes and bytes copied."""
+    """After each offload step: its `IterationRecord`'s peaks, group bytes, group names and bytes
+    copied, and the `SchedulePolicy` the step ran under."""
     registered_per_stage: dict[str, list[int]] = field(default_factory=dict)
     """Per offload-module name: submodules registered on each of this rank's stages (vp order)."""
     released_after: list[tuple[str, bool]] = field(default_factory=list)
@@ -198,6 +199,8 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
                     peak_resident_bytes=record.peak_resident_bytes,
                     group_bytes=record.group_bytes,
                     bytes_offloaded=sum(g.bytes_offloaded for g in record.groups.values()),
+                    group_names=record.group_names,
+                    policy=manager.tracking.ran_policy,
                 )
             )
         optimizer.step()
