@@ -118,6 +118,11 @@ class IterationRecord:
     """For each entry of ``order``: seconds from the iteration's start at which that action
     began (host ``perf_counter``; on CUDA the host runs ahead of the device)."""
 
+    def kept_bytes_of(self, microbatch: int, vp_stage: int) -> list[int]:
+        """``group_kept_bytes`` of one chunk, zeros where none were recorded: `simulate`'s ``kept_bytes``."""
+        kept = self.group_kept_bytes.get((microbatch, vp_stage))
+        return list(kept) if kept is not None else [0] * len(self.group_bytes[(microbatch, vp_stage)])
+
     @property
     def peak_bytes(self) -> int:
         """The peak this report measures: device memory on CUDA, the accounting on CPU."""

@@ -122,6 +122,7 @@ class Budgets:
         """The latest bytes by which the budget was out of reach: predicted (the lowest peak over
         it) or measured (an iteration under a choice that fits peaked over it); None: not seen."""
         self._group_bytes: dict[tuple[int, int], list[int]] = {}
+        self._kept_bytes: dict[tuple[int, int], list[int]] = {}  # of the latest record (NOTE [Storages held elsewhere])
         self._choice_plan: Plan | None = None
         self._key: tuple | None = None
         self._lowest_key: tuple | None = None
@@ -166,6 +167,7 @@ class Budgets:
             if usable:
                 self._check_measured(record, pp_rank=pp_rank)
                 self._update_group_bytes(record.group_bytes)
+                self._kept_bytes = {chunk: record.kept_bytes_of(*chunk) for chunk in record.group_bytes}
             budget = self._budget(plan, record, usable)
             if usable and budget is not None:
                 new_policy = self._choose(plan, record, budget, pp_rank=pp_rank)
@@ -203,10 +205,10 @@ class Budgets:
         if self.device_budget != "auto":
             return max(0, self.device_budget - self.overhead_bytes)
         if usable:
-            key = (plan, self._group_bytes)
+            key = (plan, self._group_bytes, self._kept_bytes)
             if key != self._lowest_key:
-                self._lowest_key = (plan, {c: list(b) for c, b in self._group_bytes.items()})
-                self._lowest = choose_offload(plan, self._group_bytes, 0, **self.plan_budgets).lowest_peak_bytes
+                self._lowest_key = (plan, {c: list(b) for c, b in self._group_bytes.items()}, self._kept_bytes)
+                self._lowest = choose_offload(plan, self._group_bytes, 0, kept_bytes=self._kept_bytes, **self.plan_budgets).lowest_peak_bytes
         # Every rank posts once per iteration, usable or not (a collective).
         peaks = self._level.post(self._lowest + self.overhead_bytes if usable else 0)
         if peaks is not None:
@@ -216,11 +218,11 @@ class Budgets:
     def _choose(self, plan: Plan, record: IterationRecord, budget: int, *, pp_rank: int) -> PlanPolicy | None:
         timing = CopyTiming.from_record(record, plan)
         sizes = {c: list(b) for c, b in self._group_bytes.items()}  # a copy: the running maxima change in place
-        key = (plan, sizes, budget, timing is not None)
+        key = (plan, sizes, self._kept_bytes, budget, timing is not None)
         if key == self._key:
             return None
         self._key = key
-        self.choice = choose_offload(plan, sizes, budget, timing=timing, **self.plan_budgets)
+        self.choice = choose_offload(plan, sizes, budget, timing=timing, kept_bytes=self._kept_bytes, **self.plan_budgets)
         self._choice_plan = plan
         if not self.choice.fits:
             self.shortfall_bytes = self.choice.lowest_peak_bytes - self.choice.budget_bytes
@@ -237,7 +239,7 @@ class Budgets:
         if not self._node_posted:
             self._node_posted = True
             if usable:
-                need = simulate(plan, record.group_bytes, policy=policy).host_bytes_at_saved_peak
+                need = simulate(plan, record.group_bytes, policy=policy, kept_bytes=record.kept_bytes_of).host_bytes_at_saved_peak
             else:
                 need = record.host_bytes_at_saved_peak if record is not None else 0
             needs = self._node.post(need)

@@ -26,7 +26,7 @@ from ..core.schedule_policy import SchedulePolicy
 from ..core.stats import IterationRecord
 from ..core.streams import StreamBackend
 from ..integrations.megatron import MegatronOffloadManager, attach
-from ..report.stage import StageReport, kept_bytes_of, stage_report
+from ..report.stage import StageReport, stage_report
 from ..schedule import PlanPolicy, Simulation, simulate
 from ..core.actions import ActionKind
 from ..schedule.plan import Plan
@@ -266,7 +266,7 @@ def replay(
         plan,
         lambda microbatch, vp_stage: group_bytes[(microbatch, vp_stage)],
         policy=schedule_policy,
-        kept_bytes=kept_bytes_of(offloaded.last),
+        kept_bytes=offloaded.last.kept_bytes_of,
     )
     report = stage_report(
         baseline=max(baseline.records, key=lambda r: r.peak_bytes),

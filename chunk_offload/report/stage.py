@@ -38,7 +38,7 @@ from ..core.schedule_policy import SchedulePolicy
 from ..core.stats import IterationRecord
 from ..schedule import Plan, simulate
 
-__all__ = ["MEASURES", "Measure", "StageReport", "kept_bytes_of", "stage_report"]
+__all__ = ["MEASURES", "Measure", "StageReport", "stage_report"]
 
 Measure = Literal["cuda_max_memory_allocated", "cpu_saved_bytes_accounting"]
 
@@ -199,7 +199,7 @@ def stage_report(
         raise ChunkOffloadError("stage_report: the offload record ran without offload; pass a record of an iteration with offload=True")
     # See NOTE [Theoretical drop]: each peak is predicted from the bytes of its own iteration.
     without = simulate(plan, _bytes_of(baseline, plan, "baseline"), policy=policy)
-    with_offload = simulate(plan, _bytes_of(offloaded, plan, "offload"), policy=policy, kept_bytes=kept_bytes_of(offloaded))
+    with_offload = simulate(plan, _bytes_of(offloaded, plan, "offload"), policy=policy, kept_bytes=offloaded.kept_bytes_of)
     cuda = [r.device_peak_bytes is not None for r in (baseline, offloaded)]
     if cuda[0] != cuda[1]:
         raise ChunkOffloadError(
@@ -234,12 +234,6 @@ def stage_report(
         offload_iteration=offload_iteration,
         **dict(budgets or {}),
     )
-
-
-def kept_bytes_of(record: IterationRecord) -> Callable[[int, int], list[int]]:
-    """``(microbatch, vp_stage) -> bytes each group kept on device`` of ``record`` (zeros where none were recorded)."""
-    kept, saved = record.group_kept_bytes, record.group_bytes
-    return lambda microbatch, vp_stage: kept.get((microbatch, vp_stage)) or [0] * len(saved[(microbatch, vp_stage)])
 
 
 def _bytes_of(record: IterationRecord, plan: Plan, which: str) -> Callable[[int, int], list[int]]:

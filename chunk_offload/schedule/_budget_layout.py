@@ -26,8 +26,20 @@ _ON_HOST, _RESIDENT = GroupState.ON_HOST, GroupState.RESIDENT
 class Layout:
     """Fixed event positions of one plan, in `simulate`'s (the engine's) order."""
 
-    def __init__(self, plan: Plan, sizes: Mapping[Chunk, Sequence[int]], prefetch_bytes: int | None, reload_ahead_bytes: int | None) -> None:
-        self.sizes = {chunk: list(sizes[chunk]) for chunk in plan.chunks}
+    def __init__(
+        self,
+        plan: Plan,
+        sizes: Mapping[Chunk, Sequence[int]],
+        prefetch_bytes: int | None,
+        reload_ahead_bytes: int | None,
+        kept: Mapping[Chunk, Sequence[int]] | None = None,
+    ) -> None:
+        self.saved = {chunk: list(sizes[chunk]) for chunk in plan.chunks}
+        """Saved bytes per group: the baseline's saves and frees, and the reload rules' budgets (as the engine)."""
+        self.sizes = self.saved
+        """Bytes a copy of each group moves: saved minus what it keeps on device (`simulate`'s ``kept_bytes``)."""
+        if kept is not None:
+            self.sizes = {chunk: [s - k for s, k in zip(self.saved[chunk], kept[chunk], strict=True)] for chunk in plan.chunks}
         self.reload_ahead_bytes = reload_ahead_bytes
         self.release: dict[Chunk, list[int]] = {}
         self.free: dict[Chunk, list[int]] = {}
@@ -52,7 +64,7 @@ class Layout:
                 request(step)
                 commits = []
                 for g in range(n):
-                    deltas.append((take(), self.sizes[chunk][g]))  # the group's save
+                    deltas.append((take(), self.saved[chunk][g]))  # the group's save
                     commits.append(take())  # its commit releases the group held before it
                 self.release[chunk] = commits[1:] + [take()]  # the chunk's end releases the last
                 forwarded.add(chunk)
@@ -74,7 +86,7 @@ class Layout:
             profile[position] += nbytes
         for chunk, free in self.free.items():
             for g, position in enumerate(free):
-                profile[position] -= self.sizes[chunk][g]
+                profile[position] -= self.saved[chunk][g]
         self.baseline = np.cumsum(profile)[: self.positions]
 
     def earliest_reload(self, chunk: Chunk, g: int) -> int:
@@ -101,7 +113,7 @@ class Layout:
             top = max((g for g in copied if sizes[g] > 0), default=None)
             return [] if top is None else [top]
         states = [_ON_HOST if g in copied and b > 0 else GroupState.KEPT for g, b in enumerate(sizes)]
-        return prefetch_selection(list(zip(states, sizes)), budget)
+        return prefetch_selection(list(zip(states, self.saved[chunk])), budget)
 
     def reloads(self, chunk: Chunk, copied: set[int] | frozenset[int]) -> dict[int, int]:
         """Group -> position of its reload, for the groups ``copied`` of ``chunk``."""
@@ -123,6 +135,6 @@ class Layout:
         for g in reversed(range(len(sizes))):
             if states[g] is _ON_HOST:
                 states[g], at[g] = _RESIDENT, rs[g]
-            for i in reload_ahead_selection(list(zip(states, sizes)), g, budget):
+            for i in reload_ahead_selection(list(zip(states, self.saved[chunk])), g, budget):
                 states[i], at[i] = _RESIDENT, ra[g]
         return at

@@ -278,11 +278,12 @@ def search_offload(
     prefetch_bytes: int | None,
     reload_ahead_bytes: int | None,
     slack: Mapping[Chunk, Sequence[float]],
+    kept: Mapping[Chunk, Sequence[int]] | None = None,
 ) -> SearchResult:
     """Groups to copy so that the predicted peak is at most ``budget`` (else the lowest peak),
     copying few bytes: nothing if the baseline fits; else greedy additions at the peak, then
     pruning (from every group copied where the greedy finds no group or pair that lowers the peak)."""
-    layout = _Layout(plan, sizes, prefetch_bytes, reload_ahead_bytes)
+    layout = _Layout(plan, sizes, prefetch_bytes, reload_ahead_bytes, kept)
     search = _Search(layout, plan.chunks, slack, budget)
     everything = search.everything()
     baseline, lowest = _Profile(layout).peak(), everything.peak()
@@ -298,9 +299,17 @@ def search_offload(
     return SearchResult(offloaded, best.peak(), baseline, lowest)
 
 
-def model_peak(plan: Plan, sizes: Mapping[Chunk, Sequence[int]], copied: Mapping[Chunk, Sequence[int]], *, prefetch_bytes: int | None = None, reload_ahead_bytes: int | None = None) -> int:
+def model_peak(
+    plan: Plan,
+    sizes: Mapping[Chunk, Sequence[int]],
+    copied: Mapping[Chunk, Sequence[int]],
+    *,
+    prefetch_bytes: int | None = None,
+    reload_ahead_bytes: int | None = None,
+    kept: Mapping[Chunk, Sequence[int]] | None = None,
+) -> int:
     """The model's peak for one choice (tests compare it with `simulate`)."""
-    profile = _Profile(_Layout(plan, sizes, prefetch_bytes, reload_ahead_bytes))
+    profile = _Profile(_Layout(plan, sizes, prefetch_bytes, reload_ahead_bytes, kept))
     for chunk, groups in copied.items():
         profile.set(tuple(chunk), set(groups))
     return profile.peak()

@@ -129,10 +129,11 @@ def choose_offload(
     prefetch_bytes: int | None = None,
     reload_ahead_bytes: int | None = None,
     timing: CopyTiming | None = None,
+    kept_bytes: GroupBytes | None = None,
 ) -> OffloadChoice:
     """The fewest bytes to copy so that ``plan``'s predicted peak fits ``budget_bytes``.
 
-    See NOTE [Budget choice]. ``group_bytes`` as `simulate` takes it; ``prefetch_bytes`` and
+    See NOTE [Budget choice]. ``group_bytes`` and ``kept_bytes`` as `simulate` takes them; ``prefetch_bytes`` and
     ``reload_ahead_bytes`` as the `PlanPolicy` that will apply the choice. Never raises for a
     budget below the lowest reachable peak: returns the choice reaching that peak with the
     fewest bytes, ``fits`` False (`budget_shortfall_message` words it).
@@ -149,12 +150,22 @@ def choose_offload(
         )
     lookup = _lookup(group_bytes)
     sizes = {chunk: lookup(*chunk) for chunk in plan.chunks}
+    kept = None
+    if kept_bytes is not None:  # bytes each group keeps on device even when copied (simulate's kept_bytes)
+        kept_lookup = _lookup(kept_bytes)
+        kept = {chunk: kept_lookup(*chunk) for chunk in plan.chunks}
     found = search_offload(
-        plan, sizes, budget_bytes, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, slack=_slack(plan, sizes, timing)
+        plan,
+        sizes,
+        budget_bytes,
+        prefetch_bytes=prefetch_bytes,
+        reload_ahead_bytes=reload_ahead_bytes,
+        slack=_slack(plan, sizes, timing),
+        kept=kept,
     )
     # The search works on a model of simulate's accounting; the choice is checked by simulate itself.
     policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, offload_groups=found.offloaded)
-    predicted = simulate(plan, sizes, policy=policy)
+    predicted = simulate(plan, sizes, policy=policy, kept_bytes=kept)
     internal_assert(
         predicted.peak_resident_bytes == found.peak and predicted.peak_saved_bytes == found.baseline_peak,
         f"choose_offload: the search's peak {found.peak} differs from simulate's {predicted.peak_resident_bytes}",
