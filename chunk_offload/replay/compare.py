@@ -139,6 +139,7 @@ class Comparison:
             rows.append(f"megatron-core built-in offload: skipped: {self.skipped}")
         elif cpu and self.builtin is not None and self.builtin.bytes_offloaded[-1] == 0:
             rows.append(f"megatron-core {self.megatron_version} copied nothing on CPU (0.19 manages CUDA tensors only)")
+        rows += ["chunk-offload against no offload, in detail:", r.format()]
         return "\n".join(rows)
 
 

@@ -51,9 +51,14 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     assert all(r["losses_identical"] and r["grads_identical"] for r in ran), done.stdout
     assert all(r["median_step_s"] > 0 and r["min_step_s"] <= r["median_step_s"] for r in ran)
     modules = "core_attn,qkv_linear"
-    assert runs[(modules, "chunk-offload")]["bytes_copied"] == 0  # PP=1: every backward follows at once
+    # PP=1: every backward follows its forward; from the second iteration on the plan copies all
+    # but each chunk's last group (NOTE [Kept tail]).
+    default = runs[(modules, "chunk-offload")]
+    assert 0 < default["bytes_copied"] and default["peak_bytes"] is not None
     budget = runs[(modules, "chunk-offload budget")]
-    assert budget["bytes_copied"] > 0 and budget["peak_bytes"] <= budget["budget_bytes"]
+    # Half the saved peak is below the lowest reachable peak here (each chunk's input stays on
+    # device: NOTE [Storages held elsewhere]): the budget run copies, and says it falls short.
+    assert budget["bytes_copied"] > 0 and budget["peak_bytes"] > budget["budget_bytes"]
     megatron = runs[(modules, "megatron")]
     assert (megatron["bytes_copied"] > 0) == _megatron_copies_on_cpu()
     assert runs[("mlp_fc1", "megatron")]["skipped"].startswith("it has no offload module 'mlp_fc1'")

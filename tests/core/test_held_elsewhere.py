@@ -8,6 +8,7 @@ theory (`simulate` with the kept bytes) predicts what the device shows.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from chunk_offload import OffloadConfig, OffloadManager
@@ -45,40 +46,33 @@ class _null:
         return False
 
 
-def test_a_storage_saved_outside_the_group_is_copied_once_then_kept() -> None:
+NBYTES = ROWS * COLS * F32
+
+
+@pytest.mark.parametrize(
+    ("held", "per_iteration"),
+    [
+        # Copied once, found held at the chunk's end, then kept: (offloaded, copied for nothing, kept).
+        (True, [(NBYTES, NBYTES, 0), (0, 0, NBYTES)]),
+        # Only the group holds it: copied every time.
+        (False, [(NBYTES, 0, 0), (NBYTES, 0, 0)]),
+    ],
+    ids=["saved_outside_the_group", "only_the_group_holds_it"],
+)
+def test_a_storage_held_elsewhere_is_copied_once_then_kept(held: bool, per_iteration: list[tuple[int, int, int]]) -> None:
     x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0), requires_grad=True)
     module = Fn(_exp)
-    expected = _run(None, module, x, held=True)
+    expected = _run(None, module, x, held=held)
     manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         manager.offload_module(module, "exp")
-        nbytes = ROWS * COLS * F32
-        first = _run(manager, module, x, held=True)
-        g = manager.last_iteration.groups["exp"]
-        assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (nbytes, nbytes, 0)
-        second = _run(manager, module, x, held=True)
-        record = manager.last_iteration
-        g = record.groups["exp"]
-        assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (0, 0, nbytes)
-        assert record.group_bytes[(0, 0)] == [nbytes] and record.group_kept_bytes[(0, 0)] == [nbytes]
-        for got in (first, second):
+        for offloaded, copied_for_nothing, kept in per_iteration:
+            got = _run(manager, module, x, held=held)
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-        assert_clean(manager)
-    finally:
-        manager.close()
-
-
-def test_a_storage_only_the_group_holds_is_copied_every_time() -> None:
-    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    module = Fn(_exp)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
-    try:
-        manager.offload_module(module, "exp")
-        for _ in range(2):
-            _run(manager, module, x, held=False)
-            g = manager.last_iteration.groups["exp"]
-            assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (ROWS * COLS * F32, 0, 0)
-            assert manager.last_iteration.group_kept_bytes[(0, 0)] == [0]
+            record = manager.last_iteration
+            g = record.groups["exp"]
+            assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (offloaded, copied_for_nothing, kept)
+            assert record.group_bytes[(0, 0)] == [NBYTES] and record.group_kept_bytes[(0, 0)] == [kept]
         assert_clean(manager)
     finally:
         manager.close()

@@ -45,14 +45,6 @@ _MODULES = ("core_attn", "qkv_linear")
 _MICROBATCHES = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the host's cores are shared; tiny matrices gain nothing from more
-    yield
-    torch.set_num_threads(threads)
-
-
 def _replay(pp: int, stage: int, vp: int, policy, shape: GPTShape = _SHAPE, microbatches: int = _MICROBATCHES, **kwargs):
     """The stage's structure, its parameters' dtypes by name and the replay's result."""
     from chunk_offload.replay import megatron_stage, replay
