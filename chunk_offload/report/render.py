@@ -75,6 +75,7 @@ def format_table(reports: Sequence[StageReport]) -> str:
             lines.append(f"peak without: iteration {base + 1} (baseline, nothing copied); peak with: iteration {offload + 1} (offload)")
     lines += ["", *_table(_COLUMNS, reports)]  # a blank line: Markdown needs it before a table
     lines += _nothing_copied_notes(reports)
+    lines += _difference_notes(reports)
     if any(r.device_budget is not None or r.host_budget is not None for r in reports):
         lines += ["", "budgets (predicted peak: simulate's, under the budget's choice; peak with: measured):", ""]
         lines += _table(_BUDGET_COLUMNS, reports)
@@ -116,6 +117,23 @@ def _nothing_copied_notes(reports: list[StageReport]) -> list[str]:
             f"{_ranks(kept)} copied nothing: the plan kept every chunk on device (each backward follows its forward "
             "at once); a change of their peaks is not offload (with MoE: the routing)"
         )
+    return ["", *notes] if notes else []
+
+
+def _difference_notes(reports: list[StageReport]) -> list[str]:
+    """What the theory leaves out, per rank, each on its own line (docs/report.md, "What the theory counts")."""
+    notes = [
+        f"rank {r.rank}: {r.kept_held_elsewhere_bytes} B kept on device, held by another reference (a copy frees "
+        "nothing; not in the theoretical drop)"
+        for r in reports
+        if r.kept_held_elsewhere_bytes
+    ]
+    notes += [
+        f"rank {r.rank}: measured - theoretical drop = {r.measured_drop - r.theoretical_drop} B: device memory outside "
+        "the saved bytes of the offloaded modules at the two peaks (temporaries, allocator rounding)"
+        for r in reports
+        if r.measure == "cuda_max_memory_allocated" and not _copied_nothing(r)
+    ]
     return ["", *notes] if notes else []
 
 

@@ -78,6 +78,9 @@ class StageReport:
     """Simulated peak of their device-resident saved bytes with offload (offload iteration's bytes per group)."""
     bytes_per_module: dict[str, int] = field(default_factory=dict)
     """Bytes copied to host in the offload iteration, per offloaded module name."""
+    kept_held_elsewhere_bytes: int = 0
+    """Bytes the offload iteration kept on device because another reference holds them (a copy
+    would free nothing; NOTE [Storages held elsewhere] in core/held_elsewhere.py)."""
     copy_ms: float = 0.0
     """Offload plus reload copy time of the offload iteration, in milliseconds."""
     wait_ms: float = 0.0
@@ -226,6 +229,7 @@ def stage_report(
         predicted_peak_without=int(without.peak_saved_bytes),
         predicted_peak_with=int(with_offload.peak_resident_bytes),
         bytes_per_module={name: int(g.bytes_offloaded) for name, g in groups.items()},
+        kept_held_elsewhere_bytes=sum(int(g.bytes_kept_held_elsewhere) for g in groups.values()),
         copy_ms=sum(g.offload_time_s + g.reload_time_s for g in groups.values()) * 1e3,
         wait_ms=sum(g.wait_time_s for g in groups.values()) * 1e3,
         trace_without=[int(b) for b in traces[0]],

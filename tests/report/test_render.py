@@ -81,3 +81,16 @@ def test_from_json_names_what_it_got():
         from_json("[]")
     with pytest.raises(ChunkOffloadError, match="stage report JSON does not parse"):
         from_json("{")
+
+
+def test_table_names_what_the_theory_leaves_out_per_rank():
+    """Bytes kept on device because another reference holds them, and on CUDA the measured drop
+    beyond the theory, each on its own line (docs/report.md, "What the theory counts")."""
+    held = replace(sample_report(0), kept_held_elsewhere_bytes=4096)
+    cuda = replace(sample_report(1, measure="cuda_max_memory_allocated"), peak_with=sample_report(1).peak_with + 512)
+    table = format_table([held, cuda])
+    assert "rank 0: 4096 B kept on device, held by another reference (a copy frees nothing; not in the theoretical drop)" in table
+    assert f"rank 1: measured - theoretical drop = {cuda.measured_drop - cuda.theoretical_drop} B: device memory outside" in table
+    assert cuda.measured_drop - cuda.theoretical_drop == -512
+    assert "rank 0: measured" not in table and "rank 1: 0 B kept" not in table
+    assert from_json(to_json([held]))[0].kept_held_elsewhere_bytes == 4096
