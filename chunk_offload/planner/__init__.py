@@ -1,6 +1,7 @@
 """The analytic planner: activation bytes per offload module, per-stage drop, copy against compute.
 
-- `GPTDims` (``dims.py``), `saved_tensors`, `group_bytes`, `layer_groups`, `layer_saved_bytes`,
+- `GPTDims` (``dims.py``), `saved_tensors`, `group_bytes`, `layer_groups`, `layer_offload_groups`
+  (with `held_elsewhere`, the bytes kept on device), `layer_saved_bytes`,
   `layer_forward_flops`, `layer_backward_flops`: the byte and FLOP model of megatron-core GPT/MoE
   layers, per tensor-parallel rank (``model.py``, NOTE [Byte model] says what is exact and what is
   estimated; core attention in ``attention.py``, Transformer Engine's spec in ``te.py``, from
@@ -21,7 +22,17 @@ from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner,
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
 from .attention import AttentionFlops, core_attention_flops
 from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
-from .model import expert_tokens, layer_backward_flops, layer_forward_flops, layer_groups, layer_saved_bytes, saved_tensors
+from .model import (
+    LayerGroup,
+    expert_tokens,
+    held_elsewhere,
+    layer_backward_flops,
+    layer_forward_flops,
+    layer_groups,
+    layer_offload_groups,
+    layer_saved_bytes,
+    saved_tensors,
+)
 from .saved import SavedTensor, group_bytes
 from .recommend import Recommendation, recommend
 from .group_choice import GroupChoice, choose_groups
@@ -36,6 +47,7 @@ __all__ = [
     "GPTDims",
     "GroupChoice",
     "Hardware",
+    "LayerGroup",
     "OFFLOAD_MODULE_NAMES",
     "NORMALIZATIONS",
     "POSITION_EMBEDDINGS",
@@ -51,9 +63,11 @@ __all__ = [
     "estimate_stages",
     "expert_tokens",
     "group_bytes",
+    "held_elsewhere",
     "layer_backward_flops",
     "layer_forward_flops",
     "layer_groups",
+    "layer_offload_groups",
     "layer_saved_bytes",
     "recommend",
     "saved_tensors",

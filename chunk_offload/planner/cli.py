@@ -8,8 +8,8 @@ virtual stages, 8 microbatches)::
         --normalization RMSNorm --swiglu --position-embedding-type rope --tp 2 --sequence-parallel \\
         --pp 4 --vpp 2 --num-microbatches 8 --modules qkv_linear,core_attn --budget-gb 60
 
-prints a table per stage (bytes per module per layer and per chunk, on one tensor-parallel rank, chunks in flight at the
-peak, the predicted peak without and with offload and the drop, copy against compute time per
+prints a table per stage (bytes per module per layer and per chunk, on one tensor-parallel rank, and
+per chunk the bytes held elsewhere, which stay on device uncopied; chunks in flight at the peak, the predicted peak without and with offload and the drop, copy against compute time per
 layer) and, with ``--budget-gb``, the cheapest module set per stage that fits without stalls,
 and the groups of single chunks a device budget makes each stage offload (the choice training
 with ``--chunk-offload-device-budget`` makes from the same bytes: `choose_groups`).
@@ -324,8 +324,10 @@ def _format(
             rows.append(
                 [str(s.pp_rank), str(vp), f"{chunk[0]}-{chunk[-1]}"]
                 + [f"{_mb(s.module_bytes_per_layer[m])}/{_mb(per[m])}" if m in per else "-" for m in modules]
+                + [_mb(sum(s.group_kept_bytes[vp]))]
             )
-    lines += _table(["stage", "vp", "layers"] + [f"{m} layer/chunk" for m in modules], rows)
+    lines += _table(["stage", "vp", "layers"] + [f"{m} layer/chunk" for m in modules] + ["held elsewhere/chunk"], rows)
+    lines += ["held elsewhere: saved bytes another reference keeps on device, kept there uncopied (NOTE [Storages held elsewhere])."]
     lines += ["", "per stage (GB; peaks of the offload modules' saved bytes; copy, forward and backward compute per layer in ms):"]
     rows = []
     for s in stages:

@@ -4,10 +4,12 @@ For each pipeline rank, `estimate_stages`:
 
 1. places the layers: chunk v of stage r holds the global layers from
    ``v * L / vp + r * L / (pp * vp)`` on, ``L / (pp * vp)`` of them (Megatron's even split);
-2. lists the offload groups of one chunk in forward order with their bytes (`model.layer_groups`);
+2. lists the offload groups of one chunk in forward order with their bytes and, of those, the
+   bytes held elsewhere, which stay on device (`model.layer_offload_groups`);
 3. takes the rank's plan from Megatron's own schedule tables (`megatron_plan`) and replays the
-   engine's accounting over it (`chunk_offload.schedule.simulate`): the peak of the offload
-   modules' saved bytes without offload, with offload, the drop, the bytes copied;
+   engine's accounting over it (`chunk_offload.schedule.simulate`, the held bytes as its
+   ``kept_bytes``): the peak of the offload modules' saved bytes without offload, with offload,
+   the drop, the bytes copied;
 4. compares, for the stage's worst layer, the time to copy what it offloads over the host link
    with the time its forward computes (`Hardware`): the copies hide when copy <= compute.
 
@@ -29,96 +31,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from ..core.errors import ChunkOffloadError
-from ..schedule import Plan, PlanPolicy, Simulation, megatron_plan, simulate
+from ..schedule import PlanPolicy, Simulation, simulate
 from ..module_names import canonical_modules
+from .config import GB, Hardware, PipelineConfig
 from .dims import GPTDims
-from .model import layer_backward_flops, layer_forward_flops, layer_groups, layer_saved_bytes
+from .model import LayerGroup, layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_saved_bytes
 
 __all__ = ["GB", "Hardware", "PipelineConfig", "StageEstimate", "StagePlanner", "estimate_stages", "stage_layers"]
-
-GB = 1e9
-"""Bytes per GB (decimal, as link bandwidths are quoted)."""
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class PipelineConfig:
-    """The pipeline schedule: Megatron's 1F1B (``virtual_pipeline`` None) or interleaved 1F1B."""
-
-    pipeline_parallel: int = 1
-    """Pipeline stages p."""
-    virtual_pipeline: int | None = None
-    """Model chunks per stage for the interleaved schedule; None (or 1) for plain 1F1B."""
-    num_microbatches: int = 1
-    """Microbatches per iteration m."""
-    microbatch_group_size_per_vp_stage: int | None = None
-    """Megatron's option of the same name (interleaved only); None for its default, p."""
-
-    def __post_init__(self) -> None:
-        p, vp, m = self.pipeline_parallel, self.virtual_pipeline, self.num_microbatches
-        for label, value in (("pipeline_parallel", p), ("num_microbatches", m)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ChunkOffloadError(f"{label} must be an int >= 1, got {value!r}")
-        if vp is None or vp == 1:
-            return
-        if not isinstance(vp, int) or vp < 1:
-            raise ChunkOffloadError(f"virtual_pipeline must be None or an int >= 1, got {vp!r}")
-        if p < 2:
-            raise ChunkOffloadError(f"virtual_pipeline={vp} needs pipeline_parallel >= 2, got {p}")
-        group = self.microbatch_group_size_per_vp_stage if self.microbatch_group_size_per_vp_stage is not None else p
-        # The checks of megatron-core's forward_backward_pipelining_with_interleaving.
-        if not p <= group <= m:
-            raise ChunkOffloadError(
-                f"the interleaved schedule needs pipeline_parallel ({p}) <= microbatch group size ({group}) <= "
-                f"num_microbatches ({m}); use at least {group} microbatches"
-            )
-        if 0 < m % group < p:
-            raise ChunkOffloadError(
-                f"the interleaved schedule needs num_microbatches ({m}) to be a multiple of the microbatch group "
-                f"size ({group}) or leave a remainder >= pipeline_parallel ({p}); e.g. use {m - m % group or group} or {m - m % group + group}"
-            )
-
-    @property
-    def vp_size(self) -> int:
-        return self.virtual_pipeline or 1
-
-    @property
-    def interleaved(self) -> bool:
-        return self.vp_size > 1
-
-    def plan(self, pp_rank: int) -> Plan:
-        """The actions megatron-core's schedule runs on ``pp_rank``."""
-        return megatron_plan(
-            pp_size=self.pipeline_parallel,
-            pp_rank=pp_rank,
-            num_microbatches=self.num_microbatches,
-            vp_size=self.virtual_pipeline if self.interleaved else None,
-            microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
-        )
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class Hardware:
-    """The device and its host link, for copy time against compute time."""
-
-    host_bandwidth_gbs: float = 25.0
-    """Device-to-host copy bandwidth per direction in GB/s (1e9 bytes): about 25 for PCIe 4 x16
-    as achieved with pinned memory, about 50 for PCIe 5 x16."""
-    device_tflops: float = 400.0
-    """Sustained dense matmul throughput in TFLOP/s. The default 400 is about 40% of an H100
-    SXM's 989 dense BF16 peak, a typical achieved model-FLOP utilisation; pass your own."""
-
-    def __post_init__(self) -> None:
-        for label in ("host_bandwidth_gbs", "device_tflops"):
-            value = getattr(self, label)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ChunkOffloadError(f"{label} must be a number > 0, got {value!r}")
-
-    def copy_seconds(self, nbytes: int) -> float:
-        return nbytes / (self.host_bandwidth_gbs * GB)
-
-    def compute_seconds(self, flops: int) -> float:
-        return flops / (self.device_tflops * 1e12)
-
 
 @dataclass(kw_only=True)
 class StageEstimate:
@@ -130,11 +49,16 @@ class StageEstimate:
     modules: list[str]
     """The offload modules asked for that this stage has."""
     module_bytes_per_layer: dict[str, int]
-    """Bytes one layer's calls of each module offload (a MoE layer: all its local experts)."""
+    """Bytes one layer's calls of each module save (a MoE layer: all its local experts), those held
+    elsewhere included (``group_kept_bytes``)."""
     chunk_module_bytes: dict[int, dict[str, int]]
     """vp stage -> module -> bytes offloaded by one chunk (all its layers)."""
     group_bytes: dict[int, list[int]]
     """vp stage -> bytes of each offload group of one chunk, in forward order."""
+    group_kept_bytes: dict[int, list[int]]
+    """vp stage -> of ``group_bytes``, the bytes each group keeps on device even when copied: held
+    elsewhere (`model.held_elsewhere`; as the engine's `IterationRecord.group_kept_bytes` once it
+    learned them, NOTE [Storages held elsewhere]); the same for every microbatch."""
     group_names: dict[int, list[str]]
     """vp stage -> module name of each offload group of one chunk (parallel to ``group_bytes``)."""
     chunks_in_flight_peak: int
@@ -203,6 +127,7 @@ class StageEstimate:
             "module_bytes_per_layer": self.module_bytes_per_layer,
             "chunk_module_bytes": {str(vp): b for vp, b in self.chunk_module_bytes.items()},
             "group_bytes": {str(vp): b for vp, b in self.group_bytes.items()},
+            "group_kept_bytes": {str(vp): b for vp, b in self.group_kept_bytes.items()},
             "group_names": {str(vp): n for vp, n in self.group_names.items()},
             "chunks_in_flight_peak": self.chunks_in_flight_peak,
             "kept_chunks": [list(c) for c in self.kept_chunks],
@@ -308,26 +233,34 @@ class StagePlanner:
         modules = canonical_modules(modules) if len(modules) else []
         return [self._stage(r, modules) for r in range(self.pipeline.pipeline_parallel)]
 
-    def _groups(self, layer: int, modules: list[str]) -> list[tuple[str, int]]:
-        return layer_groups(self.dims, layer, modules, min_offload_bytes=self.min_offload_bytes)
+    def _layer_groups(self, pp_rank: int, vp: int, modules: list[str]) -> list[tuple[int, list[LayerGroup]]]:
+        """(layer, its groups) for each layer of chunk ``vp`` of ``pp_rank``. The chunk's first layer
+        receives its input unless the chunk is the model's first (`model.held_elsewhere`)."""
+        first_chunk = (pp_rank, vp) == (0, 0)  # its input comes from the embedding
+        out = []
+        for i, layer in enumerate(self.layers[pp_rank][vp]):
+            receives = i == 0 and not first_chunk
+            out.append((layer, layer_offload_groups(self.dims, layer, modules, min_offload_bytes=self.min_offload_bytes, receives_input=receives)))
+        return out
 
     def _stage(self, pp_rank: int, modules: list[str]) -> StageEstimate:
         dims, hardware, layers, plan = self.dims, self.hardware, self.layers[pp_rank], self.plans[pp_rank]
-        groups = {v: [g for layer in chunk for g in self._groups(layer, modules)] for v, chunk in enumerate(layers)}
-        group_bytes = {v: [b for _, b in g] for v, g in groups.items()}
+        per_layer = {v: self._layer_groups(pp_rank, v, modules) for v in range(len(layers))}
+        groups = {v: [g for _, lg in chunk for g in lg] for v, chunk in per_layer.items()}
+        group_bytes = {v: [g.nbytes for g in gs] for v, gs in groups.items()}
+        kept_bytes = {v: [g.kept_bytes for g in gs] for v, gs in groups.items()}
         module_bytes_per_layer: dict[str, int] = {}
         worst, copy_s, compute_s = None, 0.0, 0.0
-        for layer in (i for chunk in layers for i in chunk):
-            layer_groups_ = self._groups(layer, modules)
+        for layer, layer_groups_ in (entry for chunk in per_layer.values() for entry in chunk):
             module_bytes_per_layer.update(_per_name(layer_groups_))
-            offloaded = sum(b for _, b in layer_groups_)
+            offloaded = sum(g.nbytes - g.kept_bytes for g in layer_groups_)  # what its copies move
             c, f = hardware.copy_seconds(offloaded), hardware.compute_seconds(layer_forward_flops(dims, layer))
             if offloaded and (worst is None or c / f > copy_s / compute_s):
                 worst, copy_s, compute_s = layer, c, f
         if worst is None:  # nothing offloaded: report the first layer's compute
             compute_s = hardware.compute_seconds(layer_forward_flops(dims, layers[0][0]))
         policy = PlanPolicy(plan, group_bytes=group_bytes) if self.policy == "plan" else None
-        simulation = simulate(plan, group_bytes, policy=policy)
+        simulation = simulate(plan, group_bytes, policy=policy, kept_bytes=kept_bytes)
         return StageEstimate(
             pp_rank=pp_rank,
             layers=layers,
@@ -335,7 +268,8 @@ class StagePlanner:
             module_bytes_per_layer=module_bytes_per_layer,
             chunk_module_bytes={v: _per_name(g) for v, g in groups.items()},
             group_bytes=group_bytes,
-            group_names={v: [name for name, _ in g] for v, g in groups.items()},
+            group_kept_bytes=kept_bytes,
+            group_names={v: [g.name for g in gs] for v, gs in groups.items()},
             chunks_in_flight_peak=max(plan.in_flight(), default=0),
             kept_chunks=list(simulation.kept),
             simulation=simulation,
@@ -351,8 +285,8 @@ class StagePlanner:
         )
 
 
-def _per_name(groups: list[tuple[str, int]]) -> dict[str, int]:
+def _per_name(groups: list[LayerGroup]) -> dict[str, int]:
     out: dict[str, int] = {}
-    for name, nbytes in groups:
-        out[name] = out.get(name, 0) + nbytes
+    for g in groups:
+        out[g.name] = out.get(g.name, 0) + g.nbytes
     return out

@@ -1,10 +1,10 @@
 """Per stage, the groups to offload for a device budget, chosen before launch as at run time.
 
-`choose_groups` feeds each stage's predicted bytes per offload group (`StageEstimate.group_bytes`,
-equal to the measured ones on CPU) and its plan to `chunk_offload.schedule.choose_offload`,
-the function the integrations call on the baseline iteration's measured bytes, so
-``chunk-offload plan --budget-gb`` shows the choice training will make (before any copy is
-timed: no `CopyTiming`, the default prefetch). The budget is the stage's activation budget:
+`choose_groups` feeds each stage's predicted bytes per offload group (`StageEstimate.group_bytes`
+and, held elsewhere, ``group_kept_bytes``, equal to the measured ones on CPU) and its plan to
+`chunk_offload.schedule.choose_offload`, the function the integrations call on the baseline
+iteration's measured bytes, so ``chunk-offload plan --budget-gb`` shows the choice training will
+make (before any copy is timed: no `CopyTiming`, the default prefetch). The budget is the stage's activation budget:
 what the offload groups may keep resident is the budget less the stage's other activations at
 its peak (``peak_without_offload_bytes - peak_saved_bytes``: every saved activation that is not
 an offload group's, plus ``other_activation_bytes``), as the integrations take the device
@@ -98,7 +98,7 @@ def choose_groups(planner: StagePlanner, stages: list[StageEstimate], *, budget_
     for stage in stages:
         plan = planner.plans[stage.pp_rank]
         other = stage.peak_without_offload_bytes - stage.peak_saved_bytes
-        choice = choose_offload(plan, stage.group_bytes, max(budget_bytes - other, 0))
+        choice = choose_offload(plan, stage.group_bytes, max(budget_bytes - other, 0), kept_bytes=stage.group_kept_bytes)
         names = {chunk: stage.group_names[chunk[1]] for chunk in plan.chunks}
         out.append(
             GroupChoice(

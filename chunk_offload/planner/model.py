@@ -64,6 +64,17 @@ layer; per expert when top-k = E), the threshold, the whole dense layer, and
 `layer_forward_flops` against torch's FlopCounterMode (which does not count SDPA's CPU kernel;
 `core_attention_flops` is checked against torch's SDPA formulas instead).
 
+Held elsewhere (NOTE [Storages held elsewhere], ``core/held_elsewhere.py``): a saved storage
+another reference keeps on device stays there, counted as saved but never moved; `held_elsewhere`
+names them, measured with the stage replay on CPU (``tests/planner/test_held_elsewhere.py``): (a) core
+attention's output when it is attn_proj's saved input (`_attention_output_is_proj_input`: SDPA,
+not the local attention, which saves no output) and attn_proj is not offloaded (offloaded, both
+groups copy it); (b) the input of the first layer of a chunk that receives it from a previous
+stage or chunk, which the schedule keeps until the chunk's backward: saved by ``attn_norm`` (under
+Transformer Engine by ``qkv_linear``, from source), but not by the CPU RMSNorm in bf16/fp16,
+which saves an fp32 copy. No other module's storage (mlp_norm, mlp_fc1, qkv_linear, expert_fc1)
+is held elsewhere.
+
 Not modelled: FP8 activations (Transformer Engine), Apex's memory-efficient norms (they save the
 output), context parallelism, MoE under tensor parallelism (refused), rotary_percent < 1,
 dropout > 0, recomputation.
@@ -71,20 +82,23 @@ dropout > 0, recomputation.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..core.errors import ChunkOffloadError
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, TE_FUSED_INTO, canonical_modules
 from .attention import core_attention_flops, core_attn_saved
 from .dims import GPTDims
-from .saved import SavedTensor, group_bytes, whole
+from .saved import SavedTensor, group_bytes, storage_bytes, whole
 from .te import te_saved
 
 __all__ = [
+    "LayerGroup",
     "expert_tokens",
+    "held_elsewhere",
     "layer_backward_flops",
     "layer_forward_flops",
     "layer_groups",
+    "layer_offload_groups",
     "layer_saved_bytes",
     "saved_tensors",
 ]
@@ -142,28 +156,68 @@ def _norm_saved(dims: GPTDims) -> list[SavedTensor]:
         return [whole("input", n * h * d), whole("mean", stats), whole("rstd", stats)]
     if dims.device == "cuda":  # torch's fused kernel (and Apex's): the input and an fp32 rstd
         return [whole("input", n * h * d), whole("rstd", n * _FP32)]
-    # torch's composite on CPU, in fp32: the input as fp32 (itself when fp32), rstd, the normalised input
-    return [whole("input_fp32", n * h * _FP32), whole("rstd", n * _FP32), whole("normalized", n * h * _FP32)]
+    # torch's composite on CPU, in fp32: the input as fp32 (itself when fp32, else a copy), rstd, the normalised input
+    as_fp32 = "input" if d == _FP32 else "input_fp32"
+    return [whole(as_fp32, n * h * _FP32), whole("rstd", n * _FP32), whole("normalized", n * h * _FP32)]
 
 
-def layer_groups(dims: GPTDims, layer: int, modules: Sequence[str], *, min_offload_bytes: int) -> list[tuple[str, int]]:
-    """(name, bytes) of each offload group one forward of layer ``layer`` opens, in call order.
+class LayerGroup(NamedTuple):
+    """One offload group a layer's forward opens."""
+
+    name: str
+    """Its module name."""
+    nbytes: int
+    """Bytes it saves (the engine's `IterationRecord.group_bytes`)."""
+    kept_bytes: int
+    """Of those, bytes held elsewhere: kept on device even when the group is copied
+    (`IterationRecord.group_kept_bytes`, `held_elsewhere`)."""
+
+
+def held_elsewhere(dims: GPTDims, layer: int, name: str, chosen: set[str], *, receives_input: bool) -> set[str]:
+    """Storages (`SavedTensor.storage`) of one call of module ``name`` that another reference keeps on device.
+
+    The planner's one rule for NOTE [Storages held elsewhere] (NOTE [Byte model] lists the cases):
+    core attention's output when attn_proj saves it too and is not offloaded (``chosen``: the
+    offloaded modules); the layer's input, which ``layer``'s first module saves when the layer is
+    the first of a chunk that receives it (``receives_input``) and the schedule holds it.
+    """
+    held = set()
+    if name == "core_attn" and "attn_proj" not in chosen and _attention_output_is_proj_input(dims):
+        held.add("output")
+    if receives_input and name == dims.modules_of(layer)[0]:  # attn_norm; qkv_linear under TE
+        held.add("input")
+    return held
+
+
+def layer_offload_groups(
+    dims: GPTDims, layer: int, modules: Sequence[str], *, min_offload_bytes: int, receives_input: bool = False
+) -> list[LayerGroup]:
+    """Each offload group one forward of layer ``layer`` opens, in call order.
 
     A MoE layer calls its local experts one after the other, each fc1 then its activation.
     Modules the layer does not have are skipped; groups that move nothing are kept (0 bytes)
-    because the engine opens them as well.
+    because the engine opens them as well. ``receives_input``: the layer is the first of a chunk
+    whose input came from a previous stage or chunk (`held_elsewhere`).
     """
     chosen = set(canonical_modules(modules)) if len(modules) else set()
-    out: list[tuple[str, int]] = []
+    calls: list[tuple[str, int]] = []
     per_expert = [n for n in ("expert_fc1", "moe_act") if n in chosen]
     for name in dims.modules_of(layer):
         if name in chosen and name not in per_expert:
-            out.append((name, group_bytes(saved_tensors(dims, name), min_offload_bytes=min_offload_bytes)))
+            calls.append((name, 0))
     if dims.is_moe(layer):
-        for e in range(dims.local_experts):
-            for name in per_expert:
-                out.append((name, group_bytes(saved_tensors(dims, name, expert=e), min_offload_bytes=min_offload_bytes)))
+        calls += [(name, e) for e in range(dims.local_experts) for name in per_expert]
+    out = []
+    for name, expert in calls:
+        spans = storage_bytes(saved_tensors(dims, name, expert=expert), min_offload_bytes=min_offload_bytes)
+        held = held_elsewhere(dims, layer, name, chosen, receives_input=receives_input)
+        out.append(LayerGroup(name, sum(spans.values()), sum(n for s, n in spans.items() if s in held)))
     return out
+
+
+def layer_groups(dims: GPTDims, layer: int, modules: Sequence[str], *, min_offload_bytes: int) -> list[tuple[str, int]]:
+    """(name, bytes) of each offload group one forward of layer ``layer`` opens (`layer_offload_groups`)."""
+    return [(g.name, g.nbytes) for g in layer_offload_groups(dims, layer, modules, min_offload_bytes=min_offload_bytes)]
 
 
 def layer_saved_bytes(dims: GPTDims, layer: int) -> int:

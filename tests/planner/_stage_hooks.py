@@ -38,6 +38,7 @@ class RecordHooks(OffloadHooks):
             "host_bytes_at_saved_peak": record.host_bytes_at_saved_peak,
             "bytes_offloaded": sum(g.bytes_offloaded for g in record.groups.values()),
             "group_bytes": {tuple(k): list(v) for k, v in record.group_bytes.items()},
+            "group_kept_bytes": {tuple(k): record.kept_bytes_of(*k) for k in record.group_bytes},
             "plan": None if plan is None else [str(a) for a in plan.actions],
             "policy": self.manager.tracking.ran_policy,
         }

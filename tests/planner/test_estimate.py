@@ -7,8 +7,10 @@ norm before the experts in the MoE model), once with the plan policy and once of
 chunk, and compares, per stage
 and per iteration, the manager's record of the iteration with the planner's prediction: bytes
 of every group of every chunk, the peak of saved bytes without offload, the peak with offload,
-the host bytes at the saved peak and the bytes copied. All equal, so R = measured drop /
-predicted drop = 1.0 exactly.
+the host bytes at the saved peak and the bytes copied, and the bytes each group kept on device as
+held elsewhere (NOTE [Storages held elsewhere]: the engine copies them until a chunk of the vp
+stage learned them; `_kept_as_learned`). All equal, so R = measured drop / predicted drop = 1.0
+exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.planner import GPTDims, Hardware, PipelineConfig, StagePlanner, estimate_stages, layer_forward_flops, stage_layers
+from chunk_offload.core import ChunkKey
+from chunk_offload.core.actions import ActionKind
+from chunk_offload.core.schedule_policy import SchedulePolicy
 from chunk_offload.schedule import PlanPolicy, choose_offload, megatron_plan, simulate
 from tests._megatron import Hooks, Run, TinyGPTConfig, spawn_runs
 
@@ -99,12 +104,30 @@ def measured() -> dict[str, list]:
     return out
 
 
+def _kept_as_learned(stage, policy: SchedulePolicy, learned: set[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """The bytes each chunk of one iteration keeps on device as held elsewhere, as the engine
+    learns them (NOTE [Storages held elsewhere]): a group keeps `StageEstimate.group_kept_bytes`
+    once a chunk of its vp stage copied the group at that place and ended its forward; before, it
+    copies them. ``learned``: the (vp stage, group index) places learned, updated in place."""
+    out = {}
+    for action in stage.simulation.plan.actions:
+        if action.kind is ActionKind.FORWARD:
+            mb, vp = chunk = action.chunk
+            kept = stage.group_kept_bytes[vp]
+            out[chunk] = [k if (vp, g) in learned else 0 for g, k in enumerate(kept)]
+            key = ChunkKey(mb, vp)
+            if policy.offload_chunk(key):
+                learned.update((vp, g) for g, k in enumerate(kept) if k and policy.offload_group(key, g))
+    return out
+
+
 @pytest.mark.parametrize("name", list(_CASES))
 def test_predicted_drop_equals_measured(measured, name: str):
     case = _CASES[name]
     cfg = case.config
     for (policy, _), ranks in zip(_POLICIES.items(), measured[name], strict=True):
         stages = StagePlanner(_dims(cfg, case.attention), _pipeline(cfg), min_offload_bytes=1, policy=policy).estimate(case.modules)
+        steady_steps = 0
         for result in ranks:
             stage = stages[result.pipeline_rank]
             what = f"{name} policy={policy} stage {result.pipeline_rank}"
@@ -113,21 +136,30 @@ def test_predicted_drop_equals_measured(measured, name: str):
             # The first step does not know the groups yet: chunks whose backward follows at once
             # (the last stage's) stay whole; the planner predicts the steady state (NOTE [Kept tail]),
             # which the later steps run unless a measured timing keeps more groups of those chunks.
-            first = simulate(plan, stage.group_bytes, policy=PlanPolicy(plan) if policy == "plan" else None)
+            # Nor which storages are held elsewhere: a chunk copies them until one of its vp stage
+            # copied them (NOTE [Storages held elsewhere]); the planner predicts all learned.
             heads = PlanPolicy(plan, group_bytes=stage.group_bytes).copied_head
+            learned: set[tuple[int, int]] = set()
             for number, step in enumerate(result.steps):
                 assert step["plan"] == [str(a) for a in plan.actions], what
                 assert step["group_bytes"] == {c: stage.group_bytes[c[1]] for c in plan.chunks}, what
                 got = (step["peak_saved_bytes"], step["peak_resident_bytes"], step["host_bytes_at_saved_peak"], step["bytes_offloaded"])
-                ran = step["policy"]
-                steady = number > 0 and (policy == "all" or ran.copied_head == heads)
-                predicted = stage.simulation if steady else first if number == 0 else simulate(plan, stage.group_bytes, policy=ran)
+                ran = step["policy"] if number else PlanPolicy(plan) if policy == "plan" else SchedulePolicy()
+                before = set(learned)
+                kept = _kept_as_learned(stage, ran, learned)
+                assert step["group_kept_bytes"] == kept, what
+                steady = number > 0 and learned == before and (policy == "all" or ran.copied_head == heads)
+                steady_steps += steady
+                predicted = stage.simulation if steady else simulate(plan, stage.group_bytes, policy=ran, kept_bytes=kept)
                 want = (predicted.peak_saved_bytes, predicted.peak_resident_bytes, predicted.host_bytes_at_saved_peak, predicted.bytes_offloaded)
                 assert got == want, what
                 measured_drop = step["peak_saved_bytes"] - step["peak_resident_bytes"]
                 assert stage.drop > 0 and measured_drop == predicted.drop, what  # R = 1
+                if number == 0:
+                    first = predicted
             if policy == "plan" and result.pipeline_rank == cfg.pipeline_parallel - 1 and cfg.virtual_pipeline is None:
                 assert first.drop == 0 < stage.drop, what  # every chunk kept, then all groups but the last copied
+        assert steady_steps > 0, f"{name} policy={policy}: no step ran the planner's steady state"
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_vpp2", "pp4"])
@@ -141,9 +173,10 @@ def test_budget_choice_from_predicted_bytes_equals_the_one_from_measured_bytes(m
     for result in measured[name][0]:
         stage = stages[result.pipeline_rank]
         plan = stage.simulation.plan
+        learned = result.steps[-1]["group_kept_bytes"]  # NOTE [Storages held elsewhere]: as the integrations pass them
         for budget in (last, (last + first) // 2):
-            predicted = choose_offload(plan, stage.group_bytes, budget)
-            assert choose_offload(plan, result.steps[0]["group_bytes"], budget) == predicted
+            predicted = choose_offload(plan, stage.group_bytes, budget, kept_bytes=stage.group_kept_bytes)
+            assert choose_offload(plan, result.steps[0]["group_bytes"], budget, kept_bytes=learned) == predicted
             assert predicted.fits and predicted.baseline_peak_bytes == result.steps[0]["peak_saved_bytes"]
 
 
@@ -153,7 +186,10 @@ def test_plan_policy_copies_all_but_the_last_group_on_the_last_stage():
     cfg = _CASES["pp2"].config
     stages = estimate_stages(_dims(cfg), _pipeline(cfg), _DENSE, min_offload_bytes=1)
     last = stages[-1]
-    assert last.kept_chunks == [] and last.bytes_offloaded == cfg.num_microbatches * sum(last.group_bytes[0][:-1])
+    # Less the first layer's input, which attn_norm saves and the schedule holds (NOTE [Storages held elsewhere]).
+    moved = [b - k for b, k in zip(last.group_bytes[0], last.group_kept_bytes[0])]
+    assert last.group_kept_bytes[0] == [cfg.seq_length * cfg.micro_batch_size * cfg.hidden_size * 4] + [0] * (len(moved) - 1)
+    assert last.kept_chunks == [] and last.bytes_offloaded == cfg.num_microbatches * sum(moved[:-1])
     assert 0 < last.drop < last.peak_saved_bytes
     assert stages[0].kept_chunks == [] and stages[0].drop > 0
 
@@ -202,7 +238,9 @@ def test_copy_against_compute():
     slow = Hardware(host_bandwidth_gbs=1e-3, device_tflops=1000.0)
     for hardware, hides in ((fast, True), (slow, False)):
         stage = estimate_stages(_TINY, pipeline, ["core_attn"], hardware=hardware, min_offload_bytes=1)[0]
-        per_layer = stage.module_bytes_per_layer["core_attn"]
+        # SDPA's output stays: attn_proj, not offloaded, holds it (NOTE [Storages held elsewhere]).
+        per_layer = stage.module_bytes_per_layer["core_attn"] - _TINY.tokens * _TINY.hidden_size * 4
+        assert stage.group_kept_bytes[0] == [_TINY.tokens * _TINY.hidden_size * 4] * 4
         assert stage.copy_seconds_per_layer == per_layer / (hardware.host_bandwidth_gbs * 1e9)
         assert stage.compute_seconds_per_layer == layer_forward_flops(_TINY, 0) / (hardware.device_tflops * 1e12)
         assert stage.hides is hides
