@@ -29,6 +29,7 @@ any offload; the losses (forward only) are the fair check there.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -159,6 +160,9 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             if losses is None:
                 losses = [d["lm loss"].detach().cpu() for d in store]
         grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # A chunk-offload run leaves its model in a reference cycle (model hooks <-> manager) that only
+    # the garbage collector frees: collect it, or the next run's peak includes this run's model.
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return {"run": run, "modules": ",".join(modules), "peak_bytes": None if None in peaks else max(peaks),

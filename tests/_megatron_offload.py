@@ -105,6 +105,10 @@ class OffloadHooks:
             "registered": dict(self.manager.registered),
             "offloaded": {n: g.bytes_offloaded for n, g in stats.groups.items()},
             "reloaded": {n: g.bytes_reloaded for n, g in stats.groups.items()},
+            # NOTE [Storages held elsewhere]: copied before the engine learned another reference
+            # held them, and kept on device since (not in "offloaded").
+            "copied_held_elsewhere": {n: g.bytes_copied_held_elsewhere for n, g in stats.groups.items()},
+            "kept_held_elsewhere": {n: g.bytes_kept_held_elsewhere for n, g in stats.groups.items()},
             "groups": {n: g.groups for n, g in stats.groups.items()},
             "pool_in_use": stats.pool.in_use_bytes,
             "resident": stats.resident_bytes,
@@ -131,6 +135,9 @@ def step_record(manager: Any) -> dict[str, Any]:
         "pool_fallback_allocations": stats.pool.fallback_allocations,
         "pool_fallback_in_use_bytes": stats.pool.fallback_in_use_bytes,
         "bytes_offloaded": stats.bytes_offloaded,
+        # NOTE [Storages held elsewhere], summed over the group names.
+        "bytes_copied_held_elsewhere": sum(g.bytes_copied_held_elsewhere for g in stats.groups.values()),
+        "bytes_kept_held_elsewhere": sum(g.bytes_kept_held_elsewhere for g in stats.groups.values()),
         "live_chunks": len(manager.live_chunks()),
         # The host buffers themselves, read from the pool's free lists (private, test only):
         # their bytes must match the pool's own accounting, and the same buffers must be reused.

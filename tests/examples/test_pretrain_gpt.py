@@ -156,7 +156,15 @@ def test_example_with_and_without_offload_is_bit_identical(tmp_path, world, pipe
     for name in modules.split(","):
         bytes_moved = [int(b) for b in re.findall(rf"{name}:(\d+)", off_out)]
         assert len(bytes_moved) == world, off_out
-        assert [b > 0 for b in bytes_moved] == offloads, off_out
+        moves = offloads
+        if name == "attn_norm":
+            # Each chunk holds one layer here, and the only tensor its attn_norm saves that is over
+            # --chunk-offload-min-offload-bytes is the layer's input: for every chunk but the first
+            # stage's first one (which embeds its tokens), the chunk's received input, which the
+            # schedule holds until the chunk's backward. That one stays on device (NOTE [Storages
+            # held elsewhere]), so in the reported (last) iteration only pp rank 0 moves attn_norm bytes.
+            moves = [o and rank % pipeline == 0 for rank, o in enumerate(offloads)]
+        assert [b > 0 for b in bytes_moved] == moves, off_out
     for rank in range(world):
         base = torch.load(base_state / f"rank{rank}.pt")
         off = torch.load(off_state / f"rank{rank}.pt")

@@ -362,7 +362,19 @@ def test_auto_offloads_like_wrap_and_closes_at_the_next_forward(managed):
     assert manager.training_calls == wrapped.training_calls == 2
     assert manager.live_chunks() == [] and manager.observed_order == wrapped.observed_order
     assert _comparable(manager.last_iteration) == _comparable(wrapped.last_iteration)
-    assert manager.last_iteration.groups["qkv_linear"].bytes_offloaded > 0
+    # Each qkv_linear saves its [4, 8] fp32 input (128 bytes), and another reference holds both on
+    # device (NOTE [Storages held elsewhere]): layer 0's is the chunk's input, which the caller
+    # holds; layer 1's is layer 0's tanh output, which tanh saves. The first microbatch of the
+    # first iteration copies both and learns it; every later group keeps them on device.
+    nbytes = 4 * 8 * 4
+    last = manager.last_iteration.groups["qkv_linear"]
+    assert (last.groups, last.bytes_offloaded, last.bytes_copied_held_elsewhere, last.bytes_kept_held_elsewhere) == (
+        4, 0, 0, 4 * nbytes
+    )
+    for m in (manager, wrapped):
+        total = m.stats().groups["qkv_linear"]
+        assert (total.groups, total.bytes_offloaded, total.bytes_reloaded) == (8, 2 * nbytes, 2 * nbytes)
+        assert (total.bytes_copied_held_elsewhere, total.bytes_kept_held_elsewhere) == (2 * nbytes, 6 * nbytes)
     assert manager.plan == wrapped.plan and manager.plan.diff(manager.observed_order) is None
 
 

@@ -56,9 +56,14 @@ class _ReportHooks(OffloadHooks):
             "files": files,
             "records": list(manager.records),
             "plan": manager.plan,
-            # simulate(plan, bytes).drop with the policy the last iteration ran, computed where that policy lives.
+            # simulate(plan, bytes).drop with the policy the last iteration ran, computed where that
+            # policy lives, holding on device what that iteration kept because another reference
+            # holds it (NOTE [Storages held elsewhere]).
             "simulated_drop": simulate(
-                manager.plan, lambda m, v: manager.records[0].group_bytes[(m, v)], policy=manager.tracking.ran_policy
+                manager.plan,
+                lambda m, v: manager.records[0].group_bytes[(m, v)],
+                policy=manager.tracking.ran_policy,
+                kept_bytes=manager.records[-1].kept_bytes_of,
             ).drop,
         }
 

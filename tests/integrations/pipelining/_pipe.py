@@ -198,6 +198,8 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
                     peak_saved_bytes=record.peak_saved_bytes,
                     peak_resident_bytes=record.peak_resident_bytes,
                     group_bytes=record.group_bytes,
+                    # NOTE [Storages held elsewhere]: bytes each group kept on device (zeros where none).
+                    group_kept_bytes={chunk: record.kept_bytes_of(*chunk) for chunk in record.group_bytes},
                     bytes_offloaded=sum(g.bytes_offloaded for g in record.groups.values()),
                     group_names=record.group_names,
                     policy=manager.tracking.ran_policy,
