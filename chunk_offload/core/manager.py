@@ -391,5 +391,6 @@ class OffloadManager:
                 self.end_iteration(discard=True)
         finally:
             self._closed = True
+            self.policy.forget_protected()
             self.streams.synchronize()
             self.streams.close()

@@ -82,6 +82,12 @@ class OffloadPolicy:
         self._storages.add(module)
         self._protected = self._storages.by_key
 
+    def forget_protected(self) -> None:
+        """Drop every protected module and storage (the manager closed): a closed manager must not
+        keep the user's model, or its parameters' device memory, alive."""
+        self._storages = ProtectedStorages()
+        self._protected = self._storages.by_key
+
     def refresh(self) -> None:
         """Collect the protected storages anew: exactly what a walk over every protected module
         tree would collect, at the cost of a check of the cached trees when none changed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -195,3 +196,24 @@ def test_dropped_managers_leave_no_threads_and_no_hooks():
     assert len(_offload_threads()) == start
     assert not module._forward_pre_hooks and not module._forward_hooks
     assert torch.equal(module(x), expected)
+
+
+def test_a_closed_manager_keeps_no_model_alive() -> None:
+    """close() drops the protected modules and their parameters' storages: the model (and its
+    device memory) goes when the user drops it, while the manager object may live on."""
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    manager.offload_module(model[1], "tanh")
+    manager.protect_module(model)
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            loss = model(torch.randn(4, 8)).sum()
+        loss.backward()
+    for registration in manager.module_offloads:
+        registration.remove()
+    manager.close()
+    alive = weakref.ref(model), weakref.ref(model[0].weight)
+    del model, loss
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+    assert manager.closed
