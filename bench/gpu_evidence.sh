@@ -10,10 +10,11 @@
 # bandwidth.json.
 #
 # Each step runs under its own time limit, in the order of what matters most; a failing step
-# does not stop the others; the exit status is 1 if any step failed or timed out. The steps take
-# about 6 minutes on an H200 (a session's device time is 15 minutes, the machine's start
-# included); run them in one call with a wall-clock limit of about 9 minutes, and what the
-# finished steps wrote still comes back if the limit cuts the last ones.
+# does not stop the others; the exit status is 1 if any step failed or timed out. The steps took
+# 427 s on an H200 on 2026-11-26 with the sanitizer step cut at 120 s (it now runs the parity
+# tests and the PP=1 replay test, under 200 s): about 8 minutes in all. A session's device time
+# is 15 minutes, the machine's start included: run them in one call with a wall-clock limit of
+# about 9 minutes; what the finished steps wrote still comes back if the limit cuts the last ones.
 # Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
@@ -29,12 +30,12 @@
 set -u -o pipefail
 
 readonly STEPS=(install env tests sanitizer replay compare replay_last bandwidth overhead)
-declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [sanitizer]=120 [replay]=170 [compare]=170 [replay_last]=120 [bandwidth]=30 [overhead]=60)
+declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [sanitizer]=200 [replay]=170 [compare]=170 [replay_last]=120 [bandwidth]=30 [overhead]=60)
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
     [tests]='"$PY" -m pytest -v -rsP -p no:cacheprovider tests/gpu'
-    [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu'
+    [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu -k "not pp4_stage0 and not saved_twice"'
     [replay]='replay_stage 0 replay.json'
     [compare]='compare_pp1'
     [replay_last]='replay_stage 3 replay_last.json'
