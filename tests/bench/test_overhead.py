@@ -52,3 +52,16 @@ def test_bad_argument_is_a_usage_error() -> None:
     assert done.returncode == 2
     assert "--layers: must be an integer >= 1, got '0'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_negative_profile_is_a_usage_error() -> None:
+    done = _run("--profile", "-1")
+    assert done.returncode == 2
+    assert "--profile: must be an integer >= 0, got -1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_profile_prints_host_time_per_group() -> None:
+    done = _run("--layers", "6", "--repeats", "2", "--hidden", "8", "--batch", "2", "--profile", "2")
+    assert done.returncode == 0, done.stderr
+    assert "profile of the offload mode, 2 iterations: own host time per group (us), calls per group, function" in done.stdout
