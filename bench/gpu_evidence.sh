@@ -11,10 +11,10 @@
 #
 # Each step runs under its own time limit, in the order of what matters most; a failing step
 # does not stop the others; the exit status is 1 if any step failed or timed out. The steps took
-# 427 s on an H200 on 2026-11-26 with the sanitizer step cut at 120 s (it now runs the parity
-# tests and the PP=1 replay test, under 200 s): about 8 minutes in all. A session's device time
-# is 15 minutes, the machine's start included: run them in one call with a wall-clock limit of
-# about 9 minutes; what the finished steps wrote still comes back if the limit cuts the last ones.
+# 427 s on an H200 on 2026-11-26 with the sanitizer step cut at 120 s (it runs the parity tests
+# and the PP=1 replay test): about 7 to 8 minutes in all. A session's device time is 15 minutes,
+# the machine's start included: run them in one call with a wall-clock limit of about 9 minutes;
+# what the finished steps wrote still comes back if the limit cuts the last ones.
 # Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
@@ -29,8 +29,8 @@
 # REPLAY_MODULES (default core_attn,qkv_linear).
 set -u -o pipefail
 
-readonly STEPS=(install env tests sanitizer replay compare replay_last bandwidth overhead)
-declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [sanitizer]=200 [replay]=170 [compare]=170 [replay_last]=120 [bandwidth]=30 [overhead]=60)
+readonly STEPS=(install env tests compare sanitizer replay overhead replay_last bandwidth sanitizer_pp4)
+declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=200 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=100 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
@@ -41,6 +41,7 @@ declare -A CMD=(
     [replay_last]='replay_stage 3 replay_last.json'
     [bandwidth]='"$PY" bench/bandwidth.py --json "$OUT_DIR/bandwidth.json"'
     [overhead]='"$PY" bench/overhead.py --profile 5'
+    [sanitizer_pp4]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_replay.py -k pp4_stage0'
 )
 # Issue 26's configurations, both module sets each: 8 layers at hidden 4096, seq 4096, 4
 # microbatches (compute-bound), then 16 layers at hidden 1024, seq 1024, 8 microbatches (host-bound).

@@ -7,7 +7,8 @@ model from the same seed (so the same weights and inputs):
 
 - none: no offload;
 - chunk-offload: `chunk_offload.integrations.megatron.attach` with its defaults (at PP=1 every
-  backward follows its forward at once, so the default plan keeps everything on device);
+  backward follows its forward at once: the default plan copies all but a chunk's last groups,
+  NOTE [Kept tail] in chunk_offload/core/ordering.py);
 - chunk-offload budget: the same with ``device_budget_bytes`` (``--budget-bytes``; default:
   megatron's measured peak for these modules on CUDA, i.e. the same memory, else half of
   chunk-offload's saved peak);
@@ -129,7 +130,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
     """One run: fresh model, warm-up, measured iterations through megatron's schedule."""
     dtype = _DTYPES[args.dtype]
     overrides = builtin.builtin_config(modules, min_offload_bytes=args.min_offload_bytes, dtype=dtype) if run == "megatron" else None
-    times, peaks, copied, losses = [], [], [], None
+    times, peaks, copied, waits, losses = [], [], [], [], None
     with ExitStack() as stack:
         stage = stack.enter_context(megatron_stage(shape, pp_size=1, pp_rank=0, seed=args.seed, config_overrides=overrides))
         # The whole model in the run's dtype (build_gpt_chunks' own dtype handling is being reworked).
@@ -157,6 +158,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             record = manager.engine.last_iteration if manager is not None else None
             peaks.append(torch.cuda.max_memory_allocated(device) if cuda else record.peak_bytes if record else None)
             copied.append(sum(g.bytes_offloaded for g in record.groups.values()) if record else sum(n for _, n in seen.values()))
+            waits.append(sum(g.wait_time_s for g in record.groups.values()) if record else None)
             if losses is None:
                 losses = [d["lm loss"].detach().cpu() for d in store]
         grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -168,6 +170,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
     return {"run": run, "modules": ",".join(modules), "peak_bytes": None if None in peaks else max(peaks),
             "median_step_s": statistics.median(times), "min_step_s": min(times), "bytes_copied": copied[-1],
             "budget_bytes": budget if run.endswith("budget") else None,
+            "compute_wait_ms": None if None in waits else statistics.median(waits) * 1e3,
             "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses, "_grads": grads}  # fmt: skip
 
 
@@ -202,7 +205,7 @@ def _format(rows: list[dict[str, Any]], device: str) -> str:
 
     w = 2 + max(len(r["modules"]) for r in rows)
     lines = [f"{'modules':<{w}}{'run':<22}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'GB copied':>11}"
-             f"{'losses =':>10}{'grads =':>9}"]  # fmt: skip
+             f"{'losses =':>10}{'grads =':>9}{'wait ms':>9}"]  # fmt: skip
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['modules']:<{w}}{r['run']:<22}skipped: {r['skipped']}")
@@ -211,10 +214,12 @@ def _format(rows: list[dict[str, Any]], device: str) -> str:
             f"{r['modules']:<{w}}{r['run']:<22}{gb(r['peak_bytes']):>9}{r['median_step_s'] * 1e3:>11.2f}{r['min_step_s'] * 1e3:>9.2f}"
             f"{r['overhead'] * 100:>9.1f}%{gb(r['bytes_copied']):>11}{'yes' if r['losses_identical'] else 'no':>10}"
             f"{'yes' if r['grads_identical'] else 'no':>9}"
+            f"{'n/a' if r['compute_wait_ms'] is None else format(r['compute_wait_ms'], '.2f'):>9}"
         )
     cpu = device == "cpu"
     lines.append("peak: " + ("CPU has no device allocator: chunk-offload's accounting of saved bytes, n/a for the others"
                              if cpu else "torch.cuda.max_memory_allocated per iteration (max over measured iterations)"))  # fmt: skip
+    lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others")
     lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'"
                  + ("" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)"))
     return "\n".join(lines)

@@ -10,6 +10,9 @@
 - `add_gradient_hook`: `Tensor.register_hook` without its removable handle;
 - `weak_storage` / `storage_expired` / `free_weak_storage`: a weak handle on a tensor's storage
   (what CUDA-graph trees use), to learn whether releasing our references freed its memory;
+- `current_stream_data` / `set_stream_data`: the current CUDA stream as the ``(stream_id,
+  device_index, device_type)`` triple torch keeps, read and set without building a
+  ``torch.cuda.Stream`` (NOTE [CUDA host path] in streams/cuda.py);
 - `tree_flatten`: torch's pytree utility (a module's output as dicts, nested
   tuples, namedtuples, registered dataclass-like outputs such as HF ``ModelOutput``).
 """
@@ -35,6 +38,8 @@ __all__ = [
     "weak_storage",
     "storage_expired",
     "free_weak_storage",
+    "current_stream_data",
+    "set_stream_data",
 ]
 
 
@@ -114,3 +119,14 @@ def storage_expired(handle: int) -> bool:
 def free_weak_storage(handle: int) -> None:
     """Drop a handle made by `weak_storage`."""
     torch.UntypedStorage._free_weak_ref(handle)
+
+
+def current_stream_data(device_index: int) -> tuple[int, int, int]:
+    """``(stream_id, device_index, device_type)`` of the current CUDA stream of ``device_index``
+    (what `torch.cuda.current_stream` reads before it builds its Stream object)."""
+    return torch._C._cuda_getCurrentStream(device_index)
+
+
+def set_stream_data(data: tuple[int, int, int]) -> None:
+    """Make the stream ``data`` (`current_stream_data`'s triple) current (what `torch.cuda.set_stream` calls)."""
+    torch._C._cuda_setStream(stream_id=data[0], device_index=data[1], device_type=data[2])

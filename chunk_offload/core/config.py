@@ -31,6 +31,11 @@ class OffloadConfig:
     trace: bool = False
     """Record the resident saved bytes (and on CUDA the allocated device memory) after every
     accounting change of an iteration, in `IterationRecord.resident_trace` / ``device_trace``."""
+    deterministic_memory: bool = False
+    """True: compute waits on each group's copy to host before its device originals are released,
+    so device memory follows the program exactly, at the cost of stalls where the link lags.
+    False: the originals are handed to the copy stream and their memory is reused once their
+    copy ends, with no stall (NOTE [Release by the copy stream] in core/copies.py)."""
     profile_ranges: bool = False
     """Mark each group's offload and reload issue, the compute waits on them and policy prefetches
     with `torch.profiler.record_function` ranges (NVTX ranges on CUDA under nsys or ``emit_nvtx``),
@@ -43,7 +48,7 @@ class OffloadConfig:
         _check_bytes("host_pool_bytes", self.host_pool_bytes, optional=True)
         if not isinstance(self.on_exhausted, str) or self.on_exhausted not in ON_EXHAUSTED:
             raise ChunkOffloadError(f"on_exhausted={self.on_exhausted!r} is not valid; choose one of {ON_EXHAUSTED}")
-        for name in ("offload", "measure_time", "trace", "profile_ranges"):
+        for name in ("offload", "measure_time", "trace", "deterministic_memory", "profile_ranges"):
             if not isinstance(getattr(self, name), bool):
                 raise ChunkOffloadError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .engine_context import EngineContext
     from .streams import Event, Mark
 
-__all__ = ["copy_to_device", "copy_to_host", "view_device_bytes"]
+__all__ = ["copy_to_device", "copy_to_host", "release_after_copy", "view_device_bytes"]
 
 Wait = Callable[..., None]
 """`OffloadGroup._wait`: ``wait(stream, event, wait_name)``, skippable by name in tests."""
@@ -71,8 +71,12 @@ def copy_to_host(ctx: "EngineContext", name: str, storages: Iterable[Storage], w
     return d2h.record_event()
 
 
-def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], offload_event: "Event") -> "Event":
-    """Copy ``storages`` back from their host buffers into new device buffers; the event of the copies."""
+def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], offload_event: "Event", wait: Wait) -> "Event":
+    """Copy ``storages`` back from their host buffers into new device buffers; the event of the copies.
+
+    The reload stream waits on the offload's event itself: compute released the originals
+    without waiting on it (NOTE [Release by the copy stream]).
+    """
     streams = ctx.streams
     h2d = streams.h2d
     for storage in storages:
@@ -83,6 +87,7 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
     alloc_mark = streams.compute.tick()
     if "reload_after_alloc" not in ctx.skip_waits:
         h2d.wait_stream(streams.compute)
+    wait(h2d, offload_event, "reload_after_offload")
     h2d.require(alloc_mark, rule="R4", what="reload of {!r} writing its device buffer", subject=name)
     h2d.require(offload_event.mark, rule="R4", what="reload of {!r} reading a host buffer before its offload finished", subject=name)
     nbytes = 0
@@ -99,3 +104,31 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
         ctx.pool.release(storage.host, event)
         storage.host = None
     return event
+
+
+def release_after_copy(ctx: "EngineContext", name: str, storages: list[Storage], offload_event: "Event", wait: Wait, what: str) -> None:
+    """Let compute drop the device originals of ``storages`` while their copy to host (``offload_event``) may still read them.
+
+    NOTE [Release by the copy stream]
+    A group's device originals are released at the next group's commit or at the chunk's
+    forward end (NOTE [Release and prefetch order] in handler.py). By default compute does not
+    wait for their copy to host: they are handed to the d2h stream (`Stream.retain`; on CUDA
+    ``record_stream``, so the caching allocator reuses their memory only once the copies issued
+    before the free are done; on CPU the copy holds them until it ran). Compute never stalls in
+    forward on the link; while the link lags, the originals in flight stay allocated (the bytes a
+    wait would have held as well) and their memory is reused as soon as their copy ends. The
+    price: when that memory becomes free depends on the link's progress, not on the program
+    alone, so the device peak may exceed the accounting by the bytes still in flight at the peak
+    (R measures it). `OffloadConfig.deterministic_memory` restores the strict order: compute waits
+    on the copy's event before the release (R2), memory follows the program, compute stalls where
+    the link lags. Since compute no longer orders d2h before later work, a reload waits on the
+    offload's event itself before it reads the host buffer (R4, ``reload_after_offload`` in
+    `copy_to_device`), and the held-elsewhere check at the chunk's forward end first waits for
+    copies that hold their sources (`StreamBackend.copies_hold_sources`).
+    """
+    if ctx.deterministic_memory or "release_after_offload" in ctx.skip_waits:  # (skipped: tests only)
+        compute = ctx.streams.compute
+        wait(compute, offload_event, "release_after_offload", "wait_time_s")
+        compute.require(offload_event.mark, rule="R2", what=what, subject=name)
+    else:
+        ctx.streams.d2h.retain([storage.device_bytes for storage in storages])

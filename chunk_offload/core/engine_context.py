@@ -24,14 +24,12 @@ __all__ = ["EngineContext", "NO_RANGE", "WAIT_NAMES", "profile_range"]
 # `EngineContext.skip_waits` to prove the happens-before checker catches each.
 WAIT_NAMES = (
     "offload_after_compute",  # R1: d2h waits on compute before reading saved tensors
-    "release_after_offload",  # R2: compute waits on d2h before dropping device tensors
+    "release_after_offload",  # R2: device originals handed to d2h (`Stream.retain`), or compute waits on d2h, before they are dropped
     "use_after_reload",  # R2: compute waits on h2d before using reloaded tensors
     "reuse_after_reload",  # R3: d2h waits on the last reload of a host buffer before writing it
     "reload_after_alloc",  # R4: h2d waits on compute where the reload buffer was allocated
+    "reload_after_offload",  # R4: h2d waits on the offload's event before reading its host buffer
 )
-# R4's other half (a reload reads a host buffer only after the offload that filled it) needs no
-# wait of its own: a group is reloaded from host only after `release_device`, where compute
-# waited on the offload (R2), and the reload stream waits on compute (R4). It is still checked.
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +48,9 @@ class EngineContext:
     on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None
     """Called when backward first reaches one of a chunk's groups (after that group's reload)."""
     measure_time: bool = True
+    deterministic_memory: bool = False
+    """`OffloadConfig.deterministic_memory`: a release waits on the copy instead of handing the
+    originals to the copy stream (NOTE [Release by the copy stream])."""
     profile_ranges: bool = False
     """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
     skip_waits: frozenset[str] = frozenset()

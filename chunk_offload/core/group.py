@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Collection, Sequence
 import torch
 
 from ._torch_compat import free_weak_storage, storage_key
-from .copies import copy_to_device, copy_to_host
+from .copies import copy_to_device, copy_to_host, release_after_copy
 from .engine_context import NO_RANGE, EngineContext, profile_range
 from .errors import ChunkOffloadError, internal_assert
 from .group_state import TRANSITIONS, GroupState
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["OffloadGroup"]
 
 # The profiler range of each compute wait, by wait name (`OffloadConfig.profile_ranges`).
-_WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
+_WAIT_RANGES = {"use_after_reload": "wait_reload"}
 
 # The states the per-tensor paths test, as globals: an Enum member lookup costs several times
 # a global one, and these run for every saved tensor.
@@ -203,7 +203,8 @@ class OffloadGroup:
         self._to(GroupState.OFFLOADING)
 
     def release_device(self) -> None:
-        """Drop the device tensors once compute waited on their offload (frees device memory).
+        """Drop the device originals of the copied storages once their copy to host is ordered
+        before any reuse of their memory (NOTE [Release by the copy stream] in copies.py).
 
         No-op when backward already reached the group (its offload was cancelled: RESIDENT) or
         autograd already freed all of it (RELEASED); any other state is a bug of ours.
@@ -212,21 +213,23 @@ class OffloadGroup:
             return
         if self.state is not GroupState.OFFLOADING:
             internal_assert(False, f"release_device of {self!r}")
-        compute = self._ctx.streams.compute
-        self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
-        compute.require(self._d2h_event.mark, rule="R2", what="release of offloaded tensors of {!r}", subject=self.name)
-        for storage in self._storages.values():
-            if storage.live and not storage.pinned:
-                storage.device_bytes = None
-                storage.on_host = True
-                for ref in alive(storage):
-                    ref.drop_original()
-                self._ctx.resident.moved_to_host(storage.nbytes)
+        ctx = self._ctx
+        moved = [storage for storage in self._storages.values() if storage.live and not storage.pinned]
+        release_after_copy(ctx, self.name, moved, self._d2h_event, self._wait, "release of offloaded tensors of {!r}")
+        for storage in moved:
+            storage.device_bytes = None
+            storage.on_host = True
+            for ref in alive(storage):
+                ref.drop_original()
+            ctx.resident.moved_to_host(storage.nbytes)
         self._to(GroupState.ON_HOST)
 
     def note_held_elsewhere(self) -> None:
         """At its chunk's forward end: learn which copied storages another reference keeps on
-        device (NOTE [Storages held elsewhere])."""
+        device (NOTE [Storages held elsewhere]). Copies that hold their sources are waited
+        for first, so that only other references count (NOTE [Release by the copy stream] in copies.py)."""
+        if self._ctx.streams.copies_hold_sources:
+            self._d2h_event.synchronize()
         nbytes = self._ctx.held_elsewhere.learn(self.handler.key.vp_stage, self.index, self.name, self._storages.values())
         if nbytes:
             self._ctx.stats.group(self.name).bytes_copied_held_elsewhere += nbytes
@@ -253,7 +256,7 @@ class OffloadGroup:
 
     def _reload(self) -> None:
         pending = [storage for storage in self._storages.values() if storage.live and not storage.pinned]
-        self._h2d_event = copy_to_device(self._ctx, self.name, pending, self._d2h_event)
+        self._h2d_event = copy_to_device(self._ctx, self.name, pending, self._d2h_event, self._wait)
         self._to(GroupState.RELOADING)
 
     def _cancel_offload(self) -> None:
@@ -323,12 +326,9 @@ class OffloadGroup:
             # its buffer, which was allocated on compute (NOTE [Reload allocation]): compute must
             # wait before the allocator can hand that memory to anything else.
             self.ensure_resident()
-        if self._offload_cancelled and storage.device_bytes is not None:
-            # The cancelled offload's copy may still read the originals: compute waits on it before
-            # they are freed, or the allocator could hand their memory out under the copy (R2).
-            compute = ctx.streams.compute
-            self._wait(compute, self._d2h_event, "release_after_offload", "wait_time_s")
-            compute.require(self._d2h_event.mark, rule="R2", what="free of the originals of {!r} (offload cancelled)", subject=self.name)
+        if (state is GroupState.OFFLOADING or self._offload_cancelled) and storage.device_bytes is not None:
+            # The offload's copy (in flight, or cancelled by backward) may still read the original.
+            release_after_copy(ctx, self.name, [storage], self._d2h_event, self._wait, "free of the originals of {!r} while their offload may run")
         if storage.host is not None:
             ctx.pool.release(storage.host, self._d2h_event)
             storage.host = None

@@ -7,8 +7,9 @@ named groups for our own start/commit marks.
 
 NOTE [Release and prefetch order]
 Forward: committing group g issues its copies to host, then releases the device tensors of
-the chunk's earlier groups (compute waits on their offload events first: R2). The copy of g
-thus overlaps the compute of g + 1. When the chunk's forward ends, every group is released.
+the chunk's earlier groups, handing them to the copy stream (compute does not wait: NOTE
+[Release by the copy stream] in copies.py). The copy of g thus overlaps the compute of g + 1
+and later. When the chunk's forward ends, every group is released.
 Backward runs groups in reverse: when group g's backward starts, compute waits for g's
 reload (issued now if nobody prefetched it) and the reload of g - 1 is issued, so it overlaps
 g's backward compute. A `SchedulePolicy` may start the reload of a chunk's last groups

@@ -102,6 +102,7 @@ class OffloadManager:
             held_elsewhere=HeldElsewhere(),
             on_backward_start=self._on_backward_start,
             measure_time=self.config.measure_time,
+            deterministic_memory=self.config.deterministic_memory,
             profile_ranges=self.config.profile_ranges,
         )
         self._marks = GroupMarks()

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_evidence.sh"
-STEPS = ("install", "env", "tests", "sanitizer", "replay", "compare", "replay_last", "bandwidth", "overhead")
+STEPS = ("install", "env", "tests", "compare", "sanitizer", "replay", "overhead", "replay_last", "bandwidth", "sanitizer_pp4")
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 

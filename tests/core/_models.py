@@ -112,7 +112,7 @@ def assert_clean(manager: chunk_offload.OffloadManager) -> None:
 
 
 def manager_skipping_waits(
-    skip: Sequence[str], *, streams: chunk_offload.StreamBackend | None = None
+    skip: Sequence[str], *, streams: chunk_offload.StreamBackend | None = None, deterministic_memory: bool = False
 ) -> chunk_offload.OffloadManager:
     """Test-only: an `OffloadManager` (``min_offload_bytes=1``) whose engine leaves out the waits
     named in ``skip`` (`chunk_offload.core.engine_context.WAIT_NAMES`), to prove the happens-before
@@ -120,7 +120,8 @@ def manager_skipping_waits(
     bad = sorted(set(skip) - set(WAIT_NAMES))
     if bad:
         raise chunk_offload.ChunkOffloadError(f"unknown wait names {bad}; valid: {list(WAIT_NAMES)}")
-    manager = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1), streams=streams)
+    config = chunk_offload.OffloadConfig(min_offload_bytes=1, deterministic_memory=deterministic_memory)
+    manager = chunk_offload.OffloadManager(config, streams=streams)
     manager._ctx.skip_waits = frozenset(skip)
     return manager
 

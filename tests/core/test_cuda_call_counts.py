@@ -12,10 +12,12 @@ core/streams.py and NOTE [Release and prefetch order] in core/handler.py), not r
 - offload (commit): d2h waits on compute (R1, one ``wait_stream``); per storage one copy, and
   from the second iteration on one event wait for the reused host buffer's fence (R3); one
   event recorded on d2h after the copies;
-- release (at the next group's commit, or the chunk's end for its last group): compute waits
-  on that event (R2);
-- reload (backward reaches the group): h2d waits on compute (R4), one copy per storage, one
-  event recorded on h2d; compute waits on it before the first unpack (R2).
+- release (at the next group's commit, or the chunk's end for its last group): the device
+  originals are handed to d2h, compute does not wait (R2, NOTE [Release by the copy stream]
+  in core/copies.py);
+- reload (backward reaches the group): h2d waits on compute (R4) and on the offload's event
+  (R4), one copy per storage, one event recorded on h2d; compute waits on it before the first
+  unpack (R2).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class CountingStream:
         self._log("wait_event", self.name, timed, 0)
         return self.inner.wait_event(event, timed=timed)
 
+    def retain(self, tensors) -> None:
+        self._log("retain", self.name, False, 0)
+        self.inner.retain(tensors)
+
     def wait_stream(self, other: "CountingStream") -> None:
         self._log("wait_stream", self.name, False, 0)
         self.inner.wait_stream(other.inner)
@@ -79,6 +85,7 @@ class CountingStreams(StreamBackend):
         self._inner = CpuStreams()
         self.device = self._inner.device
         self.pin_memory = self._inner.pin_memory
+        self.copies_hold_sources = self._inner.copies_hold_sources
         self.log: list[tuple[str, str, bool, int]] = []
         append = lambda *entry: self.log.append(entry)  # noqa: E731
         self.compute = CountingStream(self._inner.compute, append)
@@ -126,15 +133,17 @@ def offload_ops(reused: bool) -> Counter:
     return _counts(wait_stream__d2h=1, wait_event__d2h=int(reused), copy__d2h=1, record_event__d2h=1)
 
 
-RELEASE_OPS = _counts(wait_event__compute=1)
-RELOAD_OPS = _counts(wait_stream__h2d=1, copy__h2d=1, record_event__h2d=1, wait_event__compute=1)
+RELEASE_OPS = _counts(retain__d2h=1)
+DETERMINISTIC_RELEASE_OPS = _counts(wait_event__compute=1)  # OffloadConfig.deterministic_memory
+RELOAD_OPS = _counts(wait_stream__h2d=1, wait_event__h2d=1, copy__h2d=1, record_event__h2d=1, wait_event__compute=1)
 # Each iteration's start and end: the manager waits until both copy streams are idle.
 ITERATION_OPS = _counts(synchronize__d2h=2, synchronize__h2d=2)
 
 
-def _run(streams: CountingStreams, groups: int, iterations: int, *, measure_time: bool) -> list[dict[str, Counter]]:
+def _run(streams: CountingStreams, groups: int, iterations: int, *, measure_time: bool, deterministic_memory: bool = False) -> list[dict[str, Counter]]:
     """Train ``groups`` chained ThreeViews groups in one chunk; the ops of each phase per iteration."""
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1, measure_time=measure_time), streams=streams)
+    config = OffloadConfig(min_offload_bytes=1, measure_time=measure_time, deterministic_memory=deterministic_memory)
+    manager = OffloadManager(config, streams=streams)
     model = nn.Sequential(*[ThreeViews() for _ in range(groups)])
     for i, layer in enumerate(model):
         manager.offload_module(layer, f"g{i}")
@@ -177,14 +186,16 @@ def _times(counter: Counter, n: int) -> Counter:
     return Counter({key: value * n for key, value in counter.items()})
 
 
+@pytest.mark.parametrize("deterministic_memory", [False, True])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_ops_per_group(groups: int) -> None:
-    phases = _run(CountingStreams(), groups, iterations=2, measure_time=False)
+def test_ops_per_group(groups: int, deterministic_memory: bool) -> None:
+    phases = _run(CountingStreams(), groups, iterations=2, measure_time=False, deterministic_memory=deterministic_memory)
+    release = DETERMINISTIC_RELEASE_OPS if deterministic_memory else RELEASE_OPS
     for iteration, phase in enumerate(phases):
         # Committing a group releases the one before it; the chunk's end releases the last.
-        offload = _times(offload_ops(reused=iteration > 0), groups) + _times(RELEASE_OPS, groups - 1)
+        offload = _times(offload_ops(reused=iteration > 0), groups) + _times(release, groups - 1)
         assert phase["forward"] == offload, (iteration, phase)
-        assert phase["chunk_end"] == RELEASE_OPS, (iteration, phase)
+        assert phase["chunk_end"] == release, (iteration, phase)
         assert phase["backward"] == _times(RELOAD_OPS, groups), (iteration, phase)
         assert phase["iteration"] == ITERATION_OPS, (iteration, phase)
         assert phase["timed"] == Counter()
@@ -203,8 +214,9 @@ def test_measure_time_times_each_copy_and_compute_wait() -> None:
     (phase,) = _run(CountingStreams(), groups, iterations=1, measure_time=True)
     assert phase["forward"] + phase["chunk_end"] == _times(offload_ops(reused=False) + RELEASE_OPS, groups)
     assert phase["backward"] == _times(RELOAD_OPS, groups)
-    # Per group: its D2H copy, its H2D copy, the release wait and the wait before its first use.
-    assert phase["timed"] == Counter({"copy": 2 * groups, "wait_event": 2 * groups})
+    # Per group: its D2H copy, its H2D copy and the compute wait before its first use (the
+    # release does not wait).
+    assert phase["timed"] == Counter({"copy": 2 * groups, "wait_event": groups})
 
 
 class SaveTwoStorages(torch.autograd.Function):

@@ -62,13 +62,14 @@ def run_offloaded(
     skip: Sequence[str] = (),
     order: Sequence = ONE_F_ONE_B,
     model_chunks: int = 1,
+    deterministic_memory: bool = False,
 ) -> tuple[RunResult, chunk_offload.OffloadStats]:
     """`run_schedule` with every kind offloaded; closes the manager also when the run raises."""
     managers: list[OffloadManager] = []
     final: list[chunk_offload.OffloadStats] = []
 
     def factory() -> OffloadManager:
-        manager = manager_skipping_waits(skip, streams=streams())
+        manager = manager_skipping_waits(skip, streams=streams(), deterministic_memory=deterministic_memory)
         managers.append(manager)
         return manager
 
@@ -127,6 +128,24 @@ def test_parity_under_random_delays(run_cache, seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_deterministic_memory_parity_under_random_delays(run_cache, seed: int) -> None:
+    """`OffloadConfig.deterministic_memory`: compute waits on each copy before the release, exact too."""
+    result, stats = run_offloaded(
+        lambda: CpuStreams(max_delay_s=1e-4, delay_on=("d2h", "h2d", "compute"), seed=seed), deterministic_memory=True
+    )
+    assert_identical(baseline(run_cache), result)
+    assert_really_offloaded(stats)
+    assert sum(g.wait_time_s for g in stats.groups.values()) > 0  # the releases waited
+
+
+@pytest.mark.parametrize("deterministic_memory", [False, True])
+def test_missing_release_wait_is_caught_in_both_release_modes(deterministic_memory: bool) -> None:
+    with pytest.raises(HappensBeforeError) as info:
+        run_offloaded(lambda: CpuStreams(), skip=("release_after_offload",), deterministic_memory=deterministic_memory)
+    assert info.value.rule == "R2", str(info.value)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_interleaved_parity_under_random_delays(run_cache, seed: int) -> None:
     """The checker is not over-eager: with every wait present, the interleaved schedule raises nothing."""
     result, stats = run_offloaded(
@@ -146,6 +165,7 @@ SCHEDULE_WAIT_RULES = {
     "release_after_offload": "R2",
     "use_after_reload": "R2",
     "reload_after_alloc": "R4",
+    "reload_after_offload": "R4",
 }
 # reuse_after_reload (R3) needs a buffer reused before compute waited on its reload; see below.
 EXPECTED_RULES = {**SCHEDULE_WAIT_RULES, "reuse_after_reload": "R3"}

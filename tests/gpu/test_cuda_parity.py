@@ -5,7 +5,8 @@ on the GPU, once without a manager and once offloading every module kind on `Cud
 (copies on two side streams, ordered by events only). Losses, every gradient of every
 iteration and the final parameters must be `torch.equal`; bytes must really go to host and
 back; the host buffers must be pinned (else the copies are synchronous and hide races); and
-nothing may call `torch.Tensor.record_stream`. Run the module again under
+`torch.Tensor.record_stream` is called only where NOTE [Release by the copy stream] says (on
+the offload stream, never with ``deterministic_memory``). Run the module again under
 ``TORCH_CUDA_SANITIZER=1`` (bench/gpu_evidence.sh does) for PyTorch's stream-race checker.
 """
 
@@ -73,15 +74,25 @@ class _Watch:
         self.stats.append(manager.stats())
 
 
+@pytest.mark.parametrize("deterministic_memory", [False, True], ids=["copy_stream_release", "deterministic_memory"])
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("order_id", sorted(ORDERS))
-def test_offload_on_cuda_streams_is_bit_identical(order_id, seed, on_cuda, make_manager, deterministic, no_record_stream) -> None:
+def test_offload_on_cuda_streams_is_bit_identical(
+    order_id, seed, deterministic_memory, on_cuda, make_manager, deterministic, record_stream_calls
+) -> None:
     order, model_chunks = ORDERS[order_id]
     kwargs = dict(order=order, model_chunks=model_chunks, iterations=ITERATIONS, layers=2, seed=seed)
     baseline = run_schedule(lambda: None, **kwargs)
     watch = _Watch()
+    compute = torch.cuda.current_stream()
     # run_schedule closes the manager it gets.
-    result = run_schedule(lambda: watch.attach(make_manager(min_offload_bytes=1)), kinds=MODULE_KINDS, after_iteration=watch, **kwargs)
+    make = lambda: watch.attach(make_manager(min_offload_bytes=1, deterministic_memory=deterministic_memory))  # noqa: E731
+    result = run_schedule(make, kinds=MODULE_KINDS, after_iteration=watch, **kwargs)
+    if deterministic_memory:
+        assert record_stream_calls == []
+    else:  # every release hands its originals to the one offload stream, never to compute
+        streams = {stream for _, stream in record_stream_calls}
+        assert len(streams) == 1 and compute not in streams, streams
 
     assert_identical(baseline, result)
     assert all(g.is_cuda for g in result.grads[-1]), "the models did not run on the GPU"

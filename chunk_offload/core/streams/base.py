@@ -15,7 +15,8 @@ engine states what each access depends on with `Stream.require(mark, rule=...)`:
 - R1  a device-to-host copy may read a saved tensor only after its stream waited on compute
       at or after the moment the tensor was saved;
 - R2  compute may use a reloaded tensor only after waiting on the reload's event, and may
-      release an offloaded device tensor only after waiting on the offload's event;
+      release an offloaded device tensor only after waiting on the offload's event or after
+      handing it to the copy stream (`Stream.retain`: NOTE [Release by the copy stream]);
 - R3  a host buffer may be written by a new offload only after the reload that read it is
       known done (the writing stream waited on the reload's event);
 - R4  a reload may write its device buffer only after its stream waited on compute where that
@@ -161,6 +162,12 @@ class Stream:
         """Make later work of this stream wait for all work issued to ``other`` so far."""
         self.wait_event(other.record_event())
 
+    def retain(self, tensors: list[torch.Tensor]) -> None:
+        """Keep the memory of ``tensors`` from reuse until the work issued to this stream so far
+        is done, whoever frees them and when, without making any stream or the host wait
+        (NOTE [Release by the copy stream] in copies.py)."""
+        raise NotImplementedError
+
     def tick(self) -> Mark | None:
         """A named moment of this stream (a tensor saved or allocated now), for `require`."""
         return self._vc.tick(self.id)
@@ -183,6 +190,9 @@ class StreamBackend:
 
     device: torch.device
     pin_memory: bool
+    copies_hold_sources = False
+    """Whether a copy in flight holds references to the tensors it reads (CPU worker threads),
+    so that a check of what else holds a storage must wait for the copies first."""
     compute: Stream
     d2h: Stream
     h2d: Stream

@@ -238,6 +238,11 @@ class _CpuCopyStream(Stream):
         self._batch.append((_WAIT, event, None, 0))
         return None
 
+    def retain(self, tensors):
+        # Nothing to do: the work launched here holds references to the tensors it reads until
+        # it ran, and CPU memory is reused only once nothing references it.
+        return None
+
     def wait_stream(self, other: Stream) -> None:
         if isinstance(other, _CpuComputeStream):
             # Work on the host thread is done when issued: only the clocks move (no event object).
@@ -300,6 +305,7 @@ class CpuStreams(StreamBackend):
             raise ChunkOffloadError(f"link_bytes_per_s must be > 0 or None, got {link_bytes_per_s}")
         self.device = torch.device("cpu")
         self.pin_memory = False
+        self.copies_hold_sources = True
         self._clocks = VectorClocks(check_order)
 
         def delay(name: str, offset: int) -> _Delay:

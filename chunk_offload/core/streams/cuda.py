@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .._torch_compat import current_stream_data, set_stream_data
 from .base import Event, Mark, Stream, StreamBackend, Timing, VectorClocks
 
 __all__ = ["CudaStreams"]
@@ -29,21 +30,32 @@ class _CudaStream(Stream):
 
     NOTE [CUDA host path]
     Each call here runs per group, so it avoids torch.cuda's heavier Python helpers: the
-    current stream is asked for by device index (no device lookup), work is issued between
-    two `torch.cuda.set_stream` calls instead of the `torch.cuda.stream` context (which asks
-    for the current stream of two devices on entry and exit), and `wait_stream` re-records
-    one event per stream pair instead of making one per call. Re-recording is safe: a
-    ``cudaStreamWaitEvent`` waits for the record made before it, whatever is recorded later.
+    current stream is read as torch's ``(stream_id, device_index, device_type)`` triple and
+    its Stream object is rebuilt only when that triple changes (`torch.cuda.current_stream`
+    builds a new one at every call); work is issued between two stream switches by triple
+    instead of the `torch.cuda.stream` context (which asks for the current stream of two
+    devices on entry and exit); and `wait_stream` re-records one event per stream pair instead
+    of making one per call. Re-recording is safe: a ``cudaStreamWaitEvent`` waits for the
+    record made before it, whatever is recorded later.
     """
 
     def __init__(self, name: str, clocks: VectorClocks, stream: torch.cuda.Stream | None, device_index: int) -> None:
         super().__init__(name, clocks)
         self._stream = stream
         self._index = device_index
+        self._data = None if stream is None else (stream.stream_id, stream.device_index, stream.device_type)
+        self._current: torch.cuda.Stream | None = None  # compute: the current stream last seen, and its triple
+        self._current_data: tuple[int, int, int] | None = None
         self._wait_events: dict[int, torch.cuda.Event] = {}  # by the id of the stream waited on
 
     def _raw(self) -> torch.cuda.Stream:
-        return self._stream if self._stream is not None else torch.cuda.current_stream(self._index)
+        if self._stream is not None:
+            return self._stream
+        data = current_stream_data(self._index)
+        if data != self._current_data:
+            self._current = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+            self._current_data = data
+        return self._current
 
     def launch(self, fn, *, timed=False, nbytes=0):
         raw = self._raw()
@@ -53,12 +65,12 @@ class _CudaStream(Stream):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record(raw)
-        previous = torch.cuda.current_stream(self._index)
-        torch.cuda.set_stream(raw)
+        previous = current_stream_data(self._index)
+        set_stream_data(self._data if self._data is not None else (raw.stream_id, raw.device_index, raw.device_type))
         try:
             fn()
         finally:
-            torch.cuda.set_stream(previous)
+            set_stream_data(previous)
         if timed:
             end.record(raw)
             return mark, Timing(start=start, end=end)
@@ -85,6 +97,13 @@ class _CudaStream(Stream):
             end.record(raw)
             return Timing(start=start, end=end)
         return None
+
+    def retain(self, tensors):
+        # The caching allocator reuses the memory of a freed block used by another stream only
+        # once an event it records on that stream at the free is done.
+        raw = self._raw()
+        for tensor in tensors:
+            tensor.record_stream(raw)
 
     def wait_stream(self, other: Stream) -> None:
         event = self._wait_events.get(other.id)
