@@ -12,6 +12,8 @@ model from the same seed (so the same weights and inputs):
 - chunk-offload budget: the same with ``device_budget_bytes`` (``--budget-bytes``; default:
   megatron's measured peak for these modules on CUDA, i.e. the same memory, else half of
   chunk-offload's saved peak);
+- chunk-offload reload-ahead (only with ``--reload-ahead-bytes``): the default run with that
+  `PlanPolicy` reload-ahead budget (in backward, earlier groups are reloaded while their bytes fit);
 - megatron: megatron-core's built-in offload (``fine_grained_activation_offloading``, same
   modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
   missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``).
@@ -52,7 +54,7 @@ from chunk_offload.replay.stage import megatron_stage
 __all__ = ["main", "parse_args"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RUNS = ("none", "chunk-offload", "chunk-offload budget", "megatron")
+RUNS = ("none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "megatron")
 _GB = 1e9
 
 
@@ -71,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modules", action="append", default=None, help="comma-separated offload modules; repeat for several sets")
     p.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors below this stay on device")
     p.add_argument("--budget-bytes", type=int, default=None, help="device budget of the budget run (default: see above)")
+    p.add_argument("--reload-ahead-bytes", type=int, default=None, help="also run chunk-offload with this reload-ahead budget")
     p.add_argument("--iterations", type=int, default=4, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per run (megatron's offload needs >= 1)")
     p.add_argument("--seed", type=int, default=1234)
@@ -81,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
     if args.warmup < 1:
         p.error(f"--warmup must be an integer >= 1 (megatron's offload warms up in its first iteration), got {args.warmup}")
-    for flag in ("min_offload_bytes", "budget_bytes"):
+    for flag in ("min_offload_bytes", "budget_bytes", "reload_ahead_bytes"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             p.error(f"--{flag.replace('_', '-')} must be an integer >= 0, got {value}")
@@ -103,7 +106,8 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
     forward_backward, manager, seen = get_forward_backward_func(), None, {}
     if run.startswith("chunk-offload"):
         manager = attach([model], modules, config=OffloadConfig(min_offload_bytes=args.min_offload_bytes),
-                         device_budget_bytes=budget if run.endswith("budget") else None)  # fmt: skip
+                         device_budget_bytes=budget if run.endswith("budget") else None,
+                         reload_ahead_bytes=args.reload_ahead_bytes if run.endswith("reload-ahead") else None)  # fmt: skip
         stack.callback(manager.close)
         stack.callback(manager.detach)
         return manager.wrap(forward_backward), gpt_forward_step, manager, seen
@@ -181,7 +185,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:
 
 
 def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -> list[dict[str, Any]]:
-    """The four runs of one module set (megatron's replaced by one skip row where it cannot run)."""
+    """The four (five) runs of one module set (megatron's replaced by one skip row where it cannot run)."""
     rows = [_run(args, shape, modules, "none", None)]
     skip = builtin.builtin_unavailable(modules)
     megatron = None if skip else _run(args, shape, modules, "megatron", None)
@@ -191,6 +195,8 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
         budget = megatron["peak_bytes"] if megatron and megatron["peak_bytes"] is not None and rows[0]["peak_bytes"] \
             else (rows[1]["saved_peak_bytes"] or 0) // 2  # fmt: skip
     rows.append(_run(args, shape, modules, "chunk-offload budget", budget))
+    if args.reload_ahead_bytes is not None:
+        rows.append(_run(args, shape, modules, "chunk-offload reload-ahead", None))
     rows.append(megatron if megatron is not None else {"run": "megatron", "modules": ",".join(modules), "skipped": skip})
     base = rows[0]
     for row in rows:
@@ -203,15 +209,15 @@ def _format(rows: list[dict[str, Any]], device: str) -> str:
     def gb(value: int | None) -> str:
         return "n/a" if value is None else f"{value / _GB:.4g}"
 
-    w = 2 + max(len(r["modules"]) for r in rows)
-    lines = [f"{'modules':<{w}}{'run':<22}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'GB copied':>11}"
+    w, rw = 2 + max(len(r["modules"]) for r in rows), 2 + max(len(r["run"]) for r in rows)
+    lines = [f"{'modules':<{w}}{'run':<{rw}}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'GB copied':>11}"
              f"{'losses =':>10}{'grads =':>9}{'wait ms':>9}"]  # fmt: skip
     for r in rows:
         if "skipped" in r:
-            lines.append(f"{r['modules']:<{w}}{r['run']:<22}skipped: {r['skipped']}")
+            lines.append(f"{r['modules']:<{w}}{r['run']:<{rw}}skipped: {r['skipped']}")
             continue
         lines.append(
-            f"{r['modules']:<{w}}{r['run']:<22}{gb(r['peak_bytes']):>9}{r['median_step_s'] * 1e3:>11.2f}{r['min_step_s'] * 1e3:>9.2f}"
+            f"{r['modules']:<{w}}{r['run']:<{rw}}{gb(r['peak_bytes']):>9}{r['median_step_s'] * 1e3:>11.2f}{r['min_step_s'] * 1e3:>9.2f}"
             f"{r['overhead'] * 100:>9.1f}%{gb(r['bytes_copied']):>11}{'yes' if r['losses_identical'] else 'no':>10}"
             f"{'yes' if r['grads_identical'] else 'no':>9}"
             f"{'n/a' if r['compute_wait_ms'] is None else format(r['compute_wait_ms'], '.2f'):>9}"
