@@ -17,7 +17,10 @@ from .host_pool import HostBuffer
 if TYPE_CHECKING:
     from .group import OffloadGroup
 
-__all__ = ["SPAN_ALIGN", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs", "version_probe"]
+__all__ = [
+    "SPAN_ALIGN", "KeptRef", "SavedRef", "SharedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs",
+    "share_view", "version_probe", "view_span",
+]  # fmt: skip
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
@@ -120,16 +123,7 @@ class SavedRef:
 
     def span(self) -> tuple[int, int]:
         """Bytes ``[start, end)`` of the storage this view touches (the original must be held)."""
-        tensor = self.tensor
-        if tensor.is_contiguous():  # also an empty tensor: nbytes is 0
-            start = tensor.storage_offset() * tensor.element_size()
-            return start, start + tensor.nbytes
-        itemsize = tensor.element_size()
-        start = tensor.storage_offset() * itemsize
-        if tensor.numel() == 0:
-            return start, start
-        extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
-        return start, start + extent * itemsize
+        return view_span(self.tensor)
 
     def __del__(self) -> None:
         storage = self.storage
@@ -137,6 +131,13 @@ class SavedRef:
             storage.live -= 1
             if not storage.live:
                 self.group.storage_freed(storage)
+
+
+class SharedRef(SavedRef):
+    """A view saved by a later group of the chunk in a storage an earlier group is copying: it
+    belongs to that earlier group's storage, copied once (NOTE [Shared storages] in handler.py)."""
+
+    __slots__ = ()
 
 
 class KeptRef:
@@ -189,6 +190,36 @@ def check_version(probe: torch.Tensor, version: int, size, group_name: str) -> N
             f"operation: saved tensor of shape {list(size)} in offload group {group_name!r} is at "
             f"version {probe._version}; expected version {version} instead."
         )
+
+
+def share_view(tensor: torch.Tensor, key: int, previous: "OffloadGroup") -> SharedRef | None:
+    """A `SharedRef` of ``tensor`` (storage key ``key``) in the storage the ``previous`` group
+    saved and still holds on device, if its bytes lie within that storage's span and are
+    unchanged since the previous group saved them (NOTE [Shared storages]); else None."""
+    storage = previous.held_storage(key)
+    if storage is None:
+        return None
+    start, end = view_span(tensor)
+    if start < storage.start or end > storage.start + storage.nbytes:
+        return None
+    version = tensor._version
+    for ref in alive(storage):  # what the previous group saved (and copies) is what this view holds
+        if ref.tensor is None or ref.version != version or ref.tensor._version != version:
+            return None
+    return SharedRef(previous, storage, tensor)
+
+
+def view_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """Bytes ``[start, end)`` of its storage that ``tensor`` touches."""
+    if tensor.is_contiguous():  # also an empty tensor: nbytes is 0
+        start = tensor.storage_offset() * tensor.element_size()
+        return start, start + tensor.nbytes
+    itemsize = tensor.element_size()
+    start = tensor.storage_offset() * itemsize
+    if tensor.numel() == 0:
+        return start, start
+    extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return start, start + extent * itemsize
 
 
 def alive(storage: Storage) -> list[SavedRef]:
