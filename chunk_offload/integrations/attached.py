@@ -85,6 +85,11 @@ class AttachedManager:
         return self.session.ran_policy
 
     @property
+    def baseline_iterations(self) -> int:
+        """The first training iterations that run without copies."""
+        return self.session.baseline_iterations
+
+    @property
     def training_calls(self) -> int:
         """Training iterations completed so far."""
         return self.session.training_calls

@@ -96,7 +96,6 @@ class MegatronOffloadManager(AttachedManager):
             pipeline_group=_pipeline_group() if options.device_budget_bytes == "auto" else None,
             blocking_exchanges=iterations == "wrap",
         )
-        self.baseline_iterations = baseline_iterations
         self._plan_key: tuple | None = None
         self.model_chunks = chunks
         self.offload_modules = offload_modules
