@@ -9,7 +9,6 @@ This base holds the session, forwards the engine's user-facing results (`stats`,
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import nn
 
 from ..core import (
@@ -25,7 +24,7 @@ from ..core import (
 from ..schedule import Plan
 from .budgets import Budgets
 from .options import ScheduleOptions
-from .session import OrderCheck, TrainingSession
+from .session import TrainingSession
 
 __all__ = ["AttachedManager", "ScheduleOptions"]
 
@@ -33,26 +32,8 @@ __all__ = ["AttachedManager", "ScheduleOptions"]
 class AttachedManager:
     """An `OffloadManager` (``engine``) bound to one rank's model, with the rank's plan, through a `TrainingSession`."""
 
-    def __init__(
-        self,
-        *,
-        config: OffloadConfig | None,
-        streams: StreamBackend | None,
-        options: ScheduleOptions,
-        check_order: OrderCheck,
-        baseline_iterations: int = 0,
-        pipeline_group: dist.ProcessGroup | None = None,
-        blocking_exchanges: bool = True,
-    ) -> None:
-        self.session = TrainingSession(
-            config=config,
-            streams=streams,
-            options=options,
-            check_order=check_order,
-            baseline_iterations=baseline_iterations,
-            pipeline_group=pipeline_group,
-            blocking_exchanges=blocking_exchanges,
-        )
+    def __init__(self, session: TrainingSession) -> None:
+        self.session = session
         """The rank's training lifecycle: plan tracking, records and the after-iteration sequence."""
         self.engine = self.session.engine
         """The offload engine this integration drives."""
@@ -67,7 +48,7 @@ class AttachedManager:
     @property
     def budgets(self) -> Budgets:
         """The rank's device and host budget decisions: ``choice``, ``leveled_budget``, ``host_cap``, ..."""
-        return self.session.budgets
+        return self.tracking.budgets
 
     @property
     def observed_order(self) -> list[Action]:
@@ -82,7 +63,7 @@ class AttachedManager:
     @property
     def ran_policy(self) -> SchedulePolicy | None:
         """The schedule policy the latest complete training iteration ran under (None: none yet)."""
-        return self.session.ran_policy
+        return self.tracking.ran_policy
 
     @property
     def baseline_iterations(self) -> int:

@@ -29,11 +29,9 @@ from ..core import (
     IterationRecord,
     OffloadConfig,
     OffloadManager,
-    SchedulePolicy,
     StreamBackend,
 )
 from ..schedule import Plan
-from .budgets import Budgets
 from .options import ScheduleOptions
 from .plan_tracking import PlanTracking
 
@@ -93,21 +91,6 @@ class TrainingSession:
     def use_plan(self, plan: Plan | None) -> None:
         """Make ``plan`` the current plan (`PlanTracking.use`)."""
         self.tracking.use(plan)
-
-    @property
-    def budgets(self) -> Budgets:
-        """The rank's device and host budget decisions."""
-        return self.tracking.budgets
-
-    @property
-    def schedule_policy(self) -> SchedulePolicy:
-        """The engine's current schedule policy."""
-        return self.engine.schedule_policy
-
-    @property
-    def ran_policy(self) -> SchedulePolicy | None:
-        """The engine's policy during the latest complete training iteration (None: none yet)."""
-        return self.tracking.ran_policy
 
     @property
     def records(self) -> list[IterationRecord]:

@@ -23,7 +23,7 @@ def _session(checks: list, **kwargs) -> TrainingSession:
         config=OffloadConfig(min_offload_bytes=1),
         streams=CpuStreams(),
         options=ScheduleOptions(),
-        check_order=lambda order: checks.append((list(order), session.training_calls, len(session.records), session.ran_policy)),
+        check_order=lambda order: checks.append((list(order), session.training_calls, len(session.records), session.tracking.ran_policy)),
         **kwargs,
     )
     return session
@@ -46,7 +46,7 @@ def test_the_sequence_records_then_checks_then_sets_the_policy() -> None:
     session.engine.offload_module(model[1], "act")
     plan = Plan((F0, B0), pp_rank=0, pp_size=1, vp_size=1, source="test")
     session.use_plan(plan)
-    first_policy = session.schedule_policy
+    first_policy = session.engine.schedule_policy
     try:
         _step(session, model)
         _step(session, model)
@@ -59,8 +59,8 @@ def test_the_sequence_records_then_checks_then_sets_the_policy() -> None:
     assert [r.offload for r in session.records] == [False, True]  # the baseline, then the latest
     assert session.training_calls == 2
     # After it, the plan's policy learned the chunk's groups (NOTE [Kept tail]).
-    assert isinstance(session.schedule_policy, PlanPolicy) and session.schedule_policy is not first_policy
-    assert session.schedule_policy.plan is plan
+    policy = session.engine.schedule_policy
+    assert isinstance(policy, PlanPolicy) and policy is not first_policy and policy.plan is plan
 
 
 def test_a_discarded_iteration_is_no_call() -> None:

@@ -43,7 +43,7 @@ from ...report import StageReport
 from ...schedule import megatron_plan
 from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
-from ..session import check_baseline_iterations
+from ..session import TrainingSession, check_baseline_iterations
 from .auto import AutoIterations, check_iterations
 from .chunk_hooks import ChunkHooks
 from .modules import canonical_names, offload_submodules
@@ -87,7 +87,7 @@ class MegatronOffloadManager(AttachedManager):
                 f"attach expects a GPTModel chunk or a list of them (one per virtual stage), got {model_chunks!r:.200}"
             )
         # NOTE [Deferred exchanges] (exchange.py): auto iterations close where ranks wait on each other.
-        super().__init__(
+        session = TrainingSession(
             config=config,
             streams=streams,
             options=options,
@@ -96,6 +96,7 @@ class MegatronOffloadManager(AttachedManager):
             pipeline_group=_pipeline_group() if options.device_budget_bytes == "auto" else None,
             blocking_exchanges=iterations == "wrap",
         )
+        super().__init__(session)
         self._plan_key: tuple | None = None
         self.model_chunks = chunks
         self.offload_modules = offload_modules

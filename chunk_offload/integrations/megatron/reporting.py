@@ -60,10 +60,10 @@ def build_stage_report(session: "TrainingSession") -> StageReport:
         offloaded=records[-1],
         plan=plan,
         rank=rank,
-        policy=session.ran_policy if session.ran_policy is not None else session.schedule_policy,  # the latest record's
+        policy=session.tracking.ran_policy if session.tracking.ran_policy is not None else session.engine.schedule_policy,
         baseline_iteration=baseline,
         offload_iteration=session.training_calls - 1,  # the latest training call
-        budgets=session.budgets.summary(records[-1]) if session.budgets.active else None,
+        budgets=session.tracking.budgets.summary(records[-1]) if session.tracking.budgets.active else None,
     )
 
 

@@ -42,6 +42,7 @@ from ...core import Action, ActionKind, ChunkOffloadError, OffloadConfig, Schedu
 from ...schedule import Plan
 from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
+from ..session import TrainingSession
 from . import order
 
 __all__ = ["ModuleSelector", "PipelineOffloadManager", "attach"]
@@ -106,7 +107,9 @@ class PipelineOffloadManager(AttachedManager):
             listed_error = str(e).removeprefix("chunk_offload: ").split("\n")[0]
         # The stages' group is the pipeline ('auto' budgets gather over it); step() ends on every rank alike.
         super().__init__(
-            config=config, streams=streams, options=options, check_order=self._check_order, pipeline_group=getattr(stages[0], "group", None)
+            TrainingSession(
+                config=config, streams=streams, options=options, check_order=self._check_order, pipeline_group=getattr(stages[0], "group", None)
+            )
         )
         self.schedule = schedule
         self.stages = stages
