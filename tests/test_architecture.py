@@ -15,6 +15,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "chunk_offload"
 CORE_NEVER_IMPORTS = ("megatron", "transformer_engine", "chunk_offload.integrations")
+FLOORS = {"core": 1, "schedule": 2, "module_names": 2, "devkit": 2, "report": 3, "planner": 3, "integrations": 4, "replay": 5, "megatron_lm": 5}
+"""docs/architecture.md's floors: a package imports only packages on lower floors (the package's
+own ``__init__``, its public face, is on none)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -144,6 +147,22 @@ def test_the_graph_resolves_relative_imports() -> None:
     assert "chunk_offload.integrations.session" in graph["chunk_offload.integrations.attached"]
     assert "chunk_offload.integrations.pipelining.order" in graph["chunk_offload.integrations.pipelining.attach"]
     assert "chunk_offload.integrations.pipelining" not in graph["chunk_offload.integrations.pipelining.attach"]
+
+
+def test_packages_import_only_lower_floors() -> None:
+    def floor(module: str) -> int | None:
+        parts = module.split(".")
+        return FLOORS[parts[1]] if len(parts) > 1 else None
+
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if target.startswith("chunk_offload") and floor(module) is not None and floor(target) is not None
+        if module.split(".")[1] != target.split(".")[1] and floor(target) >= floor(module)
+    )
+    assert set(FLOORS) == {m.split(".")[1] for m in _modules() if "." in m}, "a new package needs its floor here and in the docs"
+    assert not upward, f"imports that do not point down a floor: {upward}"
 
 
 @pytest.mark.parametrize("forbidden", CORE_NEVER_IMPORTS)
