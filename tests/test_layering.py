@@ -78,4 +78,4 @@ def test_the_walk_sees_relative_imports() -> None:
     """The walk resolves ``from ...core import X`` to chunk_offload.core (else the rules above check nothing)."""
     imports = _imports(PACKAGE / "integrations" / "attached.py")
     assert any(module == "chunk_offload.core" for module, _, _ in imports)
-    assert any(module == "chunk_offload.integrations.plan_tracking" for module, _, _ in imports)
+    assert any(module == "chunk_offload.integrations.session" for module, _, _ in imports)

@@ -28,7 +28,7 @@ node), the group's first unpack begins its backward instead (`OffloadGroup.unpac
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -42,10 +42,15 @@ from ._torch_compat import (
 )
 from .handler import ChunkOffloadHandler
 
-if TYPE_CHECKING:
-    from .manager import OffloadManager
+__all__ = ["GroupMarks", "HandlerSource", "ModuleOffload"]
 
-__all__ = ["GroupMarks", "ModuleOffload"]
+
+class HandlerSource(Protocol):
+    """What module hooks read of their `OffloadManager`: the running chunk's handler (so marks
+    need not import the manager, which imports them)."""
+
+    @property
+    def current_handler(self) -> ChunkOffloadHandler | None: ...
 
 
 class GroupMarks:
@@ -115,7 +120,7 @@ class ModuleOffload:
     """
 
     def __init__(
-        self, manager: "OffloadManager", module: nn.Module, name: str, *, marks: GroupMarks, on_remove: Callable[["ModuleOffload"], None]
+        self, manager: HandlerSource, module: nn.Module, name: str, *, marks: GroupMarks, on_remove: Callable[["ModuleOffload"], None]
     ) -> None:
         self._manager = weakref.ref(manager)
         self._marks = marks  # the manager's own: the hooks open and commit through it, without its re-checks
@@ -130,8 +135,8 @@ class ModuleOffload:
         weakref.finalize(manager, _remove_handles, list(self._handles))
 
     @property
-    def manager(self) -> "OffloadManager | None":
-        """The manager that registered the module (None once it was collected)."""
+    def manager(self) -> HandlerSource | None:
+        """The `OffloadManager` that registered the module (None once it was collected)."""
         return self._manager()
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -1,86 +1,81 @@
-"""`AttachedManager`: what an integration's manager is, over a composed `OffloadManager`.
+"""`AttachedManager`: what an integration's manager is, over a `TrainingSession`.
 
-An integration binds an engine (`chunk_offload.core.OffloadManager`, held as ``engine``, not
-subclassed) to a framework's model chunks or pipeline stages, and drives its scopes
-(`begin_iteration` / `end_iteration`, `begin_chunk` / `end_chunk`) from hooks. This base
-holds the engine and the `PlanTracking` (which owns the device and host budget decisions, see
-`budgets.py`), forwards the engine's user-facing results (`stats`,
+An integration binds a `TrainingSession` (which composes the engine, a
+`chunk_offload.core.OffloadManager` held as ``engine``, not subclassed) to a framework's model
+chunks or pipeline stages, and translates the framework's events into session calls from hooks.
+This base holds the session, forwards the engine's user-facing results (`stats`,
 `last_iteration`, `live_chunks`, `close`, ...) and removes the module hooks on `detach`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
-import torch.distributed as dist
 from torch import nn
 
 from ..core import (
+    Action,
     ChunkKey,
     HostPool,
     IterationRecord,
     OffloadConfig,
-    OffloadManager,
     OffloadStats,
     SchedulePolicy,
     StreamBackend,
 )
 from ..schedule import Plan
 from .budgets import Budgets
-from .plan_tracking import PlanTracking
+from .options import ScheduleOptions
+from .session import TrainingSession
 
 __all__ = ["AttachedManager", "ScheduleOptions"]
 
 
-@dataclass(kw_only=True, slots=True)
-class ScheduleOptions:
-    """The schedule and budget keywords every integration's ``attach`` takes (checked by `PlanTracking`).
-
-    ``schedule_policy``: ``"plan"`` (decisions from the rank's plan), None (reload at group start)
-    or a `SchedulePolicy`. ``prefetch_bytes`` / ``reload_ahead_bytes``: `PlanPolicy`'s budgets.
-    ``device_budget_bytes``: bytes this rank's device may use (an int, or ``"auto"``: the smallest
-    budget every pipeline rank meets), see `budgets.py`. ``host_budget_bytes``: pinned host bytes
-    of the whole node, split among its ranks by need.
-    """
-
-    schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan"
-    prefetch_bytes: int | None = None
-    reload_ahead_bytes: int | None = None
-    device_budget_bytes: int | Literal["auto"] | None = None
-    host_budget_bytes: int | None = None
-
-
-
 class AttachedManager:
-    """An `OffloadManager` (``engine``) bound to one rank's model, with the rank's plan."""
+    """An `OffloadManager` (``engine``) bound to one rank's model, with the rank's plan, through a `TrainingSession`."""
 
-    def __init__(
-        self,
-        *,
-        config: OffloadConfig | None,
-        streams: StreamBackend | None,
-        options: ScheduleOptions,
-        pipeline_group: dist.ProcessGroup | None = None,
-        blocking_exchanges: bool = True,
-    ) -> None:
-        # Every argument is checked before the engine starts its streams.
-        self.tracking = PlanTracking(options)
-        self.engine = OffloadManager(config, streams=streams, schedule_policy=self.tracking.engine_policy)
+    def __init__(self, session: TrainingSession) -> None:
+        self.session = session
+        """The rank's training lifecycle: plan tracking, records and the after-iteration sequence."""
+        self.engine = self.session.engine
         """The offload engine this integration drives."""
-        self.tracking.bind(self.engine, pipeline_group=pipeline_group, blocking=blocking_exchanges)
+        self.tracking = self.session.tracking
 
-    # ------------------------------------------------------------------ the engine's results
+    # ------------------------------------------------------------------ the session's results
     @property
     def plan(self) -> Plan | None:
         """This rank's plan (see the integration's NOTE on observed orders)."""
-        return self.tracking.plan
+        return self.session.plan
 
     @property
     def budgets(self) -> Budgets:
         """The rank's device and host budget decisions: ``choice``, ``leveled_budget``, ``host_cap``, ..."""
         return self.tracking.budgets
 
+    @property
+    def observed_order(self) -> list[Action]:
+        """The actions of the last training iteration, as they ran."""
+        return self.session.observed_order
+
+    @property
+    def records(self) -> list[IterationRecord]:
+        """The baseline iterations' records, then the last later iteration's."""
+        return self.session.records
+
+    @property
+    def ran_policy(self) -> SchedulePolicy | None:
+        """The schedule policy the latest complete training iteration ran under (None: none yet)."""
+        return self.tracking.ran_policy
+
+    @property
+    def baseline_iterations(self) -> int:
+        """The first training iterations that run without copies."""
+        return self.session.baseline_iterations
+
+    @property
+    def training_calls(self) -> int:
+        """Training iterations completed so far."""
+        return self.session.training_calls
+
+    # ------------------------------------------------------------------ the engine's results
     @property
     def config(self) -> OffloadConfig:
         return self.engine.config

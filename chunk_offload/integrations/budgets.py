@@ -1,7 +1,8 @@
 """`Budgets`: a rank's device budget (what to offload) and its share of the node's host budget.
 
-Both integrations hold one, through `PlanTracking`, and call `Budgets.after_iteration` with each
-complete training iteration's record; it returns the `PlanPolicy` the engine runs next.
+Each `TrainingSession` holds one, through `PlanTracking`, whose `agree_budgets` calls
+`Budgets.after_iteration` with each complete training iteration's record; it returns the
+`PlanPolicy` the engine runs next.
 
 NOTE [Device budget]
 - The first iteration without a record offloads every group of every chunk (the lowest peak).

@@ -4,12 +4,14 @@
 - `PlanTracking`: the rank's current plan and, under ``schedule_policy="plan"``, the
   `PlanPolicy` built from it on the engine; `observed_plan` turns the order a schedule really
   ran (a list of `Action`s) into a plan, and `diff` says how it differs from the current one;
-  `after_iteration` applies the device and host budgets (`budgets.Budgets`) after each complete
-  training iteration; without a device budget it gives the `PlanPolicy` the groups each chunk
-  saved, so that chunks whose backward follows at once copy all but their last group from the
-  next iteration on (NOTE [Kept tail] in core/ordering.py). It passes no measured timing: copy
-  times vary from run to run, and so would the bytes copied; a `PlanPolicy` built with
-  ``timing=CopyTiming.from_record(...)`` and given as ``schedule_policy`` uses one.
+  after each complete training iteration `agree_budgets` decides the next iteration's policy
+  and host cap (the device and host budgets of `budgets.Budgets`, agreed across ranks) and
+  `set_schedule_policy` applies them. Without a device budget the decision gives the
+  `PlanPolicy` the groups each chunk saved, so that chunks whose backward follows at once copy
+  all but their last group from the next iteration on (NOTE [Kept tail] in core/ordering.py). It
+  passes no measured timing: copy times vary from run to run, and so would the bytes copied; a
+  `PlanPolicy` built with ``timing=CopyTiming.from_record(...)`` and given as
+  ``schedule_policy`` uses one. `session.TrainingSession` calls them in order.
 
 A plan read from a schedule's tables is checked against the order the schedule really ran; on a
 difference the integration warns with both orders side by side (`chunk_offload.core.diff_actions`)
@@ -18,18 +20,16 @@ and the observed order becomes the plan (NOTE [Observed order wins] in pipelinin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch.distributed as dist
 
 from ..core import Action, ChunkOffloadError, IterationRecord, OffloadManager, SchedulePolicy
 from ..schedule import Plan, PlanPolicy
 from .budgets import Budgets
+from .options import ScheduleOptions
 
-if TYPE_CHECKING:
-    from .attached import ScheduleOptions
-
-__all__ = ["PlanTracking", "check_schedule_policy"]
+__all__ = ["NextIteration", "PlanTracking", "check_schedule_policy"]
 
 
 def check_schedule_policy(schedule_policy: Any) -> None:
@@ -40,13 +40,22 @@ def check_schedule_policy(schedule_policy: Any) -> None:
         )
 
 
+class NextIteration(NamedTuple):
+    """What `PlanTracking.agree_budgets` decided for the next training iteration."""
+
+    policy: SchedulePolicy | None
+    """The engine's schedule policy from the next iteration on (None: keep the current one)."""
+    host_cap: int | None
+    """This rank's host pool cap from the node budget (None: no cap decided)."""
+
+
 class PlanTracking:
     """The rank's plan and, with ``schedule_policy="plan"``, the engine's `PlanPolicy` from it.
 
     Construct it (which checks the arguments) before the engine, then `bind` the engine.
     """
 
-    def __init__(self, options: "ScheduleOptions") -> None:
+    def __init__(self, options: ScheduleOptions) -> None:
         schedule_policy = options.schedule_policy
         check_schedule_policy(schedule_policy)
         self.from_plan = isinstance(schedule_policy, str)
@@ -108,37 +117,48 @@ class PlanTracking:
         known = all(chunk in self._group_bytes for chunk in plan.chunks)
         return PlanPolicy(plan, group_bytes=self._group_bytes if known else None, **self.budgets.plan_budgets)
 
-    def _learn_groups(self, record: IterationRecord | None) -> None:
-        """With the plan and no device budget: the policy follows the groups of ``record``."""
+    def _learned_policy(self, record: IterationRecord | None) -> PlanPolicy | None:
+        """With the plan and no device budget: the policy following the groups of ``record``, if it changes."""
         if not self.from_plan or self.plan is None or record is None or self.budgets.device_budget is not None:
-            return
+            return None
         self._group_bytes = {chunk: list(sizes) for chunk, sizes in record.group_bytes.items()}
         policy = self._plan_policy(self.plan)
         current = self._engine.schedule_policy
         if not isinstance(current, PlanPolicy) or current.plan is not self.plan or current.copied_head != policy.copied_head:
-            self._engine.schedule_policy = policy
+            return policy
+        return None
 
     def iteration_ended(self) -> None:
         """Call first when a training iteration closes, before any change of plan: keeps the policy
         it ran under (`ran_policy`, which the report and tests simulate)."""
         self.ran_policy = self._engine.schedule_policy
 
-    def after_iteration(self, record: IterationRecord | None) -> None:
-        """After each complete training iteration (its record, None if discarded): apply the budgets.
+    def agree_budgets(self, record: IterationRecord | None) -> NextIteration:
+        """COLLECTIVE with a budget that needs an exchange: decide the next iteration's policy and host cap.
 
-        Every rank calls it once per training iteration, after any change of plan. Without a
-        device budget the plan's policy learns the chunks' groups (NOTE [Kept tail]); the
-        budgets: NOTEs [Device budget] and [Node host budget] in ``budgets.py``.
+        Every rank calls it once per complete training iteration (``record``: its record, None
+        if discarded), after any change of plan. Without a device budget the plan's policy
+        learns the chunks' groups (NOTE [Kept tail]); the budgets: NOTEs [Device budget] and
+        [Node host budget] in ``budgets.py``, whose exchanges over the pipeline and the node
+        are the only cross-rank traffic between iterations.
         """
-        self._learn_groups(record)
+        policy = self._learned_policy(record)
         budgets = self.budgets
         if not budgets.active:
-            return
+            return NextIteration(policy, None)
         pp_rank = self.plan.pp_rank if self.plan is not None else 0
-        policy = budgets.after_iteration(self.plan, record, self._engine.schedule_policy, pp_rank=pp_rank)
-        if policy is not None and self.from_plan:
-            self._engine.schedule_policy = policy
-        cap = budgets.host_cap
+        chosen = budgets.after_iteration(
+            self.plan, record, policy if policy is not None else self._engine.schedule_policy, pp_rank=pp_rank
+        )
+        if chosen is not None and self.from_plan:
+            policy = chosen
+        return NextIteration(policy, budgets.host_cap)
+
+    def set_schedule_policy(self, decided: NextIteration) -> None:
+        """Apply what `agree_budgets` decided: the engine's schedule policy and its host pool's cap."""
+        if decided.policy is not None:
+            self._engine.schedule_policy = decided.policy
+        cap = decided.host_cap
         if cap is not None and self._engine.pool.capacity_bytes != cap:
             self._engine.pool.set_capacity(cap)
 

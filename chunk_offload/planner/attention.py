@@ -35,7 +35,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .dims import GPTDims
+from .qkv import qkv_saved
 from .saved import SavedTensor, whole
+from .te import te_attention_saved
 
 __all__ = ["AttentionFlops", "core_attention_flops", "core_attn_saved", "qkv_saved"]
 
@@ -54,34 +56,10 @@ class AttentionFlops(NamedTuple):
 def core_attn_saved(dims: GPTDims) -> list[SavedTensor]:
     """What one call of the core attention saves on one rank."""
     if dims.transformer_engine:
-        from .te import te_attention_saved
-
         return te_attention_saved(dims)
     if dims.attention == "local":
         return _local_saved(dims)
     return qkv_saved(dims) + _sdpa_kernel_state(dims)
-
-
-def qkv_saved(dims: GPTDims) -> list[SavedTensor]:
-    """Query, key and value as SDPA (or TE's attention) receives them (see the module docstring)."""
-    t, d, hn = dims.tokens, dims.dtype_bytes, dims.head_dim
-    heads, groups = dims.local_heads, dims.local_query_groups
-    per = heads // groups
-    row = groups * (per + 2) * hn  # elements of one token's row of linear_qkv's output
-    last = (t - 1) * row + (groups - 1) * (per + 2) * hn  # where the last row's last group starts
-    saved = []
-    if dims.rope or (per > 1 and groups > 1):
-        saved.append(whole("query", t * heads * hn * d))
-    else:
-        saved.append(SavedTensor("mixed", 0, (last + per * hn) * d, t * heads * hn * d))
-    kv = t * groups * hn * d
-    if dims.rope:
-        saved.append(whole("key", kv))
-    else:
-        saved.append(SavedTensor("mixed", per * hn * d, (last + hn) * d, kv))
-    value_start = (per + 1) * hn
-    saved.append(SavedTensor("mixed", value_start * d, (t * row - value_start) * d, kv))
-    return saved
 
 
 def _local_saved(dims: GPTDims) -> list[SavedTensor]:

@@ -51,6 +51,7 @@ What each saves (T' = T/tp under sequence parallelism, else T; np', ng', hn as i
 from __future__ import annotations
 
 from .dims import GPTDims
+from .qkv import qkv_saved
 from .saved import SavedTensor, whole
 
 __all__ = ["te_attention_saved", "te_saved"]
@@ -81,8 +82,6 @@ def _norm_stats(dims: GPTDims) -> list[SavedTensor]:
 
 def te_attention_saved(dims: GPTDims) -> list[SavedTensor]:
     """What TE's DotProductAttention saves (see the module docstring)."""
-    from .attention import qkv_saved
-
     t, b, s, d, hn = dims.tokens, dims.micro_batch_size, dims.seq_length, dims.dtype_bytes, dims.head_dim
     heads, groups = dims.local_heads, dims.local_query_groups
     out = [whole("output", t * heads * hn * d)]

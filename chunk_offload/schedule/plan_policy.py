@@ -23,17 +23,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from ..core.errors import ChunkOffloadError
 from ..core import kept_tail
 from ..core.actions import Action, ActionKind, ChunkKey
 from ..core.schedule_policy import SchedulePolicy
+from .choice import CopyTiming, OffloadChoice
 from .plan import Plan
 from .simulate import GroupBytes, _lookup
-
-if TYPE_CHECKING:
-    from .budget import CopyTiming, OffloadChoice
 
 __all__ = ["PlanPolicy"]
 

@@ -24,7 +24,8 @@ order becomes the plan.
 
 ``baseline_iterations=N`` runs the first N training calls without copies (identical
 accounting); their `IterationRecord` and the last offloaded one are kept in `records`, from
-which `report` builds the rank's per-stage report.
+which `report` builds the rank's per-stage report. What runs between iterations (records, the
+plan check, the budgets, the schedule policy) is the `TrainingSession`'s (``session.py``).
 
 The auto-iteration state machine is `auto.AutoIterations` (NOTE [Automatic iterations] there).
 """
@@ -33,20 +34,20 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 from torch import nn
 
-from ...core import Action, ChunkOffloadError, IterationRecord, OffloadConfig, SchedulePolicy, StreamBackend
+from ...core import Action, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend
+from ...report import StageReport
 from ...schedule import megatron_plan
 from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
-from .auto import ITERATION_MODES, AutoIterations, check_iterations
+from ..session import TrainingSession, check_baseline_iterations
+from .auto import AutoIterations, check_iterations
 from .chunk_hooks import ChunkHooks
 from .modules import canonical_names, offload_submodules
-
-if TYPE_CHECKING:
-    from ...report import StageReport
+from .reporting import build_stage_report
 
 __all__ = ["MegatronOffloadManager", "attach"]
 
@@ -78,8 +79,7 @@ class MegatronOffloadManager(AttachedManager):
         offload_modules = canonical_names(offload_modules)  # fail before the streams start
         options = options if options is not None else ScheduleOptions()
         PlanTracking(options)
-        if isinstance(baseline_iterations, bool) or not isinstance(baseline_iterations, int) or baseline_iterations < 0:
-            raise ChunkOffloadError(f"baseline_iterations must be an int >= 0, got {baseline_iterations!r}")
+        check_baseline_iterations(baseline_iterations)
         check_iterations(iterations, num_microbatches)
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
@@ -87,14 +87,16 @@ class MegatronOffloadManager(AttachedManager):
                 f"attach expects a GPTModel chunk or a list of them (one per virtual stage), got {model_chunks!r:.200}"
             )
         # NOTE [Deferred exchanges] (exchange.py): auto iterations close where ranks wait on each other.
-        super().__init__(
-            config=config, streams=streams, options=options, pipeline_group=_pipeline_group() if options.device_budget_bytes == "auto" else None,
-            blocking_exchanges=iterations == "wrap"
+        session = TrainingSession(
+            config=config,
+            streams=streams,
+            options=options,
+            check_order=self._check_plan,
+            baseline_iterations=baseline_iterations,
+            pipeline_group=_pipeline_group() if options.device_budget_bytes == "auto" else None,
+            blocking_exchanges=iterations == "wrap",
         )
-        self.baseline_iterations = baseline_iterations
-        self._baseline_records: list[IterationRecord] = []
-        self._last_record: IterationRecord | None = None
-        self._training_calls = 0
+        super().__init__(session)
         self._plan_key: tuple | None = None
         self.model_chunks = chunks
         self.offload_modules = offload_modules
@@ -103,17 +105,12 @@ class MegatronOffloadManager(AttachedManager):
         self.iterations = iterations
         """``"wrap"`` or ``"auto"``: who opens and closes the training iterations (`ITERATION_MODES`)."""
         self._auto = AutoIterations(self, num_microbatches) if iterations == "auto" else None
-        self._hooks = ChunkHooks(self.engine, chunks, self._auto)
+        self._hooks = ChunkHooks(self.session, chunks, self._auto)
 
     @property
     def forwards(self) -> list[int]:
         """Training forwards each model chunk ran in the open iteration (the next one's microbatch)."""
         return self._hooks.forwards
-
-    @property
-    def observed_order(self) -> list[Action]:
-        """The F and B actions of the last training iteration, as they ran."""
-        return self._hooks.observed_order
 
     # ------------------------------------------------------------------ iterations
     def iteration(self, *, offload: bool | None = None) -> contextlib.AbstractContextManager["MegatronOffloadManager"]:
@@ -127,22 +124,18 @@ class MegatronOffloadManager(AttachedManager):
 
     @contextlib.contextmanager
     def _iteration_scope(self, *, offload: bool | None) -> Iterator["MegatronOffloadManager"]:
-        with self.engine.iteration(offload=offload):
+        with self.session.iteration(offload=offload):
             self._hooks.new_iteration()  # after the nesting checks
             yield self
 
     def begin_training_iteration(self) -> None:
         """Open the engine's iteration for the next training call (a baseline while baseline iterations remain)."""
-        self.engine.begin_iteration(offload=self._next_offload())
+        self.session.begin_iteration()
         self._hooks.new_iteration()
 
     def end_training_iteration(self, *, discard: bool = False) -> None:
         """Close the engine's iteration; unless discarded, count the training call, keep its record, check the plan."""
-        if discard:
-            self.engine.end_iteration(discard=True)
-            return
-        self.engine.end_iteration()
-        self._after_training_call()
+        self.session.end_iteration(discard=discard)
 
     def wrap(self, forward_backward_func: Callable) -> Callable:
         """Return ``forward_backward_func`` with each training call run as one offload iteration."""
@@ -161,29 +154,12 @@ class MegatronOffloadManager(AttachedManager):
                 finally:
                     self._hooks.forward_only = previous
             self.prepare_plan(kwargs.get("num_microbatches"))
-            with self.iteration(offload=self._next_offload()):
-                result = forward_backward_func(*args, **kwargs)
-            self._after_training_call()
-            return result
+            with self.session.training_iteration():
+                self._hooks.new_iteration()
+                return forward_backward_func(*args, **kwargs)
 
         wrapped.__wrapped__ = forward_backward_func
         return wrapped
-
-    def _next_offload(self) -> bool | None:
-        """``iteration(offload=...)`` of the next training call: False while baseline iterations remain."""
-        return False if self._training_calls < self.baseline_iterations else None
-
-    def _after_training_call(self) -> None:
-        self._training_calls += 1
-        self._keep_record(self.engine.last_iteration)
-        self.tracking.iteration_ended()
-        self._check_plan()
-        self.tracking.after_iteration(self.engine.last_iteration)
-
-    @property
-    def training_calls(self) -> int:
-        """Training iterations completed so far: `wrap` calls (not ``forward_only``), or closed automatic iterations."""
-        return self._training_calls
 
     def end_iteration(self, *, discard: bool = False) -> None:
         """Close the iteration that ``iterations="auto"`` opened, now instead of at the next chunk forward.
@@ -218,20 +194,20 @@ class MegatronOffloadManager(AttachedManager):
         if key == self._plan_key:
             return
         self._plan_key = key
-        self.tracking.use(
+        self.session.use_plan(
             megatron_plan(
                 num_microbatches=key[0], pp_size=key[1], pp_rank=key[2], vp_size=key[3], microbatch_group_size_per_vp_stage=key[4]
             )
         )
 
-    def _check_plan(self) -> None:
+    def _check_plan(self, observed_order: Sequence[Action]) -> None:
         """After an iteration: the order that ran must be the plan; if not, the observed order wins."""
         plan = self.plan
-        difference = self.tracking.diff(self.observed_order)
+        difference = self.tracking.diff(observed_order)
         if difference is None:
             return
         try:
-            observed = PlanTracking.observed_plan(self.observed_order, pp_rank=plan.pp_rank, pp_size=plan.pp_size, vp_size=plan.vp_size)
+            observed = PlanTracking.observed_plan(observed_order, pp_rank=plan.pp_rank, pp_size=plan.pp_size, vp_size=plan.vp_size)
         except ChunkOffloadError as e:
             observed = None
             difference += f"\nThe observed order is not a complete plan either ({e}); schedule decisions are off."
@@ -240,33 +216,18 @@ class MegatronOffloadManager(AttachedManager):
             RuntimeWarning,
             stacklevel=3,
         )
-        self.tracking.use(observed)
+        self.session.use_plan(observed)
 
-    def _keep_record(self, record: IterationRecord | None) -> None:
-        if record is None:
-            return
-        if self._training_calls <= self.baseline_iterations:
-            self._baseline_records.append(record)
-        else:
-            self._last_record = record
-
-    @property
-    def records(self) -> list[IterationRecord]:
-        """The baseline iterations' records, then the last later iteration's."""
-        return self._baseline_records + ([self._last_record] if self._last_record is not None else [])
-
-    def report(self) -> "StageReport":
+    def report(self) -> StageReport:
         """This rank's per-stage report: the first baseline iteration against the last offloaded one.
 
         Needs ``baseline_iterations >= 1`` and one offloaded training call after them. Gather
         the ranks' reports explicitly with `chunk_offload.report.gather_reports`. In auto mode the
         open iteration is closed first (`end_iteration`: it must be complete).
         """
-        from .reporting import build_stage_report
-
         if self._auto is not None:
             self.end_iteration()
-        return build_stage_report(self)
+        return build_stage_report(self.session)
 
     def close(self) -> None:
         """`OffloadManager.close`; in auto mode first close the open iteration (discarded, with a warning, if incomplete)."""

@@ -26,20 +26,32 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
-from ...core import ChunkOffloadError
+from ...core import ChunkOffloadError, OffloadManager
 
-if TYPE_CHECKING:
-    from .attach import MegatronOffloadManager
-
-__all__ = ["ITERATION_MODES", "AutoIterations", "check_iterations"]
+__all__ = ["ITERATION_MODES", "AutoIterations", "IterationOwner", "check_iterations"]
 
 logger = logging.getLogger(__name__)
 
 ITERATION_MODES = ("wrap", "auto")
 """How training iterations are delimited: by ``manager.wrap(forward_backward_func)`` calls, or
 by the chunk hooks themselves (NOTE [Automatic iterations])."""
+
+
+class IterationOwner(Protocol):
+    """What `AutoIterations` drives: the `MegatronOffloadManager` it belongs to."""
+
+    engine: OffloadManager
+
+    @property
+    def forwards(self) -> list[int]: ...
+
+    def prepare_plan(self, num_microbatches: int | None) -> None: ...
+
+    def begin_training_iteration(self) -> None: ...
+
+    def end_training_iteration(self, *, discard: bool = False) -> None: ...
 
 
 @dataclass(slots=True)
@@ -54,7 +66,7 @@ class _Open:
 class AutoIterations:
     """Opens an iteration at the first training chunk forward and closes it once complete."""
 
-    def __init__(self, manager: "MegatronOffloadManager", num_microbatches: int | Callable[[], int] | None) -> None:
+    def __init__(self, manager: IterationOwner, num_microbatches: int | Callable[[], int] | None) -> None:
         self._manager = manager
         self._num_microbatches = num_microbatches
         self._open: _Open | None = None

@@ -1,11 +1,11 @@
 """`ChunkHooks`: the forward hooks on a rank's Megatron model chunks that open and close chunk scopes.
 
 Megatron's schedules run the forwards of one model chunk in microbatch order, so each chunk's
-forward pre-hook opens the engine's chunk handler for (microbatch, vp_stage), the microbatch
-being the number of training forwards that chunk already ran in this iteration, and its forward
-hook closes it. On the way the hooks record the order the chunks really ran (``observed_order``:
-an F at each forward, a B when the gradient of the chunk's output arrives) and, with
-``iterations="auto"``, give `auto.AutoIterations` its cues (NOTE [Automatic iterations]).
+forward pre-hook tells the `TrainingSession` that the chunk (microbatch, vp_stage) starts, the
+microbatch being the number of training forwards that chunk already ran in this iteration, and
+its forward hook that it ended; the session records the order the chunks really ran (an F at
+each forward, a B when the gradient of the chunk's output arrives). With ``iterations="auto"``
+the hooks give `auto.AutoIterations` its cues (NOTE [Automatic iterations]).
 
 A training forward (gradients enabled) outside any iteration offloads nothing; the hooks then
 warn once, naming both ways to open iterations.
@@ -22,10 +22,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ...core import Action, ActionKind
-
 if TYPE_CHECKING:
-    from ...core import OffloadManager
+    from ..session import TrainingSession
     from .auto import AutoIterations
 
 __all__ = ["ChunkHooks"]
@@ -40,13 +38,11 @@ class ChunkHooks:
     ``iterations="auto"``, else None (then the hooks act only inside the engine's iterations).
     """
 
-    def __init__(self, engine: OffloadManager, chunks: Sequence[nn.Module], auto: AutoIterations | None) -> None:
-        self._engine = engine
+    def __init__(self, session: TrainingSession, chunks: Sequence[nn.Module], auto: AutoIterations | None) -> None:
+        self._session = session
         self._auto = auto
         self.forwards = [0] * len(chunks)
         """Training forwards each model chunk ran in the open iteration (the next one's microbatch)."""
-        self.observed_order: list[Action] = []
-        """The F and B actions of the last training iteration, as they ran."""
         self.forward_only = False
         """True during an evaluation call (``forward_only=True``): the hooks do nothing."""
         self._open_chunks: list[bool] = []  # per chunk forward whose pre-hook ran: did it begin a chunk scope?
@@ -57,9 +53,8 @@ class ChunkHooks:
             self._handles.append(chunk.register_forward_hook(self._make_post(vp_stage), always_call=True))
 
     def new_iteration(self) -> None:
-        """Count each chunk's forwards from microbatch 0 again, and record a fresh order."""
+        """Count each chunk's forwards from microbatch 0 again."""
         self.forwards = [0] * len(self.forwards)
-        self.observed_order = []
 
     def remove(self) -> None:
         """Remove the hooks from the model chunks."""
@@ -76,16 +71,14 @@ class ChunkHooks:
                 self._auto.before_forward(vp_stage, training)
                 if not training:
                     return
-            elif not self._engine.in_iteration:
+            elif not self._session.engine.in_iteration:
                 if training:
                     self._warn_outside_iteration(vp_stage)
                 return
             microbatch = self.forwards[vp_stage]
             self.forwards[vp_stage] += 1
-            handler = self._engine.begin_chunk(microbatch=microbatch, vp_stage=vp_stage)
+            self._session.chunk_forward_started(microbatch=microbatch, vp_stage=vp_stage)
             self._open_chunks.append(True)
-            if handler is not None:
-                self.observed_order.append(Action(ActionKind.FORWARD, microbatch, vp_stage))
 
         return pre
 
@@ -95,17 +88,16 @@ class ChunkHooks:
                 return None
             self._open_chunks.pop()
             failed = sys.exc_info()[0] is not None  # inside torch's except clause when the forward raised
-            handler = self._engine.end_chunk(abort=failed)
+            key = self._session.chunk_forward_ended(abort=failed)
             if failed and self._auto is not None and self._auto.is_open:
                 # The step is broken: free what its earlier chunks hold now, not when someone
                 # calls end_iteration(discard=True); the next training forward opens a fresh one.
                 logger.warning("chunk_offload: a forward of model chunk %d raised; discarding the open iteration.", vp_stage)
                 self._auto.close(discard=True)
                 return None
-            if handler is not None and output is not None:
+            if key is not None and output is not None:
                 # Bound to this iteration's order and state, even if the gradient arrives after it closed.
-                order, action = self.observed_order, Action(ActionKind.BACKWARD, handler.key.microbatch, vp_stage)
-                callbacks: list[Callable[[], None]] = [lambda: order.append(action)]
+                callbacks = [self._session.backward_recorder(microbatch=key.microbatch, vp_stage=vp_stage)]
 
                 def backward_began() -> None:
                     for callback in callbacks:

@@ -8,7 +8,9 @@ Nothing in torch is edited. The attachment wraps methods on the *instances* it i
   ``fwd_chunk_id``, virtual stage = the stage's position among this rank's stages);
 - each stage's ``backward_one_chunk`` / ``backward_weight_one_chunk``: record ``B`` / ``W``.
 
-The offloaded submodules get the core's module hooks (`OffloadManager.offload_module`).
+The offloaded submodules get the core's module hooks (`OffloadManager.offload_module`). The
+wrappers only translate these events into `TrainingSession` calls; what runs between iterations
+(the order check below, the budgets, the schedule policy) is the session's (``session.py``).
 
 NOTE [Observed order wins]
 The plan is first read from the schedule's own lists (`order.listed_plan`). Those lists are
@@ -40,6 +42,7 @@ from ...core import Action, ActionKind, ChunkOffloadError, OffloadConfig, Schedu
 from ...schedule import Plan
 from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
+from ..session import TrainingSession
 from . import order
 
 __all__ = ["ModuleSelector", "PipelineOffloadManager", "attach"]
@@ -103,14 +106,17 @@ class PipelineOffloadManager(AttachedManager):
         except ChunkOffloadError as e:
             listed_error = str(e).removeprefix("chunk_offload: ").split("\n")[0]
         # The stages' group is the pipeline ('auto' budgets gather over it); step() ends on every rank alike.
-        super().__init__(config=config, streams=streams, options=options, pipeline_group=getattr(stages[0], "group", None))
+        super().__init__(
+            TrainingSession(
+                config=config, streams=streams, options=options, check_order=self._check_order, pipeline_group=getattr(stages[0], "group", None)
+            )
+        )
         self.schedule = schedule
         self.stages = stages
         self.listed_actions: list[Action] | None = listed_actions
         self.listed_plan: Plan | None = listed
         self.listed_error: str | None = listed_error
         self.plan_mismatch: str | None = None
-        self.observed_order: list[Action] = []
         self.registered: dict[str, list[list[str]]] = {name: [] for name in selectors}
         self._checked = False
         self._patched: list[tuple[Any, str, Any]] = []
@@ -124,7 +130,7 @@ class PipelineOffloadManager(AttachedManager):
             for method, kind in (("backward_one_chunk", ActionKind.BACKWARD), ("backward_weight_one_chunk", ActionKind.WEIGHT)):
                 self._patch(stage, method, self._wrap_record(getattr(stage, method), kind, vp_stage))
         self._patch(schedule, "step", self._wrap_step(schedule.step))
-        self.tracking.use(listed)
+        self.session.use_plan(listed)
 
     # ------------------------------------------------------------------ wrappers
     def _patch(self, obj: Any, name: str, wrapper: Callable) -> None:
@@ -136,13 +142,8 @@ class PipelineOffloadManager(AttachedManager):
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if self.engine.in_iteration or not order.schedule_has_backward(self.schedule):
                 return step(*args, **kwargs)  # eval(): forward only, nothing to offload
-            self.observed_order = []
-            with self.engine.iteration():
-                result = step(*args, **kwargs)
-            self.tracking.iteration_ended()
-            self._check_order()
-            self.tracking.after_iteration(self.engine.last_iteration)
-            return result
+            with self.session.training_iteration():
+                return step(*args, **kwargs)
 
         setattr(wrapped, _MARK, True)
         wrapped.__wrapped__ = step
@@ -152,8 +153,7 @@ class PipelineOffloadManager(AttachedManager):
         def wrapped(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             if not self.engine.in_iteration:
                 return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            self.observed_order.append(Action(ActionKind.FORWARD, fwd_chunk_id, vp_stage))
-            with self.engine.chunk(microbatch=fwd_chunk_id, vp_stage=vp_stage):
+            with self.session.chunk(microbatch=fwd_chunk_id, vp_stage=vp_stage):
                 return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
         wrapped.__wrapped__ = forward_one_chunk
@@ -161,15 +161,14 @@ class PipelineOffloadManager(AttachedManager):
 
     def _wrap_record(self, method: Callable, kind: ActionKind, vp_stage: int) -> Callable:
         def wrapped(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            if self.engine.in_iteration:
-                self.observed_order.append(Action(kind, bwd_chunk_id, vp_stage))
+            self.session.chunk_backward_started(microbatch=bwd_chunk_id, vp_stage=vp_stage, kind=kind)
             return method(bwd_chunk_id, *args, **kwargs)
 
         wrapped.__wrapped__ = method
         return wrapped
 
     # ------------------------------------------------------------------ plan check
-    def _check_order(self) -> None:
+    def _check_order(self, observed_order: Sequence[Action]) -> None:
         """After the first training iteration: compare the plan with what ran (NOTE [Observed order wins])."""
         if self._checked:
             return
@@ -177,10 +176,10 @@ class PipelineOffloadManager(AttachedManager):
         name, rank = type(self.schedule).__name__, order.schedule_rank(self.schedule)
         try:
             observed = PlanTracking.observed_plan(
-                self.observed_order, pp_rank=rank, pp_size=int(self.stages[0].group_size), vp_size=len(self.stages)
+                observed_order, pp_rank=rank, pp_size=int(self.stages[0].group_size), vp_size=len(self.stages)
             )
         except ChunkOffloadError as e:
-            self.tracking.use(None)
+            self.session.use_plan(None)
             message = f"the order {name} ran on rank {rank} is not a plan chunk_offload can use, so no plan is set: {e}"
             warnings.warn(f"chunk_offload: {message}", stacklevel=3)
             return
@@ -188,10 +187,10 @@ class PipelineOffloadManager(AttachedManager):
         if self.plan_mismatch is not None:
             message = f"{name} on rank {rank} did not run the order it lists; using the observed order. {self.plan_mismatch}"
             warnings.warn(f"chunk_offload: {message}", stacklevel=3)
-            self.tracking.use(observed)
+            self.session.use_plan(observed)
         elif self.listed_plan is None:
             logger.info("chunk_offload: %s lists no order; using the observed one: %s", name, observed)
-            self.tracking.use(observed)
+            self.session.use_plan(observed)
         # else: the listed plan is what ran; it stays (with its source).
 
     def _difference(self, observed: Plan) -> str | None:

@@ -1,0 +1,92 @@
+"""`OffloadChoice` and `CopyTiming`: what a device-budget choice is, and the timing it may use.
+
+Below both `budget.py` (which makes choices, NOTE [Budget choice]) and `plan_policy.py` (which
+applies them, and reads a `CopyTiming` for NOTE [Kept tail]), so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..core.actions import Action, ActionKind
+from ..core.stats import IterationRecord
+from .plan import Plan
+
+__all__ = ["CopyTiming", "OffloadChoice"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CopyTiming:
+    """Measured copy rate and action start times of one offloaded iteration of the plan."""
+
+    bytes_per_s: float
+    """Device-to-host copy rate: bytes copied / seconds the copies took on their stream."""
+    action_starts_s: Sequence[float]
+    """For each action of the plan, seconds from the iteration's start at which it began."""
+    iteration_s: float
+    """Wall time of that iteration."""
+
+    @classmethod
+    def from_record(cls, record: IterationRecord, plan: Plan) -> "CopyTiming | None":
+        """The timing of ``record``; None when it copied nothing (a baseline, or copies not
+        timed) or its order is not ``plan``'s (a ``W`` of the plan starts when the action
+        before it did: the engine does not see weight steps)."""
+        copied = sum(g.bytes_offloaded for g in record.groups.values())
+        seconds = sum(g.offload_time_s for g in record.groups.values())
+        if not record.offload or copied <= 0 or seconds <= 0:
+            return None
+        seen = [a for a in plan.actions if a.kind is not ActionKind.WEIGHT]
+        if [Action.of(a) for a in record.order] != seen or len(record.action_starts_s) != len(seen):
+            return None
+        starts, recorded = [], iter(record.action_starts_s)
+        for action in plan.actions:
+            starts.append(starts[-1] if action.kind is ActionKind.WEIGHT and starts else next(recorded, 0.0))
+        return cls(bytes_per_s=copied / seconds, action_starts_s=tuple(starts), iteration_s=record.wall_time_s)
+
+    def hides(self, plan: Plan, chunk: tuple[int, int], nbytes: int) -> float:
+        """Seconds of compute left after a copy of ``nbytes`` out and back in chunk ``chunk``'s
+        window (from the action after its forward to its backward); >= 0: the copy hides."""
+        return self.slack_s(plan.index(ActionKind.FORWARD, *chunk), plan.index(ActionKind.BACKWARD, *chunk), nbytes)
+
+    def slack_s(self, forward: int, backward: int, nbytes: int) -> float:
+        """`hides` for a chunk whose forward and backward are actions ``forward`` and ``backward`` of the plan."""
+        window = self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
+        return window - 2 * nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadChoice:
+    """The groups a rank copies to host for a device budget, and the peaks `simulate` predicts."""
+
+    budget_bytes: int
+    offloaded: Mapping[tuple[int, int], frozenset[int]]
+    """(microbatch, vp_stage) -> indices of the chunk's groups copied to host; all others stay on device."""
+    predicted_peak_bytes: int
+    """`simulate`'s peak of device-resident saved bytes with this choice."""
+    baseline_peak_bytes: int
+    """The peak with nothing offloaded."""
+    lowest_peak_bytes: int
+    """The peak with every group offloaded (prefetch and reload-ahead budgets included)."""
+    bytes_offloaded: int
+    """Bytes copied to host per iteration with this choice."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak is within the budget."""
+        return self.predicted_peak_bytes <= self.budget_bytes
+
+    @property
+    def groups_offloaded(self) -> int:
+        """Number of (chunk, group) pairs copied."""
+        return sum(len(groups) for groups in self.offloaded.values())
+
+    def offloaded_by_name(self, group_names: Mapping[tuple[int, int], Sequence[str]]) -> dict[str, int]:
+        """Group name -> number of offloaded groups of that name (``IterationRecord.group_names``)."""
+        counts: dict[str, int] = {}
+        for chunk, groups in sorted(self.offloaded.items()):
+            names = group_names.get(chunk, ())
+            for index in sorted(groups):
+                name = names[index] if index < len(names) else f"group {index}"
+                counts[name] = counts.get(name, 0) + 1
+        return counts

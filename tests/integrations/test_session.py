@@ -1,0 +1,105 @@
+"""`TrainingSession` in one process: the after-iteration sequence, its records and the run order.
+
+The integrations' own tests run it under real schedules; these pin its order of steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from chunk_offload import ChunkOffloadError
+from chunk_offload.core import Action, ActionKind, CpuStreams, OffloadConfig
+from chunk_offload.integrations.options import ScheduleOptions
+from chunk_offload.integrations.session import TrainingSession
+from chunk_offload.schedule import Plan, PlanPolicy
+
+F0, B0 = Action(ActionKind.FORWARD, 0, 0), Action(ActionKind.BACKWARD, 0, 0)
+
+
+def _session(checks: list, **kwargs) -> TrainingSession:
+    session = TrainingSession(
+        config=OffloadConfig(min_offload_bytes=1),
+        streams=CpuStreams(),
+        options=ScheduleOptions(),
+        check_order=lambda order: checks.append((list(order), session.training_calls, len(session.records), session.tracking.ran_policy)),
+        **kwargs,
+    )
+    return session
+
+
+def _step(session: TrainingSession, model: nn.Module) -> None:
+    """One microbatch through one chunk, its backward recorded when the output's gradient arrives."""
+    with session.training_iteration():
+        with session.chunk(microbatch=0, vp_stage=0):
+            out = model(torch.ones(2, 4))
+        record_backward = session.backward_recorder(microbatch=0, vp_stage=0)
+        out.register_hook(lambda grad: record_backward())
+        out.sum().backward()
+
+
+def test_the_sequence_records_then_checks_then_sets_the_policy() -> None:
+    checks: list = []
+    session = _session(checks, baseline_iterations=1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    session.engine.offload_module(model[1], "act")
+    plan = Plan((F0, B0), pp_rank=0, pp_size=1, vp_size=1, source="test")
+    session.use_plan(plan)
+    first_policy = session.engine.schedule_policy
+    try:
+        _step(session, model)
+        _step(session, model)
+    finally:
+        session.engine.close()
+    # The check sees the order that ran, after the call was counted and its record kept, and
+    # before the new policy: the policy the iteration ran under is the plan's first one.
+    assert checks[0] == ([F0, B0], 1, 1, first_policy)
+    assert checks[1][:3] == ([F0, B0], 2, 2)
+    assert [r.offload for r in session.records] == [False, True]  # the baseline, then the latest
+    assert session.training_calls == 2
+    # After it, the plan's policy learned the chunk's groups (NOTE [Kept tail]).
+    policy = session.engine.schedule_policy
+    assert isinstance(policy, PlanPolicy) and policy is not first_policy and policy.plan is plan
+
+
+def test_a_discarded_iteration_is_no_call() -> None:
+    checks: list = []
+    session = _session(checks)
+    try:
+        session.begin_iteration()
+        session.end_iteration(discard=True)
+        with pytest.raises(RuntimeError, match="boom"), session.training_iteration():
+            raise RuntimeError("boom")
+        assert not session.engine.in_iteration
+    finally:
+        session.engine.close()
+    assert checks == [] and session.training_calls == 0 and session.records == []
+
+
+def test_a_late_backward_goes_to_its_own_iteration() -> None:
+    checks: list = []
+    session = _session(checks)
+    model = nn.Linear(4, 4)
+    try:
+        with session.training_iteration():
+            with session.chunk(microbatch=0, vp_stage=0):
+                out = model(torch.ones(2, 4))
+            late = session.backward_recorder(microbatch=0, vp_stage=0)
+        first = session.observed_order
+        session.begin_iteration()
+        late()
+        session.chunk_backward_started(microbatch=1, vp_stage=0, kind=ActionKind.WEIGHT)
+        session.end_iteration()
+    finally:
+        session.engine.close()
+    del out
+    assert first == [F0, B0]
+    assert session.observed_order == [Action(ActionKind.WEIGHT, 1, 0)]
+    assert [order for order, *_ in checks] == [[F0], [Action(ActionKind.WEIGHT, 1, 0)]]
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5])
+def test_bad_baseline_iterations_are_refused(value: object) -> None:
+    with pytest.raises(ChunkOffloadError, match=rf"baseline_iterations must be an int >= 0, got {value!r}"):
+        _session([], baseline_iterations=value)
