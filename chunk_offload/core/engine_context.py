@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -13,10 +13,6 @@ from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
 from .stats import ResidentBytes, StatsRecorder
 from .streams import StreamBackend
-
-if TYPE_CHECKING:
-    from .group import OffloadGroup
-    from .handler import ChunkOffloadHandler
 
 __all__ = ["EngineContext", "NO_RANGE", "WAIT_NAMES", "profile_range"]
 
@@ -45,7 +41,7 @@ class EngineContext:
     stats: StatsRecorder
     held_elsewhere: HeldElsewhere
     """Where copies freed nothing, learned at chunk ends (NOTE [Storages held elsewhere])."""
-    on_backward_start: Callable[["ChunkOffloadHandler"], None] | None = None
+    on_backward_start: Callable[[Any], None] | None = None
     """Called when backward first reaches one of a chunk's groups (after that group's reload)."""
     measure_time: bool = True
     deterministic_memory: bool = False
@@ -60,7 +56,16 @@ class EngineContext:
 NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off
 
 
-def profile_range(group: "OffloadGroup", step: str) -> ContextManager:
+class RangedGroup(Protocol):
+    """What `profile_range` reads of a group (an `OffloadGroup`; typed here, below it, so that
+    this module does not import the group's)."""
+
+    name: str
+    index: int
+    handler: Any  # its `ChunkOffloadHandler`: ``ctx`` and ``key``
+
+
+def profile_range(group: RangedGroup, step: str) -> ContextManager:
     """A `torch.profiler.record_function` range for ``step`` of ``group`` (``offload``,
     ``reload``, ``wait_offload``, ``wait_reload``, ``prefetch``), or a no-op context when
     `OffloadConfig.profile_ranges` is off (no range object is made then)."""

@@ -14,22 +14,21 @@ group frees that storage's device and host copies.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Sequence
+from typing import Collection, Sequence
 
 import torch
 
 from ._torch_compat import free_weak_storage, storage_key
 from .copies import copy_to_device, copy_to_host, release_after_copy
 from .engine_context import NO_RANGE, EngineContext, profile_range
-from .errors import ChunkOffloadError, internal_assert
-from .group_state import TRANSITIONS, GroupState
-from .saved import KeptRef, SavedRef, Storage, alive
+from .errors import internal_assert
+from .group_state import TRANSITIONS, GroupHandler, GroupState, state_error
+from .saved import KeptRef, SavedRef, Storage, alive, fix_spans
 from .streams import Event
 
-if TYPE_CHECKING:
-    from .handler import ChunkOffloadHandler
 
 __all__ = ["OffloadGroup"]
+
 
 # The profiler range of each compute wait, by wait name (`OffloadConfig.profile_ranges`).
 _WAIT_RANGES = {"use_after_reload": "wait_reload"}
@@ -49,7 +48,7 @@ class OffloadGroup:
         "_offload_cancelled",
     )  # fmt: skip
 
-    def __init__(self, handler: "ChunkOffloadHandler", name: str, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, handler: GroupHandler, name: str, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
         self.handler = handler
         self.name = name
         self.index = index
@@ -93,15 +92,7 @@ class OffloadGroup:
 
     def _expect(self, allowed: tuple[GroupState, ...], action: str) -> None:
         if self.state not in allowed:
-            if self.state is GroupState.DISCARDED:
-                raise ChunkOffloadError(
-                    f"cannot {action} group {self.name!r} of chunk {self.handler.key}: the group was "
-                    "discarded (its chunk or iteration raised an exception, or the iteration was discarded). Run the forward again."
-                )
-            raise ChunkOffloadError(
-                f"cannot {action} group {self.name!r} of chunk {self.handler.key} in state "
-                f"{self.state.value!r}; allowed states: {[s.value for s in allowed]}"
-            )
+            raise state_error(self.name, self.handler.key, self.state, allowed, action)
 
     def _wait(self, stream, event: Event | None, name: str, timed_kind: str | None = None) -> None:
         if event is None or name in self._ctx.skip_waits:
@@ -149,37 +140,15 @@ class OffloadGroup:
         ctx = self._ctx
         stats = ctx.stats.group(self.name)
         stats.groups += 1
-        kept_tensors = self._kept_tensors
-        kept = self._kept_storages
         handler = self.handler
         # See NOTE [Storages held elsewhere]: ordinals of live storages to keep at this place.
         held = ctx.held_elsewhere.kept(handler.key.vp_stage, self.index, self.name)
-        saved_bytes = kept_bytes = 0
-        dropped = None
-        ordinal = -1
-        for key, storage in self._storages.items():
-            views = storage.fix_span()
-            if not views:  # autograd already dropped every view saved in this storage
-                dropped = [] if dropped is None else dropped
-                dropped.append(key)
-                continue
-            ordinal += 1
-            if kept is not None and key in kept:
-                storage.pinned = True
-            elif held is not None and ordinal in held:
-                storage.pinned = True
-                stats.bytes_kept_held_elsewhere += storage.nbytes
-            saved_bytes += storage.nbytes
-            if storage.pinned:  # stays on device: saved, never moved
-                kept_tensors += views
-                kept_bytes += storage.nbytes
-        stats.tensors_kept += kept_tensors
-        if dropped is not None:
-            for key in dropped:
-                del self._storages[key]
-                self._live_storages -= 1
-        if kept is not None:
-            self._kept_storages = None
+        live = len(self._storages)
+        saved_bytes, kept_bytes, kept_views, held_bytes = fix_spans(self._storages, self._kept_storages, held)
+        self._live_storages -= live - len(self._storages)
+        self._kept_storages = None
+        stats.tensors_kept += self._kept_tensors + kept_views
+        stats.bytes_kept_held_elsewhere += held_bytes
         self.saved_bytes = saved_bytes
         self.kept_bytes = kept_bytes
         ctx.resident.saved(saved_bytes)  # one change: the mark sees the group as a whole

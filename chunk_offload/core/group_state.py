@@ -8,8 +8,11 @@ wrong result. `chunk_offload.schedule.simulate` and the ordering rules read the 
 from __future__ import annotations
 
 import enum
+from typing import Any, Callable, Protocol
 
-__all__ = ["GroupState", "TRANSITIONS"]
+from .errors import ChunkOffloadError
+
+__all__ = ["GroupHandler", "GroupState", "TRANSITIONS", "state_error"]
 
 
 class GroupState(enum.Enum):
@@ -37,3 +40,29 @@ TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
     _S.DISCARDED: frozenset(),
 }
 """Every allowed change of a group's state; `OffloadGroup._to` refuses any other."""
+
+
+def state_error(name: str, chunk: Any, state: GroupState, allowed: tuple[GroupState, ...], action: str) -> ChunkOffloadError:
+    """The error for ``action`` on group ``name`` of ``chunk`` in ``state``, which ``allowed`` does not hold."""
+    if state is GroupState.DISCARDED:
+        return ChunkOffloadError(
+            f"cannot {action} group {name!r} of chunk {chunk}: the group was discarded (its chunk or "
+            "iteration raised an exception, or the iteration was discarded). Run the forward again."
+        )
+    return ChunkOffloadError(
+        f"cannot {action} group {name!r} of chunk {chunk} in state {state.value!r}; allowed states: {[s.value for s in allowed]}"
+    )
+
+
+class GroupHandler(Protocol):
+    """What an `OffloadGroup` needs of its chunk's handler (a `ChunkOffloadHandler`; typed here,
+    below both, so that group.py does not import handler.py)."""
+
+    ctx: Any  # the `EngineContext`
+    key: Any  # the `ChunkKey`
+    offload: bool
+    offload_group: Callable[[int], bool] | None
+
+    def begin_group_backward(self, group: Any) -> None: ...
+
+    def _group_released(self, group: Any) -> None: ...

@@ -8,23 +8,32 @@ When autograd drops the last `SavedRef` of a storage, the group frees that stora
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any, Collection, Protocol
 
 import torch
 
 from .host_pool import HostBuffer
 
-if TYPE_CHECKING:
-    from .group import OffloadGroup
-
 __all__ = [
     "SPAN_ALIGN", "KeptRef", "SavedRef", "SharedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs",
-    "share_view", "version_probe", "view_span",
+    "fix_spans", "share_view", "version_probe", "view_span",
 ]  # fmt: skip
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
 # its elements whatever dtypes view the storage (all element sizes divide 16).
 SPAN_ALIGN = 16
+
+
+class SavedOwner(Protocol):
+    """What a `SavedRef` needs of the group that owns its storage (an `OffloadGroup`; typed here,
+    below it, so that this module does not import the group's)."""
+
+    handler: Any
+    input_nodes: Collection
+
+    def storage_freed(self, storage: "Storage") -> None: ...
+
+    def held_storage(self, key: int) -> "Storage | None": ...
 
 
 class Storage:
@@ -87,7 +96,7 @@ class SavedRef:
 
     __slots__ = ("group", "storage", "tensor", "version", "probe", "dtype", "size", "stride", "offset_bytes", "__weakref__")
 
-    def __init__(self, group: "OffloadGroup", storage: Storage, tensor: torch.Tensor) -> None:
+    def __init__(self, group: SavedOwner, storage: Storage, tensor: torch.Tensor) -> None:
         self.storage: Storage | None = None  # set once counted live: `__del__` uncounts only then
         self.group = group
         # The original's memory, held until the device copy is released (see `held`). A tensor
@@ -192,7 +201,40 @@ def check_version(probe: torch.Tensor, version: int, size, group_name: str) -> N
         )
 
 
-def share_view(tensor: torch.Tensor, key: int, previous: "OffloadGroup") -> SharedRef | None:
+def fix_spans(storages: dict[int, Storage], kept: set[int] | None, held: Collection[int] | None) -> tuple[int, int, int, int]:
+    """At a group's commit: fix the span of each storage a view is alive in, drop the others from
+    ``storages``, and pin those the policy keeps (``kept``: their keys) or that another reference
+    holds (``held``: ordinals among the live ones, NOTE [Storages held elsewhere]).
+
+    Returns the saved bytes, the bytes pinned (saved, never moved), the views in pinned
+    storages, and of the pinned bytes those held elsewhere.
+    """
+    saved_bytes = kept_bytes = kept_views = held_bytes = 0
+    dropped = None
+    ordinal = -1
+    for key, storage in storages.items():
+        views = storage.fix_span()
+        if not views:  # autograd already dropped every view saved in this storage
+            dropped = [] if dropped is None else dropped
+            dropped.append(key)
+            continue
+        ordinal += 1
+        if kept is not None and key in kept:
+            storage.pinned = True
+        elif held is not None and ordinal in held:
+            storage.pinned = True
+            held_bytes += storage.nbytes
+        saved_bytes += storage.nbytes
+        if storage.pinned:
+            kept_views += views
+            kept_bytes += storage.nbytes
+    if dropped is not None:
+        for key in dropped:
+            del storages[key]
+    return saved_bytes, kept_bytes, kept_views, held_bytes
+
+
+def share_view(tensor: torch.Tensor, key: int, previous: SavedOwner) -> SharedRef | None:
     """A `SharedRef` of ``tensor`` (storage key ``key``) in the storage the ``previous`` group
     saved and still holds on device, if its bytes lie within that storage's span and are
     unchanged since the previous group saved them (NOTE [Shared storages]); else None."""
