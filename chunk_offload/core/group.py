@@ -258,11 +258,6 @@ class OffloadGroup:
         """Return the saved tensor for autograd (the unpack hook)."""
         if not self.backward_begun:  # its gradient hook could not run: NOTE [Group backward hook]
             self.handler.begin_group_backward(self)
-        return self.restore(ref)
-
-    def restore(self, ref: SavedRef) -> torch.Tensor:
-        """The saved tensor of ``ref``, made resident if needed; for a `SharedRef` (a later group's
-        view of this group's storage, NOTE [Shared storages]) without starting this group's backward."""
         tensor = ref.tensor
         if tensor is not None:  # the device original is still held: nothing was released
             if tensor._version != ref.version:
@@ -281,14 +276,6 @@ class OffloadGroup:
         return torch.empty(0, dtype=ref.dtype, device=storage.device_bytes.device).set_(
             storage.device_bytes.untyped_storage(), offset, ref.size, ref.stride
         )
-
-    def held_storage(self, key: int) -> Storage | None:
-        """The live storage of key ``key`` this committed group saved and still holds on device
-        (kept, or being copied), if any (NOTE [Shared storages])."""
-        if self.state is not _KEPT and self.state is not GroupState.OFFLOADING:
-            return None
-        storage = self._storages.get(key)
-        return storage if storage is not None and storage.live else None
 
     # ------------------------------------------------------------------ lifetime
     def storage_freed(self, storage: Storage) -> None:

@@ -17,17 +17,6 @@ earlier, during the action before the chunk's backward (`prefetch`), keep a chun
 (``offload=False``), or keep some of its groups (``offload_group``: the last groups of a chunk
 whose backward follows at once, NOTE [Kept tail] in `ordering.py`). Which groups are reloaded early is
 decided in `ordering.py` (NOTE [Reload order]).
-
-NOTE [Shared storages]
-A group may save a storage the group just before it in the chunk saved too: core attention saves
-its output, and the projection after it saves that output as its input. While that previous group
-still holds it on device (kept, or copying it: it is released at the next commit), the later
-group's view joins the previous group's storage as a `SharedRef` (`share_view`) when its bytes lie
-within the previous group's span and are unchanged since. The storage is then saved, copied,
-reloaded and accounted once, by the previous group, whether or not the chunk is offloaded, so that
-records of kept and offloaded chunks agree. The later group's backward makes the previous group
-resident (`OffloadGroup.restore`, a wait on its reload if it was copied) without starting its
-backward, so the previous group's own reload order is unchanged.
 """
 
 from __future__ import annotations
@@ -41,7 +30,7 @@ from .errors import ChunkOffloadError
 from .engine_context import EngineContext, profile_range
 from .group import OffloadGroup
 from .group_state import GroupState
-from .saved import KeptRef, SavedRef, SharedRef, share_view
+from .saved import KeptRef, SavedRef
 from .ordering import prefetch_selection, reload_ahead_selection
 
 __all__ = ["ChunkOffloadHandler"]
@@ -253,10 +242,6 @@ class ChunkOffloadHandler:
             group = self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
         key = self._offload_key(tensor, group.inputs)
         if key > 0:
-            if group.index:  # NOTE [Shared storages]
-                shared = share_view(tensor, key, self.groups[group.index - 1])
-                if shared is not None:
-                    return shared
             return group.save(tensor, key)
         return group.keep(tensor, -key)
 
@@ -266,11 +251,9 @@ class ChunkOffloadHandler:
             return tensor_tag.group.unpack(tensor_tag)
         if tag_type is KeptRef:
             return tensor_tag.unpack()
-        if tag_type is SharedRef and tensor_tag.group.handler is self:
-            return tensor_tag.group.restore(tensor_tag)
         if isinstance(tensor_tag, torch.Tensor):
             return tensor_tag
-        if tag_type is SavedRef or tag_type is SharedRef:  # of another chunk's handler
+        if tag_type is SavedRef:  # of another chunk's handler
             raise ChunkOffloadError(
                 f"tensor_pop of a tag of chunk {tensor_tag.group.handler.key} on the handler of chunk {self.key}."
             )

@@ -15,8 +15,8 @@ import torch
 from .host_pool import HostBuffer
 
 __all__ = [
-    "SPAN_ALIGN", "KeptRef", "SavedRef", "SharedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs",
-    "fix_spans", "share_view", "version_probe", "view_span",
+    "SPAN_ALIGN", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs",
+    "fix_spans", "version_probe", "view_span",
 ]  # fmt: skip
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
@@ -32,8 +32,6 @@ class SavedOwner(Protocol):
     input_nodes: Collection
 
     def storage_freed(self, storage: "Storage") -> None: ...
-
-    def held_storage(self, key: int) -> "Storage | None": ...
 
 
 class Storage:
@@ -132,7 +130,16 @@ class SavedRef:
 
     def span(self) -> tuple[int, int]:
         """Bytes ``[start, end)`` of the storage this view touches (the original must be held)."""
-        return view_span(self.tensor)
+        tensor = self.tensor
+        if tensor.is_contiguous():  # also an empty tensor: nbytes is 0
+            start = tensor.storage_offset() * tensor.element_size()
+            return start, start + tensor.nbytes
+        itemsize = tensor.element_size()
+        start = tensor.storage_offset() * itemsize
+        if tensor.numel() == 0:
+            return start, start
+        extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+        return start, start + extent * itemsize
 
     def __del__(self) -> None:
         storage = self.storage
@@ -140,13 +147,6 @@ class SavedRef:
             storage.live -= 1
             if not storage.live:
                 self.group.storage_freed(storage)
-
-
-class SharedRef(SavedRef):
-    """A view saved by a later group of the chunk in a storage an earlier group is copying: it
-    belongs to that earlier group's storage, copied once (NOTE [Shared storages] in handler.py)."""
-
-    __slots__ = ()
 
 
 class KeptRef:
@@ -232,23 +232,6 @@ def fix_spans(storages: dict[int, Storage], kept: set[int] | None, held: Collect
         for key in dropped:
             del storages[key]
     return saved_bytes, kept_bytes, kept_views, held_bytes
-
-
-def share_view(tensor: torch.Tensor, key: int, previous: SavedOwner) -> SharedRef | None:
-    """A `SharedRef` of ``tensor`` (storage key ``key``) in the storage the ``previous`` group
-    saved and still holds on device, if its bytes lie within that storage's span and are
-    unchanged since the previous group saved them (NOTE [Shared storages]); else None."""
-    storage = previous.held_storage(key)
-    if storage is None:
-        return None
-    start, end = view_span(tensor)
-    if start < storage.start or end > storage.start + storage.nbytes:
-        return None
-    version = tensor._version
-    for ref in alive(storage):  # what the previous group saved (and copies) is what this view holds
-        if ref.tensor is None or ref.version != version or ref.tensor._version != version:
-            return None
-    return SharedRef(previous, storage, tensor)
 
 
 def view_span(tensor: torch.Tensor) -> tuple[int, int]:

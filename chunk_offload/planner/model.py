@@ -68,9 +68,8 @@ Held elsewhere (NOTE [Storages held elsewhere], ``core/held_elsewhere.py``): a s
 another reference keeps on device stays there, counted as saved but never moved; `held_elsewhere`
 names them, measured with the stage replay on CPU (``tests/planner/test_held_elsewhere.py``): (a) core
 attention's output when it is attn_proj's saved input (`_attention_output_is_proj_input`: SDPA,
-not the local attention, which saves no output) and attn_proj is not offloaded (offloaded, the
-next group after core_attn's, it joins core_attn's storage and saves no bytes of its own: NOTE
-[Shared storages] in core/handler.py); (b) the input of the first layer of a chunk that receives it from a previous
+not the local attention, which saves no output) and attn_proj is not offloaded (offloaded, both
+groups copy it); (b) the input of the first layer of a chunk that receives it from a previous
 stage or chunk, which the schedule keeps until the chunk's backward: saved by ``attn_norm`` (under
 Transformer Engine by ``qkv_linear``, from source), but not by the CPU RMSNorm in bf16/fp16,
 which saves an fp32 copy. No other module's storage (mlp_norm, mlp_fc1, qkv_linear, expert_fc1)
@@ -208,14 +207,11 @@ def layer_offload_groups(
             calls.append((name, 0))
     if dims.is_moe(layer):
         calls += [(name, e) for e in range(dims.local_experts) for name in per_expert]
-    out, previous = [], None
+    out = []
     for name, expert in calls:
         spans = storage_bytes(saved_tensors(dims, name, expert=expert), min_offload_bytes=min_offload_bytes)
-        if name == "attn_proj" and previous == "core_attn" and _attention_output_is_proj_input(dims):
-            spans.pop("input", None)  # core_attn's group copies and counts it (NOTE [Shared storages])
         held = held_elsewhere(dims, layer, name, chosen, receives_input=receives_input)
         out.append(LayerGroup(name, sum(spans.values()), sum(n for s, n in spans.items() if s in held)))
-        previous = name
     return out
 
 

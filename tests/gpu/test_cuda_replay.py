@@ -33,10 +33,9 @@ pytestmark = [
 # Every dense module but attn_proj: core attention's output, which attn_proj would save too, then
 # stays on device, held by linear_proj (NOTE [Storages held elsewhere]), and the theory is exact.
 MODULES = "attn_norm,qkv_linear,core_attn,mlp_norm,mlp_fc1"
-# With attn_proj as well, core attention's output is saved by two offloaded modules: it is copied
-# and accounted once, by core_attn's group (NOTE [Shared storages] in core/handler.py). Before that
-# rule each group copied it and the theory counted it twice: R = 0.85 (PP=1) and 0.87 (PP=4 stage
-# 0) on the H200 run of 2026-11-26.
+# With attn_proj as well, core attention's output is saved by two offloaded modules: each copies it
+# and the theory counts it twice while the device holds it once (docs/report.md, "What the theory
+# counts"); the H200 run of 2026-11-26 measured R = 0.85 (PP=1) and 0.87 (PP=4 stage 0).
 SAVED_TWICE = "attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1"
 
 
@@ -45,7 +44,9 @@ SAVED_TWICE = "attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1"
     [
         (1, None, 8, MODULES),
         (4, "plan", 16, MODULES),
-        (1, None, 8, SAVED_TWICE),
+        pytest.param(
+            1, None, 8, SAVED_TWICE, marks=pytest.mark.xfail(strict=True, reason="a storage saved by two offloaded modules is counted twice")
+        ),
     ],
     ids=["pp1_every_chunk", "pp4_stage0_plan", "pp1_saved_twice"],
 )
