@@ -124,7 +124,8 @@ def release_after_copy(ctx: "EngineContext", name: str, storages: list[Storage],
     the link lags. Since compute no longer orders d2h before later work, a reload waits on the
     offload's event itself before it reads the host buffer (R4, ``reload_after_offload`` in
     `copy_to_device`), and the held-elsewhere check at the chunk's forward end first waits for
-    copies that hold their sources (`StreamBackend.copies_hold_sources`).
+    every copy issued so far where copies hold their sources (`StreamBackend.copies_hold_sources`:
+    a later group's copy of the same storage would hold it too).
     """
     if ctx.deterministic_memory or "release_after_offload" in ctx.skip_waits:  # (skipped: tests only)
         compute = ctx.streams.compute

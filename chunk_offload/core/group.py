@@ -195,10 +195,8 @@ class OffloadGroup:
 
     def note_held_elsewhere(self) -> None:
         """At its chunk's forward end: learn which copied storages another reference keeps on
-        device (NOTE [Storages held elsewhere]). Copies that hold their sources are waited
-        for first, so that only other references count (NOTE [Release by the copy stream] in copies.py)."""
-        if self._ctx.streams.copies_hold_sources:
-            self._d2h_event.synchronize()
+        device (NOTE [Storages held elsewhere]). The handler waits first for copies that hold
+        their sources (NOTE [Release by the copy stream] in copies.py)."""
         nbytes = self._ctx.held_elsewhere.learn(self.handler.key.vp_stage, self.index, self.name, self._storages.values())
         if nbytes:
             self._ctx.stats.group(self.name).bytes_copied_held_elsewhere += nbytes

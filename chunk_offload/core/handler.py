@@ -161,6 +161,10 @@ class ChunkOffloadHandler:
         self._forward_ended = True
         self._release_held()
         if self.offload:
+            if self.ctx.streams.copies_hold_sources:
+                # Every copy issued so far, not only each group's own: another group's copy of the
+                # same storage would still hold it (NOTE [Release by the copy stream] in copies.py).
+                self.ctx.streams.d2h.synchronize()
             for group in self.groups:
                 if group.state is GroupState.ON_HOST:
                     group.note_held_elsewhere()
