@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from chunk_offload import OffloadConfig, OffloadManager
+from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
+from tests.core._streams import JOIN_TIMEOUT_S, worker_threads
 
 
 @pytest.fixture
@@ -22,3 +25,22 @@ def make_manager():
     yield make
     for manager in managers:
         manager.close()
+
+
+@pytest.fixture
+def make_streams():
+    """Create CpuStreams; at teardown close them and join their worker threads."""
+    created: list[tuple[CpuStreams, set[threading.Thread]]] = []
+
+    def make(**kwargs) -> CpuStreams:
+        before = worker_threads()
+        backend = CpuStreams(**kwargs)
+        created.append((backend, worker_threads() - before))
+        return backend
+
+    yield make
+    for backend, threads in created:
+        backend.close()
+        for thread in threads:
+            thread.join(JOIN_TIMEOUT_S)
+            assert not thread.is_alive(), f"worker thread {thread.name} still running after close()"

@@ -12,7 +12,7 @@ Each case spawns its ranks once and trains the same tiny GPTModel several times 
 - the chunk order recorded in the last iteration is megatron's schedule for that rank;
 - offloaded bytes plus the bytes kept on device because another reference holds them (NOTE
   [Storages held elsewhere]) per name equal the bytes of what those modules save for backward,
-  computed from the shapes (see `_bytes_per_call` and `_held_elsewhere_per_chunk`);
+  computed from the shapes (see ``tests.integrations.megatron._attach_expect``);
 - an evaluation (``forward_only=True`` under ``torch.no_grad()``) after each training call
   changes nothing and adds no group.
 
@@ -30,10 +30,18 @@ import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.integrations.megatron import ALIASES, OFFLOAD_MODULE_NAMES, attach, canonical_names
-from chunk_offload.schedule import megatron_plan
 
 from tests._megatron import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
 from tests._megatron_offload import OffloadHooks
+from tests.integrations.megatron._attach_expect import (
+    F32,
+    bytes_per_call,
+    expected_order,
+    held_elsewhere_per_chunk,
+    is_moe,
+    module_counts,
+    received_chunks,
+)
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 _TIMEOUT_S = 150.0  # hang guard per spawn (a case takes ~10-30 s on 2 cores)
@@ -116,7 +124,7 @@ class _Spawned:
 
 
 def _hooks(offload: _Offload) -> Hooks:
-    # Reload at group start and offload every chunk (no plan policy): the byte formulas below
+    # Reload at group start and offload every chunk (no plan policy): the byte formulas of _attach_expect
     # count every call on every rank. The plan policy is tested in test_schedule.py.
     hooks = OffloadHooks(offload.modules, options={"min_offload_bytes": 1, "schedule_policy": None}, evaluate_between=offload.evaluate_between)
     return Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, report=hooks.report)
@@ -138,90 +146,6 @@ def _each_offload_rank(spawned: _Spawned):
     for offload, ranks in spawned.offloaded:
         for result in ranks:
             yield offload, result
-
-
-# --------------------------------------------------------------------------------------------
-# What each rank holds, derived from the config alone.
-# --------------------------------------------------------------------------------------------
-
-
-def _layers(cfg: TinyGPTConfig, pp_rank: int) -> list[int]:
-    """Global indices of the transformer layers on ``pp_rank`` (all its model chunks).
-
-    Megatron's layer offset: chunk v of stage r holds layers from
-    ``v * num_layers / vp + r * num_layers / (pp * vp)`` on.
-    """
-    vp = cfg.virtual_pipeline or 1
-    per_chunk = cfg.num_layers // (cfg.pipeline_parallel * vp)
-    return [
-        v * (cfg.num_layers // vp) + pp_rank * per_chunk + i for v in range(vp) for i in range(per_chunk)
-    ]
-
-
-def _is_moe(cfg: TinyGPTConfig, layer: int) -> bool:
-    if cfg.num_experts is None:
-        return False
-    if isinstance(cfg.moe_layer_freq, tuple):
-        return cfg.moe_layer_freq[layer] == 1
-    return layer % cfg.moe_layer_freq == 0
-
-
-def _module_counts(cfg: TinyGPTConfig, pp_rank: int, modules: tuple[str, ...]) -> dict[str, int]:
-    """Offloaded submodules per canonical name on ``pp_rank`` (names that match nothing are left out)."""
-    layers = _layers(cfg, pp_rank)
-    moe = sum(_is_moe(cfg, i) for i in layers)
-    local_experts = (cfg.num_experts or 0) // cfg.expert_parallel
-    per_name = {
-        "attn_norm": len(layers),
-        "qkv_linear": len(layers),
-        "core_attn": len(layers),
-        "attn_proj": len(layers),
-        "mlp_norm": len(layers),  # MoE layers of the local spec have a pre-MLP norm as well
-        "mlp_fc1": len(layers) - moe,
-        "expert_fc1": moe * local_experts,
-    }
-    names = {ALIASES.get(m, m) for m in modules}
-    return {n: per_name[n] for n in names if per_name[n] > 0}
-
-
-_F32 = 4  # bytes per element: every activation here is fp32, the causal mask is bool (1 byte)
-
-
-def _bytes_per_call(cfg: TinyGPTConfig, name: str) -> int:
-    """Bytes one call of submodule ``name`` saves for backward (non-parameter tensors only).
-
-    With tensor parallel 1 and no sequence parallel, s = seq_length, b = micro_batch_size,
-    h = hidden_size, np = heads; every saved storage starts at offset 0 (no alignment padding).
-
-    - qkv_linear, attn_proj, mlp_fc1: megatron's linear autograd Function saves (input, weight);
-      the weight is a parameter and stays, the input is [s, b, in_features] with
-      in_features = h for all three (attn_proj's input is the [s, b, np * hn] context).
-    - attn_norm, mlp_norm (torch.nn.LayerNorm, the local spec without Apex): native_layer_norm
-      saves input [s, b, h], weight and bias (parameters), mean and rstd [s, b, 1].
-    - core_attn (megatron's local DotProductAttention, no GQA, fp32, masked_softmax_fusion off):
-      q, k, v are views of one storage, linear_qkv's output [s, b, 3h] (split along the last
-      dim); baddbmm saves q and k, bmm saves v: the span from q's first element to v's last is
-      the whole storage, s*b*3h. ``forward_torch_softmax`` builds the causal mask
-      ``triu(ones(s, s)).bool()`` (the harness passes no mask) and ``masked_fill_`` saves it:
-      s*s bytes. Softmax saves its output [b, np, s, s]; dropout with p=0 returns its input and
-      saves nothing; bmm saves a view of the softmax output (same storage, counted once).
-    """
-    s, b, h, heads = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
-    if name in ("qkv_linear", "attn_proj", "mlp_fc1"):
-        return s * b * h * _F32
-    if name in ("attn_norm", "mlp_norm"):
-        return s * b * h * _F32 + 2 * s * b * 1 * _F32
-    if name == "core_attn":
-        return s * b * 3 * h * _F32 + s * s * 1 + b * heads * s * s * _F32
-    raise AssertionError(f"no shape formula for {name!r}")
-
-
-def _expected_order(cfg: TinyGPTConfig, pp_rank: int) -> list[tuple[str, int, int]]:
-    """The (F|B, microbatch, vp_stage) actions megatron's schedule runs on ``pp_rank`` per iteration."""
-    plan = megatron_plan(
-        pp_size=cfg.pipeline_parallel, pp_rank=pp_rank, num_microbatches=cfg.num_microbatches, vp_size=cfg.virtual_pipeline
-    )
-    return [(a.kind.value, a.microbatch, a.vp_stage) for a in plan.actions]
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,7 +183,7 @@ def test_bytes_move_and_nothing_is_left(spawned: _Spawned):
     cfg = spawned.case.config
     for offload, r in _each_offload_rank(spawned):
         what = f"{spawned.name} {offload.modules} rank {r.rank}"
-        names = set(_module_counts(cfg, r.pipeline_rank, offload.modules))
+        names = set(module_counts(cfg, r.pipeline_rank, offload.modules))
         stats = r.extra
         assert set(stats["offloaded"]) == names, what
         for name in names:
@@ -277,7 +201,7 @@ def test_group_counts(spawned: _Spawned):
     calls = cfg.num_microbatches * cfg.iterations
     for offload, r in _each_offload_rank(spawned):
         what = f"{spawned.name} {offload.modules} rank {r.rank}"
-        modules = _module_counts(cfg, r.pipeline_rank, offload.modules)
+        modules = module_counts(cfg, r.pipeline_rank, offload.modules)
         assert r.extra["registered"] == modules, what
         assert r.extra["groups"] == {name: n * calls for name, n in modules.items()}, what
         if "expert_fc1" in modules:
@@ -288,26 +212,9 @@ def test_group_counts(spawned: _Spawned):
 def test_observed_order_is_megatrons_schedule(spawned: _Spawned):
     cfg = spawned.case.config
     for offload, r in _each_offload_rank(spawned):
-        expected = _expected_order(cfg, r.pipeline_rank)
+        expected = expected_order(cfg, r.pipeline_rank)
         assert len(expected) == 2 * cfg.num_microbatches * (cfg.virtual_pipeline or 1)
         assert r.extra["observed_order"] == expected, f"{spawned.name} {offload.modules} rank {r.rank}"
-
-
-def _received_chunks(cfg: TinyGPTConfig, pp_rank: int) -> int:
-    """Model chunks (virtual stages) of ``pp_rank`` whose input comes from another stage: all but
-    the first stage's first chunk, which embeds its tokens."""
-    vp = cfg.virtual_pipeline or 1
-    return vp - 1 if pp_rank == 0 else vp
-
-
-def _held_elsewhere_per_chunk(cfg: TinyGPTConfig, pp_rank: int, name: str) -> int:
-    """Bytes per model chunk of what ``name`` saves and another reference holds on the device
-    (NOTE [Storages held elsewhere]): the first layer's attn_norm saves the chunk's received input,
-    which the schedule holds until the chunk's backward ([s, b, h]). Nothing else here: core
-    attention's output is not saved by the local DotProductAttention itself."""
-    if name != "attn_norm":
-        return 0
-    return cfg.seq_length * cfg.micro_batch_size * cfg.hidden_size * _F32
 
 
 def test_offloaded_bytes_match_saved_tensor_shapes(spawned: _Spawned):
@@ -320,7 +227,7 @@ def test_offloaded_bytes_match_saved_tensor_shapes(spawned: _Spawned):
     for offload, r in _each_offload_rank(spawned):
         what = f"{spawned.name} {offload.modules} rank {r.rank}"
         offloaded, kept, copied = (r.extra[k] for k in ("offloaded", "kept_held_elsewhere", "copied_held_elsewhere"))
-        for name, n in _module_counts(cfg, r.pipeline_rank, offload.modules).items():
+        for name, n in module_counts(cfg, r.pipeline_rank, offload.modules).items():
             if name == "expert_fc1":
                 # Tokens routed to the local experts, recorded by a pre-hook on each expert's
                 # linear_fc1 (the [tokens, h] input it saves; each is a view of the permuted
@@ -331,21 +238,21 @@ def test_offloaded_bytes_match_saved_tensor_shapes(spawned: _Spawned):
                 expert_bytes[offload.modules] = expert_bytes.get(offload.modules, 0) + expected
                 assert copied[name] <= offloaded[name], (what, name, copied[name], offloaded[name])
             else:
-                expected = _bytes_per_call(cfg, name) * n * calls
-                held = _held_elsewhere_per_chunk(cfg, r.pipeline_rank, name) * _received_chunks(cfg, r.pipeline_rank)
+                expected = bytes_per_call(cfg, name) * n * calls
+                held = held_elsewhere_per_chunk(cfg, r.pipeline_rank, name) * received_chunks(cfg, r.pipeline_rank)
                 assert (copied[name], kept[name]) == (held, held * (calls - 1)), (what, name, copied[name], kept[name])
             assert offloaded[name] + kept[name] == expected, (what, name, offloaded[name], kept[name], expected)
     # The recorded routing itself: each token goes to top-k experts; the allgather dispatcher
     # gives each expert-parallel rank the tokens of all ranks, so summed over the ranks, the
     # experts of one MoE layer see EP x s x b x k tokens per microbatch.
     if cfg.num_experts is not None:
-        moe_layers = sum(_is_moe(cfg, i) for i in range(cfg.num_layers))
+        moe_layers = sum(is_moe(cfg, i) for i in range(cfg.num_layers))
         tokens = cfg.expert_parallel * cfg.seq_length * cfg.micro_batch_size * cfg.moe_router_topk
         # Summed over all ranks = over the EP ranks and the pipeline stages (each holds its own
         # layers), as long as no expert is replicated (expert data parallel 1).
         assert spawned.case.world_size == cfg.pipeline_parallel * cfg.expert_parallel
         for modules, total in expert_bytes.items():
-            assert total == moe_layers * tokens * cfg.hidden_size * _F32 * calls, (modules, total)
+            assert total == moe_layers * tokens * cfg.hidden_size * F32 * calls, (modules, total)
 
 
 def test_evaluation_between_iterations_changes_nothing(spawned: _Spawned):

@@ -6,7 +6,7 @@ accumulation hooks, optionally bucketed asynchronous reduction with ``overlap_gr
 in bf16, in ``Float16Module``; ``get_megatron_optimizer`` steps it, optionally as the distributed
 optimizer; the schedule calls ``no_sync_func``, ``grad_sync_func`` and ``finalize_model_grads``.
 The harness builds exactly that with ``TinyGPTConfig(megatron_ddp=True, ...)`` (see
-``tests._megatron._MegatronTraining``), and `attach` hooks the inner GPTModel chunks, as Megatron-LM's
+``tests._megatron_train.MegatronTraining``), and `attach` hooks the inner GPTModel chunks, as Megatron-LM's
 model provider would.
 
 Each spawn trains every config twice in the same ranks, without offload and with every dense
