@@ -134,6 +134,9 @@ def offload_ops(reused: bool) -> Counter:
 
 
 RELEASE_OPS = _counts(retain__d2h=1)
+# At the chunk's end, where copies hold their sources (these CPU streams; not CUDA), the
+# held-elsewhere check first waits for the copies (NOTE [Release by the copy stream]).
+HELD_CHECK_OPS = _counts(synchronize__d2h=1)
 DETERMINISTIC_RELEASE_OPS = _counts(wait_event__compute=1)  # OffloadConfig.deterministic_memory
 RELOAD_OPS = _counts(wait_stream__h2d=1, wait_event__h2d=1, copy__h2d=1, record_event__h2d=1, wait_event__compute=1)
 # Each iteration's start and end: the manager waits until both copy streams are idle.
@@ -195,7 +198,7 @@ def test_ops_per_group(groups: int, deterministic_memory: bool) -> None:
         # Committing a group releases the one before it; the chunk's end releases the last.
         offload = _times(offload_ops(reused=iteration > 0), groups) + _times(release, groups - 1)
         assert phase["forward"] == offload, (iteration, phase)
-        assert phase["chunk_end"] == release, (iteration, phase)
+        assert phase["chunk_end"] == release + HELD_CHECK_OPS, (iteration, phase)
         assert phase["backward"] == _times(RELOAD_OPS, groups), (iteration, phase)
         assert phase["iteration"] == ITERATION_OPS, (iteration, phase)
         assert phase["timed"] == Counter()
@@ -212,7 +215,7 @@ def test_measure_time_times_each_copy_and_compute_wait() -> None:
     """``measure_time=True`` (the default) times every copy and every compute wait, nothing else."""
     groups = 2
     (phase,) = _run(CountingStreams(), groups, iterations=1, measure_time=True)
-    assert phase["forward"] + phase["chunk_end"] == _times(offload_ops(reused=False) + RELEASE_OPS, groups)
+    assert phase["forward"] + phase["chunk_end"] == _times(offload_ops(reused=False) + RELEASE_OPS, groups) + HELD_CHECK_OPS
     assert phase["backward"] == _times(RELOAD_OPS, groups)
     # Per group: its D2H copy, its H2D copy and the compute wait before its first use (the
     # release does not wait).
