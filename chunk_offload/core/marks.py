@@ -40,12 +40,13 @@ from ._torch_compat import (
     top_saved_tensors_hooks,
     tree_flatten,
 )
+from .errors import ChunkOffloadError
 from .handler import ChunkOffloadHandler
 
 if TYPE_CHECKING:
     from .manager import OffloadManager
 
-__all__ = ["GroupMarks", "ModuleOffload"]
+__all__ = ["DetachedOffload", "GroupMarks", "ModuleOffload", "check_group_args"]
 
 
 class GroupMarks:
@@ -112,6 +113,8 @@ class ModuleOffload:
 
     The hooks hold the manager weakly: a manager dropped without `close` is not kept alive by
     the model (its stream workers stop with it) and its hooks are removed when it is collected.
+    A model that is pickled (``torch.save(model)``, ``copy.deepcopy``) takes inert hooks instead
+    (`DetachedOffload`): the copy is not offloaded until it is registered with a manager.
     """
 
     def __init__(
@@ -159,6 +162,10 @@ class ModuleOffload:
             return None
         return self._marks.commit(manager.current_handler, output, self.name)
 
+    def __reduce__(self) -> tuple:
+        # The manager (streams, threads, weak references) is not part of the model's state.
+        return (DetachedOffload, (self.name,))
+
     def remove(self) -> None:
         """Remove the hooks; later calls of the module are not offloaded (idempotent)."""
         for handle in self._handles:
@@ -166,6 +173,22 @@ class ModuleOffload:
         if self._handles:
             self._on_remove(self)
         self._handles = []
+
+
+class DetachedOffload:
+    """What a pickled or deep-copied `ModuleOffload` becomes: the same hooks with no manager, so
+    they do nothing (the copy of the model belongs to no manager)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._opened: list[bool] = []
+
+    @staticmethod
+    def _manager() -> None:
+        return None
+
+    _pre = ModuleOffload._pre  # deepcopy keeps the hooks' functions and swaps in this object
+    _post = ModuleOffload._post
 
 
 def _remove_handles(handles: list) -> None:
@@ -180,6 +203,19 @@ def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
     ``handler``'s own hooks (a group still open) fall through to the nesting error."""
     top = top_saved_tensors_hooks()
     return top is not None and getattr(top[0], "__self__", None) is not handler
+
+
+def check_group_args(call: str, tensors: Any, name: object) -> None:
+    """Refuse, at the call, a group name that is not a non-empty str and ``tensors`` without a tensor
+    (`OffloadManager.group_start` / ``group_commit``; a module's own outputs are not checked)."""
+    if type(name) is not str or not name:
+        raise ChunkOffloadError(f"{call}(tensors, name) needs name as a non-empty str, got {name!r} ({type(name).__name__})")
+    if type(tensors) is not torch.Tensor and not _tensors_of(tensors):
+        raise ChunkOffloadError(
+            f"{call}(tensors, name={name!r}) needs tensors as a tensor or a tuple, list, dict or other pytree "
+            f"holding at least one tensor, got {tensors!r:.80} ({type(tensors).__name__}); pass the group's "
+            f"{'input' if call == 'group_start' else 'output'} tensors"
+        )
 
 
 def _tensors_of(tensors: Any) -> list[torch.Tensor]:
