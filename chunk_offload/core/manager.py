@@ -25,7 +25,7 @@ from .engine_context import EngineContext
 from .handler import ChunkOffloadHandler
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
-from .manager_args import check_begin_chunk, check_begin_iteration, check_manager_args
+from .manager_args import check_begin_chunk, check_begin_iteration, check_flag, check_manager_args, check_module
 from .marks import GroupMarks, ModuleOffload, check_group_args
 from .registry import ModuleRegistry
 from .tensor_policy import OffloadPolicy
@@ -115,6 +115,7 @@ class OffloadManager:
 
     def protect_module(self, module: nn.Module) -> None:
         """Never offload parameters or buffers of ``module`` (or views of their storage)."""
+        check_module("protect_module", module)
         self.policy.protect(module)
 
     @property
@@ -140,10 +141,7 @@ class OffloadManager:
 
     @property
     def current_handler(self) -> ChunkOffloadHandler | None:
-        """The handler of the chunk whose forward is running on the calling thread, if any.
-
-        Chunks are per thread: a forward on another thread meanwhile is outside the chunk.
-        """
+        """The handler of the chunk whose forward runs on the calling thread (chunks are per thread), if any."""
         handler = self._chunk_local.handler  # a thread-local lookup: no call on the per-group path
         return handler if handler is self._current else None
 
@@ -168,6 +166,7 @@ class OffloadManager:
         now (its saved tensors can no longer be unpacked) and no record is made (None). After
         `close` (which ended the iteration) it returns None.
         """
+        check_flag("end_iteration", "discard", discard)
         if self._closed and not self.in_iteration:
             return None
         if not self.in_iteration:
@@ -228,6 +227,7 @@ class OffloadManager:
         ``abort=True`` (its forward raised): discard the chunk's groups instead. Returns the
         chunk's handler (None for a chunk that tracked nothing, or after `close`, which aborted it).
         """
+        check_flag("end_chunk", "abort", abort)
         handler = self._current
         if handler is not None and self.current_handler is None:
             raise ChunkOffloadError(f"end_chunk() on another thread than the one that began chunk {handler.key}; end it there.")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from .config import OffloadConfig
 from .errors import ChunkOffloadError
 from .schedule_policy import SchedulePolicy
 from .streams import StreamBackend
 
-__all__ = ["check_begin_chunk", "check_begin_iteration", "check_manager_args"]
+__all__ = ["check_begin_chunk", "check_begin_iteration", "check_flag", "check_manager_args", "check_module"]
 
 
 def check_manager_args(config: object, streams: object, schedule_policy: object) -> OffloadConfig:
@@ -54,3 +56,15 @@ def check_begin_iteration(*, closed: bool, in_iteration: bool, offload: object) 
         raise ChunkOffloadError("iteration() entered while an iteration is already open; they cannot nest.")
     if offload is not None and not isinstance(offload, bool):
         raise ChunkOffloadError(f"iteration(offload=...) takes True, False or None, got {offload!r}")
+
+
+def check_flag(call: str, name: str, value: object) -> None:
+    """A keyword switch such as ``end_chunk(abort=...)`` is True or False (a string would be truthy)."""
+    if not isinstance(value, bool):
+        raise ChunkOffloadError(f"{call}({name}=...) takes True or False, got {value!r}")
+
+
+def check_module(call: str, module: object) -> None:
+    """``module`` is an ``nn.Module`` (checked before anything keeps it)."""
+    if not isinstance(module, nn.Module):
+        raise ChunkOffloadError(f"{call} expects an nn.Module, got {type(module).__name__} {module!r:.80}")

@@ -8,6 +8,7 @@ from torch import nn
 
 from .errors import ChunkOffloadError
 from .held_elsewhere import HeldElsewhere
+from .manager_args import check_module
 from .marks import GroupMarks, ModuleOffload
 
 if TYPE_CHECKING:
@@ -30,8 +31,7 @@ class ModuleRegistry:
 
     def add(self, manager: "OffloadManager", module: nn.Module, name: str) -> ModuleOffload:
         """Register ``module`` as group ``name`` (`OffloadManager.offload_module`); refuse a second registration."""
-        if not isinstance(module, nn.Module):
-            raise ChunkOffloadError(f"offload_module expects an nn.Module, got {type(module).__name__}")
+        check_module("offload_module", module)
         if not isinstance(name, str) or not name:
             raise ChunkOffloadError(f"offload_module needs a non-empty group name, got {name!r}")
         for existing in self.registrations:

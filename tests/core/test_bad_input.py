@@ -392,3 +392,30 @@ def test_deepcopy_of_a_model_with_offload_attached_gives_a_plain_copy(make_manag
             clone(torch.randn(3, 4, requires_grad=True)).sum().backward()
         assert handler.groups == []
     assert manager.offload_module(clone, "clone").module is clone  # the copy can be registered itself
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: m.protect_module(3), "protect_module expects an nn.Module, got int 3"),
+        (lambda m: m.protect_module(torch.zeros(2)), "protect_module expects an nn.Module, got Tensor"),
+        (lambda m: m.end_iteration(discard="no"), "end_iteration(discard=...) takes True or False, got 'no'"),
+        (lambda m: m.end_chunk(abort=1), "end_chunk(abort=...) takes True or False, got 1"),
+    ],
+)
+def test_other_arguments_of_a_wrong_type_fail_at_the_call_and_leave_the_manager_usable(make_manager, call, message):
+    manager = make_manager()
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    manager.offload_module(module, "m")
+    manager.begin_iteration()
+    manager.begin_chunk(microbatch=0)
+    with pytest.raises(ChunkOffloadError, match=re.escape(message)):
+        call(manager)
+    out = module(torch.randn(3, 4, requires_grad=True))
+    manager.end_chunk()
+    out.sum().backward()
+    manager.end_iteration()
+    with manager.iteration():  # a refused protect_module left nothing behind
+        with manager.chunk(microbatch=0):
+            module(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert_clean(manager)

@@ -499,3 +499,15 @@ def test_acquire_takes_zero_and_integer_types():
     import numpy as np
 
     assert pool.acquire(np.int64(700)).nbytes == 700
+
+
+def test_the_cap_name_in_exhaustion_messages_is_what_set_the_cap():
+    pool = HostPool(capacity_bytes=512, on_exhausted="error", cap_name="host_pool_bytes")
+    pool.acquire(512)
+    with pytest.raises(ChunkOffloadError, match=r"512 of host_pool_bytes=512 .* Raise host_pool_bytes,") as info:
+        pool.acquire(512)
+    assert "capacity_bytes" not in str(info.value)
+    pool.set_capacity(1024, cap_name="--chunk-offload-host-budget's share")
+    pool.acquire(512)
+    with pytest.raises(ChunkOffloadError, match=r"of --chunk-offload-host-budget's share=1024"):
+        pool.acquire(512)
