@@ -13,6 +13,7 @@ Integrations drive the pairs from their hooks and read the public properties (`i
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -31,7 +32,7 @@ from .registry import ModuleRegistry
 from .tensor_policy import OffloadPolicy
 from .records import IterationWindow
 from .schedule_policy import SchedulePolicy
-from .shutdown import run_close
+from .shutdown import run_cleanup
 from .stats import IterationRecord, OffloadStats, ResidentBytes, StatsRecorder
 from .streams import StreamBackend, default_streams
 from .thread_scope import ThreadScope
@@ -195,7 +196,7 @@ class OffloadManager:
             yield self
         except BaseException:
             if self.in_iteration:  # `close` inside the block already discarded it
-                self.end_iteration(discard=True)
+                run_cleanup(functools.partial(self.end_iteration, discard=True), "discarding the iteration")
             raise
         if self.in_iteration:
             self.end_iteration()
@@ -268,7 +269,7 @@ class OffloadManager:
             yield handler
         except BaseException:
             if not self._closed:
-                self.end_chunk(abort=True)
+                run_cleanup(functools.partial(self.end_chunk, abort=True), "aborting the chunk")
             raise
         if not self._closed:
             self.end_chunk()
@@ -327,13 +328,13 @@ class OffloadManager:
         Inside an open iteration, its open chunk is aborted and the iteration discarded first
         (no saved-tensor hook and no host buffer stays), so an enclosing ``with`` block exits
         quietly or re-raises its own exception, which a failure of close never replaces
-        (`run_close`). Only the thread that began an open iteration may close the manager.
+        (`run_cleanup`). Only the thread that began an open iteration may close the manager.
         """
         if self._closed:
             return
         if self.in_iteration:
             self._threads.require_owner("close()", "call close() on that thread (e.g. after its iteration ends)")
-        run_close(self._close)
+        run_cleanup(self._close, "close()")
 
     def _close(self) -> None:
         try:

@@ -419,3 +419,28 @@ def test_other_arguments_of_a_wrong_type_fail_at_the_call_and_leave_the_manager_
         with manager.chunk(microbatch=0):
             module(torch.randn(3, 4, requires_grad=True)).sum().backward()
     assert_clean(manager)
+
+
+@pytest.mark.parametrize("scope", ["chunk", "iteration"])
+def test_a_failing_abort_while_the_users_error_propagates_is_a_note_on_it(monkeypatch, scope):
+    from chunk_offload.core import ChunkOffloadHandler
+
+    manager, module = _offloaded_manager()
+
+    def broken_abort(self) -> None:
+        raise RuntimeError("abort broke")
+
+    with pytest.raises(UserError, match="mine") as info:
+        with manager.iteration():
+            with manager.chunk(microbatch=0):
+                module(torch.randn(3, 4, requires_grad=True))
+                if scope == "chunk":
+                    monkeypatch.setattr(ChunkOffloadHandler, "abort", broken_abort)
+                    raise UserError("mine")
+            monkeypatch.setattr(ChunkOffloadHandler, "abort", broken_abort)
+            raise UserError("mine")
+    what = "aborting the chunk" if scope == "chunk" else "discarding the iteration"
+    if sys.version_info >= (3, 11):
+        assert f"chunk_offload: {what} during this exception also failed: RuntimeError('abort broke')" in info.value.__notes__
+    monkeypatch.undo()
+    manager.close()
