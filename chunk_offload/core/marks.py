@@ -27,6 +27,7 @@ node), the group's first unpack begins its backward instead (`OffloadGroup.unpac
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -108,6 +109,14 @@ class GroupMarks:
             self._hooks_pushed -= 1
 
 
+class _OpenedStack(threading.local):
+    """Per thread, whether each pre-hook call still in its module opened a group: forwards of one
+    module on two threads may interleave, and each post-hook must pop its own thread's entry."""
+
+    def __init__(self) -> None:
+        self.stack: list[bool] = []
+
+
 class ModuleOffload:
     """The forward hooks that make each call of one module an offload group.
 
@@ -125,7 +134,7 @@ class ModuleOffload:
         self.module = module
         self.name = name
         self._on_remove = on_remove
-        self._opened: list[bool] = []  # per nested call: did the pre-hook open a group?
+        self._opened = _OpenedStack()  # per thread and nested call: did the pre-hook open a group?
         self._handles = [
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, with_kwargs=True, always_call=True),
@@ -140,25 +149,25 @@ class ModuleOffload:
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         manager = self._manager()
         if manager is None:
-            self._opened.append(False)
+            self._opened.stack.append(False)
             return None
         handler = manager.current_handler
         if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
-            self._opened.append(False)
+            self._opened.stack.append(False)
             return None
         values = (*args, *kwargs.values()) if kwargs else args
         inputs = [a for a in values if isinstance(a, torch.Tensor)]
         try:
             self._marks.open(handler, inputs, self.name)
         except BaseException:
-            self._opened.append(False)  # the always_call post hook runs next and must not commit
+            self._opened.stack.append(False)  # the always_call post hook runs next and must not commit
             raise
-        self._opened.append(True)
+        self._opened.stack.append(True)
         return None
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         manager = self._manager()
-        if not self._opened.pop() or manager is None:
+        if not self._opened.stack.pop() or manager is None:
             return None
         return self._marks.commit(manager.current_handler, output, self.name)
 
@@ -181,7 +190,10 @@ class DetachedOffload:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._opened: list[bool] = []
+        self._opened = _OpenedStack()
+
+    def __reduce__(self) -> tuple:
+        return (DetachedOffload, (self.name,))
 
     @staticmethod
     def _manager() -> None:

@@ -367,10 +367,7 @@ def test_torch_save_of_a_model_with_offload_attached_works_and_the_copy_is_not_o
     manager = make_manager()
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     manager.offload_module(model[0], "lin")
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = torch.load(_saved(model), weights_only=False)
     x = torch.randn(3, 4, requires_grad=True)
     with manager.iteration():
         with manager.chunk(microbatch=0) as handler:
@@ -380,6 +377,13 @@ def test_torch_save_of_a_model_with_offload_attached_works_and_the_copy_is_not_o
         assert torch.equal(out, copy_out)
         (out + copy_out).sum().backward()
     assert_clean(manager)
+
+
+def _saved(model: nn.Module) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def test_deepcopy_of_a_model_with_offload_attached_gives_a_plain_copy(make_manager):
@@ -392,6 +396,8 @@ def test_deepcopy_of_a_model_with_offload_attached_gives_a_plain_copy(make_manag
             clone(torch.randn(3, 4, requires_grad=True)).sum().backward()
         assert handler.groups == []
     assert manager.offload_module(clone, "clone").module is clone  # the copy can be registered itself
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(torch.load(_saved(model), weights_only=False)), buffer)  # a copy of a copy saves too
 
 
 @pytest.mark.parametrize(

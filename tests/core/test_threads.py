@@ -198,3 +198,41 @@ def test_close_from_another_thread_during_an_iteration_is_refused_with_both_thre
         out.sum().backward()
     assert _on_thread(manager.close) == {"value": None}  # between iterations any thread may close it
     assert manager.closed
+
+
+class _Interleaving(nn.Module):
+    """On the main thread, its forward lets another thread enter the same module and leaves it
+    before that thread does: main pre, other pre, main post, other post."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.entered = threading.Event()
+        self.main_left = threading.Event()
+        self.other: threading.Thread | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).tanh()
+        if threading.current_thread() is threading.main_thread():
+            self.other = threading.Thread(target=lambda: self(torch.randn(3, 4, requires_grad=True)))
+            self.other.start()
+            assert self.entered.wait(30)
+        else:
+            self.entered.set()
+            assert self.main_left.wait(30)
+        return y * 2
+
+
+def test_interleaved_forwards_of_one_module_on_two_threads_keep_their_own_groups():
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    module = _Interleaving()
+    manager.offload_module(module, "m")
+    with manager.iteration():
+        with manager.chunk(microbatch=0) as handler:
+            out = module(torch.randn(3, 4, requires_grad=True))
+            module.main_left.set()
+            module.other.join(30)
+        assert [g.name for g in handler.groups] == ["m"]
+        out.sum().backward()
+    assert_clean(manager)
+    manager.close()
