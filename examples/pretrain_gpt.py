@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from chunk_offload.integrations.megatron import add_arguments, attach_from_args
+from chunk_offload.integrations.megatron.args import check_args
 from chunk_offload.devkit.gpt import (
     ATTENTIONS,
     GPTShape,
@@ -106,11 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.chunk_offload_modules and not args.chunk_offload_baseline and args.iterations < 2:
         p.error(f"--chunk-offload-modules needs --iterations >= 2 (got {args.iterations}): the first iteration is the report's baseline without offload")
-    if args.chunk_offload_device_budget is not None and args.chunk_offload_schedule != "plan":
-        p.error(
-            f"--chunk-offload-device-budget needs --chunk-offload-schedule plan (got {args.chunk_offload_schedule}): "
-            "the budget's choices are decisions of the plan"
-        )
+    check_args(args, p)  # --chunk-offload-* flags that contradict each other or do nothing: exit 2
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // args.pipeline_model_parallel_size
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage

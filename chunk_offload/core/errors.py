@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ChunkOffloadError", "HappensBeforeError", "internal_assert"]
+__all__ = ["ChunkOffloadError", "ChunkOffloadValueError", "HappensBeforeError", "internal_assert"]
 
 _REPORT_HINT = "This is a bug in chunk_offload; please report it with the traceback."
 
@@ -14,6 +14,13 @@ class ChunkOffloadError(RuntimeError):
         if not message.startswith("chunk_offload:"):
             message = f"chunk_offload: {message}"
         super().__init__(message)
+
+
+class ChunkOffloadValueError(ChunkOffloadError, ValueError):
+    """An argument outside the values a call accepts (a negative byte count, a non-integer size).
+
+    Both a `ChunkOffloadError` and a `ValueError`, so either ``except`` catches it.
+    """
 
 
 class HappensBeforeError(ChunkOffloadError):

@@ -11,22 +11,21 @@ token counts) reuse buffers; free buffers beyond what the run has needed are rel
 
 from __future__ import annotations
 
-import numbers
 import threading
 import warnings
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from .errors import ChunkOffloadError, internal_assert
+from .host_buffer import ROUND_BYTES as _ROUND_BYTES
+from .host_buffer import HostBuffer, size_class
+from .host_pool_args import check_capacity, check_nbytes, check_options
+from .stats import HostPoolStats
 from .streams import Event
 
 __all__ = ["HostBuffer", "HostPool", "HostPoolStats", "size_class"]
 
-_ROUND_BYTES = 512
-_VALID_ON_EXHAUSTED = ("fallback", "error")
-_VALID_CLASSES = (1, 2, 4, 8, 16)
 _HEADROOM = 2
 """Pool bytes are kept at most this factor of the peak requested bytes in use (NOTE [Host pool bound])."""
 _REUSE_RATIO = 2
@@ -37,7 +36,7 @@ _SCAN_EVERY = 256
 # NOTE [Host pool bound]
 # Sizes round up to size classes: `per_doubling` classes between two powers of two of 512-byte
 # units, so the rounding wastes < 1/per_doubling (pinned pools use powers of two, see NOTE
-# [Releasing host memory]). A request takes, in order:
+# [Releasing host memory] in `host_buffer.py`). A request takes, in order:
 #   1. a free buffer of the smallest class in [class, max(class, 2 * nbytes)] (bounded waste);
 #   2. a new buffer of its class, after releasing least-recently-used free buffers until the pool
 #      holds at most _HEADROOM x the peak of requested bytes in use (all-time, this request
@@ -53,111 +52,17 @@ _SCAN_EVERY = 256
 # every _SCAN_EVERY acquires and before each allocation), so a pool shrinks after a phase of
 # larger shapes. Counting acquires needs no per-iteration call from the manager.
 #
+# A cap lowered below what the pool holds (`set_capacity`) is met as buffers come back: while the
+# pool holds more than the cap, a released buffer is not kept free but released (at once if its
+# fence is done, else once it is: `_draining`), so no free buffer above the cap can be handed out
+# and a request beyond the cap meets `on_exhausted`. Once the pool is within the cap again, the
+# free buffers fit in it and the fast path (a free buffer of the request's class) needs no check.
+#
 # R3 stays exact: a free buffer is released only when its fence (the last copy reading it) is
 # done. Idle release skips buffers whose fence is pending (`query`, no wait); releasing to make
 # room waits for the fence (`synchronize`) only when done buffers are not enough. That host wait
 # happens only right before a new allocation, which on CUDA costs more than one copy's wait.
-#
-# NOTE [Releasing host memory]
-# On CUDA, `torch.empty(pin_memory=True)` goes through PyTorch's CachingHostAllocator: a new block
-# is `cudaHostAlloc`ed at the next power of two of the request; a freed tensor's block returns to
-# that allocator's free list (no CUDA call, no device sync) and is reused, for a request of the
-# same power of two, once the events recorded by the copies that used it are done. So releasing
-# a pool buffer never synchronizes the device and a later allocation of that class costs no
-# `cudaHostAlloc`; but the pinned pages stay in the process until
-# `torch.accelerator.empty_host_cache()`, which `cudaFreeHost`s every cached block and
-# synchronizes the device (like any `cudaFreeHost`). The pool never calls it; a user who wants the
-# memory back calls `HostPool.trim()` then `empty_host_cache()` at a quiet point (e.g. before eval).
-# Pinned pools use power-of-two classes so that pool bytes, the cap and the allocator's blocks
-# agree (a finer class would still hold a whole power-of-two block).
 
-
-def size_class(nbytes: int, per_doubling: int) -> int:
-    """Bytes of the size class of a request of ``nbytes``: 512-byte units, ``per_doubling`` classes per doubling."""
-    units = max(1, -(-nbytes // _ROUND_BYTES))
-    if units <= per_doubling:
-        return units * _ROUND_BYTES
-    granule = (1 << ((units - 1).bit_length() - 1)) // per_doubling
-    return -(-units // granule) * granule * _ROUND_BYTES
-
-
-class HostBuffer:
-    """A host byte buffer of ``nbytes`` (maybe larger ``capacity``) and its reuse fence."""
-
-    __slots__ = ("tensor", "nbytes", "capacity", "pooled", "fence", "last_used", "_view")
-
-    def __init__(self, tensor: torch.Tensor | None, nbytes: int, pooled: bool, capacity: int | None = None) -> None:
-        self.tensor = tensor
-        self.nbytes = nbytes
-        self.capacity = tensor.numel() if capacity is None else capacity
-        self.pooled = pooled
-        self.fence: Event | None = None
-        self.last_used = 0  # the pool's acquire count when it was last handed out
-        # The last view made: a buffer is handed out again and again for the same size (the same
-        # layer's tensor each iteration), and slicing costs more than the copy of a small tensor.
-        self._view: torch.Tensor | None = None
-
-    def view(self) -> torch.Tensor:
-        """The first ``nbytes`` bytes as a uint8 tensor."""
-        view = self._view
-        if view is None or view.shape[0] != self.nbytes:
-            view = self._view = self.tensor[: self.nbytes]
-        return view
-
-
-@dataclass(frozen=True)
-class HostPoolStats:
-    """Byte counts of a `HostPool`."""
-
-    allocated_bytes: int
-    """Bytes of host memory the pool holds (in use or free)."""
-    in_use_bytes: int
-    """Bytes of pooled buffers handed out and not yet released."""
-    allocations: int
-    """Number of pooled host allocations made so far (flat once the shapes repeat)."""
-    fallback_allocations: int
-    """Number of unpooled allocations made because the pool was at its cap."""
-    fallback_in_use_bytes: int
-    """Bytes of unpooled fallback buffers handed out and not yet released."""
-    evictions: int = 0
-    """Number of free buffers released (idle, or to make room; NOTE [Host pool bound])."""
-    freed_bytes: int = 0
-    """Bytes of the free buffers released so far."""
-    eviction_waits: int = 0
-    """Releases that first waited on the host for the copy still reading the buffer."""
-    peak_allocated_bytes: int = field(default=0, compare=False)
-    """Most bytes the pool ever held (a high-water mark: not compared by ``==``)."""
-    peak_requested_bytes: int = field(default=0, compare=False)
-    """Most requested (unrounded) bytes ever in use at once: the run's largest need (not compared)."""
-
-
-def _check_capacity(capacity_bytes: object) -> int | None:
-    if capacity_bytes is None:
-        return None
-    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral):
-        raise ChunkOffloadError(
-            f"HostPool capacity_bytes must be an int number of bytes >= 0 or None, got {capacity_bytes!r} "
-            f"({type(capacity_bytes).__name__}); pass e.g. 1 << 30 for 1 GiB, or None for no cap"
-        )
-    if capacity_bytes < 0:
-        raise ChunkOffloadError(
-            f"host pool capacity_bytes must be >= 0 or None, got {capacity_bytes!r}; pass a byte count, or None for no cap"
-        )
-    return int(capacity_bytes)
-
-
-def _check_options(on_exhausted: object, pin_memory: object, per_doubling: object, idle_acquires: object) -> None:
-    if not isinstance(on_exhausted, str) or on_exhausted not in _VALID_ON_EXHAUSTED:
-        raise ChunkOffloadError(f"on_exhausted={on_exhausted!r} is not valid; choose one of {_VALID_ON_EXHAUSTED}")
-    if not isinstance(pin_memory, bool):
-        raise ChunkOffloadError(f"HostPool pin_memory must be True or False, got {pin_memory!r}")
-    if per_doubling is not None and (isinstance(per_doubling, bool) or per_doubling not in _VALID_CLASSES):
-        raise ChunkOffloadError(
-            f"HostPool classes_per_doubling={per_doubling!r} is not valid; choose one of {_VALID_CLASSES}, "
-            "or None (1 when pinned, else 4)"
-        )
-    if isinstance(idle_acquires, bool) or not isinstance(idle_acquires, numbers.Integral) or idle_acquires < 1:
-        raise ChunkOffloadError(f"HostPool idle_acquires must be an int >= 1, got {idle_acquires!r}")
 
 
 class HostPool:
@@ -171,6 +76,8 @@ class HostPool:
         classes_per_doubling: size classes between two powers of two (waste < 1/this);
             ``None``: 1 (powers of two, as PyTorch's pinned allocator rounds) when pinned, else 4.
         idle_acquires: a free buffer not handed out during this many acquires is released.
+        cap_name: what the user set to give the cap, named in exhaustion messages (the manager
+            passes ``"OffloadConfig.host_pool_bytes"``).
     """
 
     def __init__(
@@ -181,14 +88,18 @@ class HostPool:
         on_exhausted: Literal["fallback", "error"] = "fallback",
         classes_per_doubling: int | None = None,
         idle_acquires: int = 4096,
+        cap_name: str = "capacity_bytes",
     ) -> None:
-        capacity = _check_capacity(capacity_bytes)
-        _check_options(on_exhausted, pin_memory, classes_per_doubling, idle_acquires)
+        capacity = check_capacity(capacity_bytes)
+        check_options(on_exhausted, pin_memory, classes_per_doubling, idle_acquires)
         self.capacity_bytes = capacity
         self.pin_memory = pin_memory
         self.on_exhausted = on_exhausted
         self.classes_per_doubling = classes_per_doubling or (1 if pin_memory else 4)
         self.idle_acquires = int(idle_acquires)
+        self.cap_name = cap_name
+        self._over_cap = False  # the pool holds more than a lowered cap (NOTE [Host pool bound])
+        self._draining: list[HostBuffer] = []  # released over the cap, fence pending: released once done
         self._free: dict[int, list[HostBuffer]] = {}  # capacity -> free buffers (maybe none), most recently released last
         self._lock = threading.Lock()
         self._allocated = 0
@@ -208,7 +119,12 @@ class HostPool:
 
     # ------------------------------------------------------------------ acquire
     def acquire(self, nbytes: int) -> HostBuffer:
-        """A buffer of at least ``nbytes``; its ``fence`` must be waited on before writing."""
+        """A buffer of at least ``nbytes``; its ``fence`` must be waited on before writing.
+
+        ``nbytes`` must be an int >= 0 (`ChunkOffloadValueError`, a ``ValueError``, otherwise).
+        """
+        if type(nbytes) is not int or nbytes < 0:
+            nbytes = check_nbytes(nbytes)
         per_doubling = self.classes_per_doubling
         size = size_class(nbytes, per_doubling)
         with self._lock:
@@ -287,6 +203,8 @@ class HostPool:
     def _release_idle(self) -> None:
         """Release free buffers unused during the last ``idle_acquires`` acquires whose fence is done."""
         self._last_scan = self._acquires
+        if self._draining:
+            self._drain_done()
         horizon = self._acquires - self.idle_acquires
         for buf in [b for bufs in self._free.values() for b in bufs if b.last_used < horizon]:
             if buf.fence is None or buf.fence.query():
@@ -296,7 +214,15 @@ class HostPool:
         """Release least-recently-used free buffers until ``excess`` bytes are gone (or none is free).
 
         Buffers whose fence is done go first; others are waited for on the host (NOTE [Host pool bound]).
+        Buffers released over a lowered cap go before any free one.
         """
+        while self._draining and excess > 0:
+            buf = self._draining.pop(0)
+            if buf.fence is not None and not buf.fence.query():
+                buf.fence.synchronize()
+                self._eviction_waits += 1
+            self._forget(buf)
+            excess -= buf.capacity
         order = sorted((b for bufs in self._free.values() for b in bufs), key=lambda b: b.last_used)
         done = [b for b in order if b.fence is None or b.fence.query()]
         done_ids = {id(b) for b in done}
@@ -314,30 +240,55 @@ class HostPool:
         bufs.remove(buf)
         if not bufs:
             del self._free[buf.capacity]
+        self._forget(buf)
+
+    def _forget(self, buf: HostBuffer) -> None:
+        """Count ``buf``, no longer listed anywhere, as released; its fence is done."""
         self._allocated -= buf.capacity
         self._evictions += 1
         self._freed += buf.capacity
-        buf.fence = None
-        buf.tensor = buf._view = None  # the memory returns to the allocator (NOTE [Releasing host memory])
+        buf.drop()  # the memory returns to the allocator (NOTE [Releasing host memory])
+        cap = self.capacity_bytes
+        if self._over_cap and (cap is None or self._allocated <= cap):
+            self._over_cap = False
 
-    def set_capacity(self, capacity_bytes: int | None) -> None:
+    def _drain_done(self) -> None:
+        """Release the buffers released over a lowered cap whose fence is done; once the pool is
+        within the cap, the others are free buffers again."""
+        pending = []
+        for buf in self._draining:
+            if not self._over_cap:
+                self._free.setdefault(buf.capacity, []).append(buf)
+            elif buf.fence is None or buf.fence.query():
+                self._forget(buf)
+            else:
+                pending.append(buf)
+        self._draining = pending
+
+    def set_capacity(self, capacity_bytes: int | None, *, cap_name: str | None = None) -> None:
         """Change the cap (``None``: no cap); free buffers above a lower cap are released now.
 
         Buffers in use are never taken back: until they are released the pool may hold more than
-        the new cap, and new requests meet the cap as usual. Used by the integrations to apply a
-        node's host budget once each rank's share is known (`chunk_offload.schedule.node_host_cap`).
+        the new cap; each one released meanwhile is freed rather than kept (NOTE [Host pool
+        bound]), and new requests meet the new cap. Used by the integrations to apply a node's
+        host budget once each rank's share is known (`chunk_offload.schedule.node_host_cap`);
+        ``cap_name`` (what the user set) replaces the one exhaustion messages name.
         """
-        capacity = _check_capacity(capacity_bytes)
+        capacity = check_capacity(capacity_bytes)
         with self._lock:
             self.capacity_bytes = capacity
+            if cap_name is not None:
+                self.cap_name = cap_name
             if capacity is not None and self._allocated > capacity:
                 self._release_lru(self._allocated - capacity)
+            self._over_cap = capacity is not None and self._allocated > capacity
+            self._drain_done()
 
     def trim(self) -> int:
         """Release every free buffer now (waiting for copies still reading them); return the bytes released.
 
         On CUDA follow with ``torch.accelerator.empty_host_cache()`` to return the pinned pages
-        to the system (that call synchronizes the device; NOTE [Releasing host memory]).
+        to the system (that call synchronizes the device; NOTE [Releasing host memory] in `host_buffer.py`).
         """
         with self._lock:
             before = self._freed
@@ -348,21 +299,21 @@ class HostPool:
     def _exhausted(self, nbytes: int, size: int) -> None:
         free = sum(c * len(bufs) for c, bufs in self._free.items())
         state = (
-            f"{nbytes} bytes requested ({size} rounded), {self._allocated} of capacity_bytes="
+            f"{nbytes} bytes requested ({size} rounded), {self._allocated} of {self.cap_name}="
             f"{self.capacity_bytes} already allocated, {self._in_use} in use, {free} free in buffers "
             f"too small to hold it (largest {max((c for c, bufs in self._free.items() if bufs), default=0)})"
         )
         if self.on_exhausted == "error":
             raise ChunkOffloadError(
-                f"host pool exhausted: {state}. Raise host_pool_bytes, offload fewer modules, "
+                f"host pool exhausted: {state}. Raise {self.cap_name}, offload fewer modules, "
                 "or pass on_exhausted='fallback' to allocate unpooled buffers."
             )
         if not self._warned:
             self._warned = True
             warnings.warn(
                 f"chunk_offload: host pool at its cap ({state}); allocating unpooled host buffers, "
-                "which is slower (each pinned allocation synchronizes the device). Raise host_pool_bytes "
-                "to avoid this.",
+                "which is slower (each pinned allocation synchronizes the device). Raise "
+                f"{self.cap_name} to avoid this.",
                 stacklevel=4,
             )
 
@@ -377,6 +328,10 @@ class HostPool:
             self._in_use -= size
             self._in_use_requested -= buf.nbytes
             buf.fence = fence
+            if self._over_cap:  # a lowered cap: not kept free (NOTE [Host pool bound])
+                self._draining.append(buf)
+                self._drain_done()
+                return
             self._free.setdefault(size, []).append(buf)
 
     def stats(self) -> HostPoolStats:

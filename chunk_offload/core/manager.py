@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -27,12 +26,16 @@ from .engine_context import EngineContext
 from .handler import ChunkOffloadHandler
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
-from .marks import GroupMarks, ModuleOffload
+from .manager_args import check_begin_chunk, check_begin_iteration, check_flag, check_manager_args, check_module
+from .marks import GroupMarks, ModuleOffload, check_group_args
+from .registry import ModuleRegistry
 from .tensor_policy import OffloadPolicy
 from .records import IterationWindow
 from .schedule_policy import SchedulePolicy
+from .shutdown import run_cleanup
 from .stats import IterationRecord, OffloadStats, ResidentBytes, StatsRecorder
 from .streams import StreamBackend, default_streams
+from .thread_scope import ThreadScope
 
 __all__ = ["OffloadManager"]
 
@@ -65,29 +68,13 @@ class OffloadManager:
         streams: StreamBackend | None = None,
         schedule_policy: SchedulePolicy | None = None,
     ) -> None:
-        if config is None:
-            config = OffloadConfig()
-        if not isinstance(config, OffloadConfig):
-            raise ChunkOffloadError(
-                f"config must be an OffloadConfig (fields {OffloadConfig.field_names()}), got {type(config).__name__} {config!r:.200}"
-            )
-        config.validate()
-        if schedule_policy is not None and not isinstance(schedule_policy, SchedulePolicy):
-            raise ChunkOffloadError(
-                f"schedule_policy must be a chunk_offload SchedulePolicy (e.g. chunk_offload.schedule.PlanPolicy), "
-                f"got {type(schedule_policy).__name__}"
-            )
-        self.config = config
-        if streams is not None and not isinstance(streams, StreamBackend):
-            raise ChunkOffloadError(
-                f"OffloadManager(streams=...) takes a StreamBackend (CudaStreams, CpuStreams) or None, "
-                f"got {streams!r}"
-            )
+        self.config = check_manager_args(config, streams, schedule_policy)
         self.streams = streams if streams is not None else default_streams()
         self.pool = HostPool(
             capacity_bytes=self.config.host_pool_bytes,
             pin_memory=self.streams.pin_memory,
             on_exhausted=self.config.on_exhausted,
+            cap_name="host_pool_bytes",  # what the user set (messages name it, not the pool's argument)
         )
         self.schedule_policy = schedule_policy if schedule_policy is not None else SchedulePolicy()
         self.policy = OffloadPolicy(min_offload_bytes=self.config.min_offload_bytes, device_type=self.streams.device.type)
@@ -106,15 +93,14 @@ class OffloadManager:
             profile_ranges=self.config.profile_ranges,
         )
         self._marks = GroupMarks()
+        self._threads = ThreadScope()  # the training thread, and the thread of the open chunk
+        self._chunk_local = self._threads.chunk  # the open chunk's handler, on the thread that opened it
         self._window: IterationWindow | None = None  # not None while an iteration is open
         self._current: ChunkOffloadHandler | None = None
         self._untracked_chunks = 0  # open chunk scopes that track nothing (no grad)
-        self._iteration_handlers: list[ChunkOffloadHandler] = []
         self._live_handlers: list[ChunkOffloadHandler] = []
         self._closed = False
-        self._registrations: list[ModuleOffload] = []
-        self._iteration_offload = self.config.offload
-        self._by_key: dict[ChunkKey, ChunkOffloadHandler] = {}
+        self._registry = ModuleRegistry(self._marks, self._ctx.held_elsewhere)
         self.last_iteration: IterationRecord | None = None
         """What the last iteration that completed did (peaks, traces, bytes per group)."""
 
@@ -125,37 +111,19 @@ class OffloadManager:
         The module's own parameters and buffers are protected. Returns a handle whose
         ``remove()`` undoes the registration.
         """
-        if not isinstance(module, nn.Module):
-            raise ChunkOffloadError(f"offload_module expects an nn.Module, got {type(module).__name__}")
-        if not isinstance(name, str) or not name:
-            raise ChunkOffloadError(f"offload_module needs a non-empty group name, got {name!r}")
-        for existing in self._registrations:
-            if existing.module is module:
-                raise ChunkOffloadError(
-                    f"offload_module: this {type(module).__name__} is already offloaded as group "
-                    f"{existing.name!r}; cannot register it again as {name!r} (one group per module: "
-                    "remove() the first registration, or offload a parent or child module instead)"
-                )
+        registration = self._registry.add(self, module, name)
         self.policy.protect(module)
-        registrations, held_elsewhere = self._registrations, self._ctx.held_elsewhere
-
-        def removed(registration: ModuleOffload) -> None:  # holds no manager: its hooks must not keep it alive
-            registrations.remove(registration)
-            held_elsewhere.clear()
-
-        registration = ModuleOffload(self, module, name, marks=self._marks, on_remove=removed)
-        registrations.append(registration)
-        held_elsewhere.clear()  # the groups' indices within a chunk change
         return registration
 
     def protect_module(self, module: nn.Module) -> None:
         """Never offload parameters or buffers of ``module`` (or views of their storage)."""
+        check_module("protect_module", module)
         self.policy.protect(module)
 
     @property
     def module_offloads(self) -> tuple[ModuleOffload, ...]:
         """The registrations of `offload_module` not removed yet."""
-        return tuple(self._registrations)
+        return tuple(self._registry.registrations)
 
     # ------------------------------------------------------------------ state
     @property
@@ -171,12 +139,13 @@ class OffloadManager:
     @property
     def iteration_handlers(self) -> tuple[ChunkOffloadHandler, ...]:
         """The chunk handlers of the open iteration, in forward order (empty outside one)."""
-        return tuple(self._iteration_handlers)
+        return tuple(self._window.handlers) if self._window is not None else ()
 
     @property
     def current_handler(self) -> ChunkOffloadHandler | None:
-        """The handler of the chunk whose forward is running, if any."""
-        return self._current
+        """The handler of the chunk whose forward runs on the calling thread (chunks are per thread), if any."""
+        handler = self._chunk_local.handler  # a thread-local lookup: no call on the per-group path
+        return handler if handler is self._current else None
 
     # ------------------------------------------------------------------ iteration scope
     def begin_iteration(self, *, offload: bool | None = None) -> None:
@@ -185,47 +154,40 @@ class OffloadManager:
         ``offload=False`` makes this iteration a baseline: the same groups and bytes are
         tracked, nothing is copied (None: `OffloadConfig.offload`).
         """
-        if self._closed:
-            raise ChunkOffloadError("iteration() on a closed OffloadManager; create a new manager.")
-        if self.in_iteration:
-            raise ChunkOffloadError("iteration() entered while an iteration is already open; they cannot nest.")
-        if offload is not None and not isinstance(offload, bool):
-            raise ChunkOffloadError(f"iteration(offload=...) takes True, False or None, got {offload!r}")
+        check_begin_iteration(closed=self._closed, in_iteration=self.in_iteration, offload=offload)
+        self._threads.claim()
         self.policy.refresh()
-        self._iteration_offload = self.config.offload if offload is None else offload
         self.schedule_policy.begin_iteration()
-        self._iteration_handlers = []
-        self._by_key = {}
-        self._window = IterationWindow(self.streams, self.config, self._resident, self._stats)
+        offload = self.config.offload if offload is None else offload
+        self._window = IterationWindow(self.streams, self.config, self._resident, self._stats, offload=offload)
 
     def end_iteration(self, *, discard: bool = False) -> IterationRecord | None:
         """Close the open iteration and return its record (also kept in `last_iteration`).
 
         ``discard=True`` (an exception, or a step given up): every chunk of it is discarded
-        now (its saved tensors can no longer be unpacked) and no record is made (None).
+        now (its saved tensors can no longer be unpacked) and no record is made (None). After
+        `close` (which ended the iteration) it returns None.
         """
+        check_flag("end_iteration", "discard", discard)
+        if self._closed and not self.in_iteration:
+            return None
         if not self.in_iteration:
             raise ChunkOffloadError("end_iteration() without an open iteration; call begin_iteration() first.")
+        window = self._window
         try:
             if discard:
-                self._discard_iteration()
+                window.discard()
                 return None
             try:
-                record = self._window.finish(offload=self._iteration_offload, handlers=self._iteration_handlers)
+                record = window.finish()
             except BaseException:
-                self._discard_iteration()
+                window.discard()
                 raise
             self.last_iteration = record
             return record
         finally:
             self._window = None
-            self._live_handlers = [h for h in (*self._live_handlers, *self._iteration_handlers) if not h.released]
-            self._iteration_handlers = []
-            self._by_key = {}
-
-    def _discard_iteration(self) -> None:
-        for handler in self._iteration_handlers:
-            handler.abort()
+            self._live_handlers = [h for h in (*self._live_handlers, *window.handlers) if not h.released]
 
     @contextlib.contextmanager
     def iteration(self, *, offload: bool | None = None) -> Iterator["OffloadManager"]:
@@ -235,7 +197,7 @@ class OffloadManager:
             yield self
         except BaseException:
             if self.in_iteration:  # `close` inside the block already discarded it
-                self.end_iteration(discard=True)
+                run_cleanup(functools.partial(self.end_iteration, discard=True), "discarding the iteration")
             raise
         if self.in_iteration:
             self.end_iteration()
@@ -251,50 +213,36 @@ class OffloadManager:
         Returns the chunk's handler; under ``torch.no_grad()`` or inference mode nothing is
         tracked and None is returned. Every `begin_chunk` needs its `end_chunk`.
         """
-        if not self.in_iteration:
-            raise ChunkOffloadError("chunk() must be used inside `with manager.iteration():`.")
-        if self._current is not None:
-            raise ChunkOffloadError(
-                f"chunk(microbatch={microbatch}, vp_stage={vp_stage}) entered inside chunk {self._current.key}; "
-                "chunks cannot nest."
-            )
-        for label, value in (("microbatch", microbatch), ("vp_stage", vp_stage)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ChunkOffloadError(f"chunk() needs {label} as an int >= 0, got {value!r}")
+        open_key, open_here = None if self._current is None else self._current.key, self.current_handler is not None
+        check_begin_chunk(microbatch, vp_stage, in_iteration=self.in_iteration, open_key=open_key, open_here=open_here)
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             self._untracked_chunks += 1
             return None
-        key = ChunkKey(microbatch, vp_stage)
-        self._window.note_action(Action(ActionKind.FORWARD, microbatch, vp_stage))
-        self._prefetch(self.schedule_policy.prefetch_on("F", key))
-        policy = self.schedule_policy
-        offload = self._iteration_offload and policy.offload_chunk(key)
-        # Per-group decisions only from a policy that makes them: the base class copies every group.
-        per_group = offload and type(policy).offload_group is not SchedulePolicy.offload_group
-        handler = ChunkOffloadHandler(
-            self._ctx,
-            key,
-            offload=offload,
-            reload_ahead_bytes=policy.reload_ahead_bytes(key),
-            offload_group=functools.partial(policy.offload_group, key) if per_group else None,
-        )
-        self._by_key[key] = handler  # a chunk key entered twice (no schedule does that) maps to its latest forward
-        self._iteration_handlers.append(handler)
+        handler = self._window.open_chunk(self._ctx, self.schedule_policy, ChunkKey(microbatch, vp_stage))
         self._current = handler
+        self._chunk_local.handler = handler
         return handler
 
     def end_chunk(self, *, abort: bool = False) -> ChunkOffloadHandler | None:
         """Close the chunk `begin_chunk` opened: release its groups' device tensors.
 
         ``abort=True`` (its forward raised): discard the chunk's groups instead. Returns the
-        chunk's handler (None for a chunk that tracked nothing).
+        chunk's handler (None for a chunk that tracked nothing, or after `close`, which aborted it).
         """
+        check_flag("end_chunk", "abort", abort)
         handler = self._current
+        if handler is not None and self.current_handler is None:
+            raise ChunkOffloadError(f"end_chunk() on another thread than the one that began chunk {handler.key}; end it there.")
         if handler is None:
+            if self._closed:
+                return None
             if self._untracked_chunks == 0:
                 raise ChunkOffloadError("end_chunk() without an open chunk; call begin_chunk() first.")
             self._untracked_chunks -= 1
             return None
+        return self._finish_chunk(handler, abort=abort)
+
+    def _finish_chunk(self, handler: ChunkOffloadHandler, *, abort: bool) -> ChunkOffloadHandler:
         try:
             self._marks.pop_all()
             if abort:
@@ -307,73 +255,72 @@ class OffloadManager:
                     raise
         finally:
             self._current = None
+            self._chunk_local.handler = None  # on another thread (close) a stale one no longer matches `_current`
         return handler
 
     @contextlib.contextmanager
     def chunk(self, *, microbatch: int, vp_stage: int = 0) -> Iterator[ChunkOffloadHandler | None]:
-        """`begin_chunk` ... `end_chunk` as a ``with`` block; an exception aborts the chunk."""
+        """`begin_chunk` ... `end_chunk` as a ``with`` block; an exception aborts the chunk.
+
+        After `close` inside the block (which aborted the chunk) the block exits quietly, or with
+        its own exception.
+        """
         handler = self.begin_chunk(microbatch=microbatch, vp_stage=vp_stage)
         try:
             yield handler
         except BaseException:
-            self.end_chunk(abort=True)
+            if not self._closed:
+                run_cleanup(functools.partial(self.end_chunk, abort=True), "aborting the chunk")
             raise
-        self.end_chunk()
+        if not self._closed:
+            self.end_chunk()
 
     def _on_backward_start(self, handler: ChunkOffloadHandler) -> None:
         if self.in_iteration:  # a backward after its iteration ended (outside any) is not recorded
             self._window.note_action(Action(ActionKind.BACKWARD, handler.key.microbatch, handler.key.vp_stage))
-            self._prefetch(self.schedule_policy.prefetch_on("B", handler.key))
-
-    def _prefetch(self, requests) -> None:
-        for key, budget in requests:
-            handler = self._by_key.get(ChunkKey(*key))
-            if handler is not None:  # a chunk that did not run forward (a plan that is wrong) is skipped
-                handler.prefetch(budget)
+            self._window.prefetch(self.schedule_policy.prefetch_on("B", handler.key))
 
     # ------------------------------------------------------------------ low-level marks
     def group_start(self, tensors: Any, name: str) -> Any:
         """Open group ``name`` on ``tensors`` (a tensor or a tuple/list of them); returns them.
 
         Until `group_commit`, what autograd saves goes to the group. Outside a chunk, or with
-        gradients disabled, this returns ``tensors`` unchanged.
+        gradients disabled, this returns ``tensors`` unchanged. A ``tensors`` without a tensor or a
+        ``name`` that is not a str is refused here, in or out of a chunk.
         """
-        return self._marks.start(self._current, tensors, name)
+        check_group_args("group_start", tensors, name)
+        return self._marks.start(self.current_handler, tensors, name)
 
     def group_commit(self, tensors: Any, name: str) -> Any:
         """Commit group ``name`` on its outputs ``tensors`` and start its offload; returns them."""
-        return self._marks.commit(self._current, tensors, name)
+        check_group_args("group_commit", tensors, name)
+        return self._marks.commit(self.current_handler, tensors, name)
 
     # ------------------------------------------------------------------ results
     def stats(self) -> OffloadStats:
-        """Counters per group name and the resident-bytes high-water mark (waits for copies)."""
-        if not self._closed:  # after close() the copies are done and the workers are gone
-            self.streams.synchronize()
-        self._stats.fold()
-        resident = self._resident
-        return OffloadStats(
-            groups={name: replace(g) for name, g in self._stats.groups.items()},
-            peak_resident_bytes=resident.peak,
-            host_bytes_at_peak=resident.host_at_peak,
-            saved_bytes_at_peak=resident.saved_at_peak,
-            peak_saved_bytes=resident.saved_peak,
-            host_bytes_at_saved_peak=resident.host_at_saved_peak,
-            resident_bytes=resident.resident,
-            host_bytes=resident.host,
-            pool=self.pool.stats(),
-        )
+        """Counters per group name and the resident-bytes high-water mark (waits for copies).
+
+        Safe from any thread while iterations run (a monitor): there it waits only for the copies
+        whose times it adds, and each part (the counters, the resident bytes and their marks, the
+        pool's) is read at one moment.
+        """
+        self._fold_stats()
+        return OffloadStats.collect(self._stats, self._resident, self.pool.stats())
 
     def reset_stats(self) -> None:
         """Zero the per-name counters and restart the high-water mark from now."""
-        if not self._closed:
-            self.streams.synchronize()
-        self._stats.fold()
-        self._stats.groups.clear()
+        self._fold_stats()
+        self._stats.clear()
         self._resident.reset_peak()
+
+    def _fold_stats(self) -> None:
+        if not self._closed and self._threads.on_owner():  # closed: the copies are done, the workers gone
+            self.streams.synchronize()  # only on the training thread: the streams are not thread-safe
+        self._stats.fold()
 
     def live_chunks(self) -> list[ChunkKey]:
         """Chunks whose saved tensors are still held (their backward has not consumed them all)."""
-        handlers = (*self._live_handlers, *self._iteration_handlers)
+        handlers = (*self._live_handlers, *self.iteration_handlers)
         return [h.key for h in handlers if not h.released]
 
     def close(self) -> None:
@@ -381,13 +328,19 @@ class OffloadManager:
 
         Inside an open iteration, its open chunk is aborted and the iteration discarded first
         (no saved-tensor hook and no host buffer stays), so an enclosing ``with`` block exits
-        quietly or re-raises its own exception.
+        quietly or re-raises its own exception, which a failure of close never replaces
+        (`run_cleanup`). Only the thread that began an open iteration may close the manager.
         """
         if self._closed:
             return
+        if self.in_iteration:
+            self._threads.require_owner("close()", "call close() on that thread (e.g. after its iteration ends)")
+        run_cleanup(self._close, "close()")
+
+    def _close(self) -> None:
         try:
             if self._current is not None:
-                self.end_chunk(abort=True)
+                self._finish_chunk(self._current, abort=True)
             if self.in_iteration:
                 self.end_iteration(discard=True)
         finally:

@@ -27,6 +27,7 @@ node), the group's first unpack begins its backward instead (`OffloadGroup.unpac
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Callable, Protocol
 
@@ -40,9 +41,10 @@ from ._torch_compat import (
     top_saved_tensors_hooks,
     tree_flatten,
 )
+from .errors import ChunkOffloadError
 from .handler import ChunkOffloadHandler
 
-__all__ = ["GroupMarks", "HandlerSource", "ModuleOffload"]
+__all__ = ["DetachedOffload", "GroupMarks", "HandlerSource", "ModuleOffload", "check_group_args"]
 
 
 class HandlerSource(Protocol):
@@ -112,11 +114,21 @@ class GroupMarks:
             self._hooks_pushed -= 1
 
 
+class _OpenedStack(threading.local):
+    """Per thread, whether each pre-hook call still in its module opened a group: forwards of one
+    module on two threads may interleave, and each post-hook must pop its own thread's entry."""
+
+    def __init__(self) -> None:
+        self.stack: list[bool] = []
+
+
 class ModuleOffload:
     """The forward hooks that make each call of one module an offload group.
 
     The hooks hold the manager weakly: a manager dropped without `close` is not kept alive by
     the model (its stream workers stop with it) and its hooks are removed when it is collected.
+    A model that is pickled (``torch.save(model)``, ``copy.deepcopy``) takes inert hooks instead
+    (`DetachedOffload`): the copy is not offloaded until it is registered with a manager.
     """
 
     def __init__(
@@ -127,7 +139,7 @@ class ModuleOffload:
         self.module = module
         self.name = name
         self._on_remove = on_remove
-        self._opened: list[bool] = []  # per nested call: did the pre-hook open a group?
+        self._opened = _OpenedStack()  # per thread and nested call: did the pre-hook open a group?
         self._handles = [
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, with_kwargs=True, always_call=True),
@@ -142,27 +154,31 @@ class ModuleOffload:
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         manager = self._manager()
         if manager is None:
-            self._opened.append(False)
+            self._opened.stack.append(False)
             return None
         handler = manager.current_handler
         if handler is None or not torch.is_grad_enabled() or foreign_saved_tensors_hooks(handler):
-            self._opened.append(False)
+            self._opened.stack.append(False)
             return None
         values = (*args, *kwargs.values()) if kwargs else args
         inputs = [a for a in values if isinstance(a, torch.Tensor)]
         try:
             self._marks.open(handler, inputs, self.name)
         except BaseException:
-            self._opened.append(False)  # the always_call post hook runs next and must not commit
+            self._opened.stack.append(False)  # the always_call post hook runs next and must not commit
             raise
-        self._opened.append(True)
+        self._opened.stack.append(True)
         return None
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         manager = self._manager()
-        if not self._opened.pop() or manager is None:
+        if not self._opened.stack.pop() or manager is None:
             return None
         return self._marks.commit(manager.current_handler, output, self.name)
+
+    def __reduce__(self) -> tuple:
+        # The manager (streams, threads, weak references) is not part of the model's state.
+        return (DetachedOffload, (self.name,))
 
     def remove(self) -> None:
         """Remove the hooks; later calls of the module are not offloaded (idempotent)."""
@@ -171,6 +187,25 @@ class ModuleOffload:
         if self._handles:
             self._on_remove(self)
         self._handles = []
+
+
+class DetachedOffload:
+    """What a pickled or deep-copied `ModuleOffload` becomes: the same hooks with no manager, so
+    they do nothing (the copy of the model belongs to no manager)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._opened = _OpenedStack()
+
+    def __reduce__(self) -> tuple:
+        return (DetachedOffload, (self.name,))
+
+    @staticmethod
+    def _manager() -> None:
+        return None
+
+    _pre = ModuleOffload._pre  # deepcopy keeps the hooks' functions and swaps in this object
+    _post = ModuleOffload._post
 
 
 def _remove_handles(handles: list) -> None:
@@ -185,6 +220,19 @@ def foreign_saved_tensors_hooks(handler: ChunkOffloadHandler) -> bool:
     ``handler``'s own hooks (a group still open) fall through to the nesting error."""
     top = top_saved_tensors_hooks()
     return top is not None and getattr(top[0], "__self__", None) is not handler
+
+
+def check_group_args(call: str, tensors: Any, name: object) -> None:
+    """Refuse, at the call, a group name that is not a non-empty str and ``tensors`` without a tensor
+    (`OffloadManager.group_start` / ``group_commit``; a module's own outputs are not checked)."""
+    if type(name) is not str or not name:
+        raise ChunkOffloadError(f"{call}(tensors, name) needs name as a non-empty str, got {name!r} ({type(name).__name__})")
+    if type(tensors) is not torch.Tensor and not _tensors_of(tensors):
+        raise ChunkOffloadError(
+            f"{call}(tensors, name={name!r}) needs tensors as a tensor or a tuple, list, dict or other pytree "
+            f"holding at least one tensor, got {tensors!r:.80} ({type(tensors).__name__}); pass the group's "
+            f"{'input' if call == 'group_start' else 'output'} tensors"
+        )
 
 
 def _tensors_of(tensors: Any) -> list[torch.Tensor]:

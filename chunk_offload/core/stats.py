@@ -2,15 +2,41 @@
 
 from __future__ import annotations
 
+import collections
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .actions import Action
-from .host_pool import HostPoolStats
 from .streams import Timing
 
-__all__ = ["GroupStats", "IterationRecord", "OffloadStats", "ResidentBytes", "StatsRecorder"]
+__all__ = ["GroupStats", "HostPoolStats", "IterationRecord", "OffloadStats", "ResidentBytes", "StatsRecorder"]
+
+
+@dataclass(frozen=True)
+class HostPoolStats:
+    """Byte counts of a `HostPool`."""
+
+    allocated_bytes: int
+    """Bytes of host memory the pool holds (in use or free)."""
+    in_use_bytes: int
+    """Bytes of pooled buffers handed out and not yet released."""
+    allocations: int
+    """Number of pooled host allocations made so far (flat once the shapes repeat)."""
+    fallback_allocations: int
+    """Number of unpooled allocations made because the pool was at its cap."""
+    fallback_in_use_bytes: int
+    """Bytes of unpooled fallback buffers handed out and not yet released."""
+    evictions: int = 0
+    """Number of free buffers released (idle, or to make room; NOTE [Host pool bound])."""
+    freed_bytes: int = 0
+    """Bytes of the free buffers released so far."""
+    eviction_waits: int = 0
+    """Releases that first waited on the host for the copy still reading the buffer."""
+    peak_allocated_bytes: int = field(default=0, compare=False)
+    """Most bytes the pool ever held (a high-water mark: not compared by ``==``)."""
+    peak_requested_bytes: int = field(default=0, compare=False)
+    """Most requested (unrounded) bytes ever in use at once: the run's largest need (not compared)."""
 
 
 @dataclass
@@ -72,6 +98,22 @@ class OffloadStats:
     @property
     def bytes_offloaded(self) -> int:
         return sum(g.bytes_offloaded for g in self.groups.values())
+
+    @classmethod
+    def collect(cls, recorder: "StatsRecorder", resident: "ResidentBytes", pool: HostPoolStats) -> "OffloadStats":
+        """The counters of ``recorder`` and the marks of ``resident``, each read at one moment."""
+        now, host, peak, host_at_peak, saved_at_peak, saved_peak, host_at_saved_peak = resident.snapshot()
+        return cls(
+            groups=recorder.snapshot(),
+            peak_resident_bytes=peak,
+            host_bytes_at_peak=host_at_peak,
+            saved_bytes_at_peak=saved_at_peak,
+            peak_saved_bytes=saved_peak,
+            host_bytes_at_saved_peak=host_at_saved_peak,
+            resident_bytes=now,
+            host_bytes=host,
+            pool=pool,
+        )
 
 
 @dataclass
@@ -226,6 +268,13 @@ class ResidentBytes:
             if self.trace is not None:
                 self._traced()
 
+    def snapshot(self) -> tuple[int, int, int, int, int, int, int]:
+        """``(resident, host, peak, host_at_peak, saved_at_peak, saved_peak, host_at_saved_peak)``
+        read at one moment (under the lock every change takes), for a reader on any thread."""
+        with self._lock:
+            t = self.total
+            return self.resident, self.host, t.peak, t.host_at_peak, t.saved_at_peak, t.saved_peak, t.host_at_saved_peak
+
     def reset_peak(self) -> None:
         with self._lock:
             self.total = _HighWater(self.resident, self.host)
@@ -239,12 +288,20 @@ class ResidentBytes:
             self.device_trace = [device_bytes()] if trace and device_bytes is not None else None
 
 
-@dataclass
 class StatsRecorder:
-    """Per-name counters plus copy/wait timings that are folded in once they are known."""
+    """Per-name counters plus copy/wait timings that are folded in once they are known.
 
-    groups: dict[str, GroupStats] = field(default_factory=dict)
-    _pending: list[tuple[str, str, Timing]] = field(default_factory=list)
+    The engine adds to the counters of a group on the training thread; `fold` and `snapshot` may
+    run on any thread (a monitor reading `OffloadManager.stats` while iterations run). Folds are
+    serialised by a lock, so a timing is added exactly once and a fold that returns has added
+    every timing issued before it started; pending timings sit in a deque, whose ``append`` and
+    ``popleft`` are atomic, so the engine's side takes no lock.
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[str, GroupStats] = {}
+        self._pending: collections.deque[tuple[str, str, Timing]] = collections.deque()
+        self._fold_lock = threading.Lock()
 
     def group(self, name: str) -> GroupStats:
         stats = self.groups.get(name)
@@ -258,7 +315,19 @@ class StatsRecorder:
 
     def fold(self) -> None:
         """Add the pending timings (blocks until their copies are done)."""
-        pending, self._pending = self._pending, []
-        for name, kind, timing in pending:
-            stats = self.group(name)
-            setattr(stats, kind, getattr(stats, kind) + timing.seconds())
+        pending = self._pending
+        with self._fold_lock:
+            while pending:
+                name, kind, timing = pending.popleft()
+                stats = self.group(name)
+                setattr(stats, kind, getattr(stats, kind) + timing.seconds())
+
+    def snapshot(self) -> dict[str, GroupStats]:
+        """A copy of the counters per name, taken while no fold runs."""
+        with self._fold_lock:
+            return {name: replace(g) for name, g in list(self.groups.items())}
+
+    def clear(self) -> None:
+        """Zero every counter (`OffloadManager.reset_stats`, after a fold)."""
+        with self._fold_lock:
+            self.groups.clear()

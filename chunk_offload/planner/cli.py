@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 from dataclasses import asdict
 from typing import Sequence
@@ -31,7 +29,9 @@ from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
 from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
 from .group_choice import GroupChoice, choose_groups
-from .recommend import Recommendation, recommend
+from .cli_checks import check_args, given_flags, name_flags
+from .cli_text import byte_model, format_plan
+from .recommend import recommend
 
 __all__ = ["build_parser", "main"]
 
@@ -72,9 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --swiglu: megatron's unfused SwiGLU, which saves more than the fused one",
     )
     model.add_argument("--position-embedding-type", choices=list(POSITION_EMBEDDINGS), default="learned_absolute")
-    model.add_argument(
-        "--rope", dest="position_embedding_type", action="store_const", const="rope", help="same as --position-embedding-type rope"
-    )
+    model.add_argument("--rope", action="store_true", help="same as --position-embedding-type rope")
     model.add_argument(
         "--attention",
         choices=list(ATTENTIONS),
@@ -129,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--other-activation-gb", type=float, default=0.0, help="added to each stage's peak: embeddings, loss, buffers (default 0)"
     )
     plan.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the result as JSON")
+    parser.plan_parser = plan  # for the usage checks, which name the plan's flags
     return parser
 
 
@@ -139,12 +138,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argparse (status 2 as well).
     """
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    _check_args(parser, args)
+    plan_parser = parser.plan_parser
+    given = given_flags(plan_parser, argv)
+    check_args(plan_parser, args, given)
     try:
         result = _plan(args)
     except ChunkOffloadError as e:
-        print(f"{_PROG} {args.command}: error: {e}", file=sys.stderr)
+        print(f"{_PROG} {args.command}: error: {name_flags(str(e), plan_parser, given)}", file=sys.stderr)
         return 2
     sys.stdout.write(result.text)
     if args.json_path is not None:
@@ -152,31 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(result.data, f, indent=2)
             f.write("\n")
     return 0
-
-
-def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Usage errors (exit status 2) found before anything is computed."""
-    numbers = (
-        ("--budget-gb", args.budget_gb),
-        ("--other-activation-gb", args.other_activation_gb),
-        ("--host-bandwidth-gbs", args.host_bandwidth_gbs),
-        ("--device-tflops", args.device_tflops),
-    )
-    for flag, value in numbers:
-        if value is not None and not math.isfinite(value):
-            parser.error(f"argument {flag}: must be a finite number, got {value}")
-    if args.json_path is not None:
-        folder = os.path.dirname(os.path.abspath(args.json_path))
-        if not os.path.isdir(folder):
-            parser.error(f"argument --json: folder {folder!r} of {args.json_path!r} does not exist")
-        if os.path.isdir(args.json_path):
-            parser.error(f"argument --json: {args.json_path!r} is a folder; give a file path")
-    kernels = ATTENTION_KERNELS[args.transformer_impl]
-    if args.attention_kernel not in kernels:
-        parser.error(
-            f"argument --attention-kernel: {args.attention_kernel!r} is not a kernel of --transformer-impl "
-            f"{args.transformer_impl}; choose from {list(kernels)}"
-        )
 
 
 class _Result:
@@ -249,118 +226,31 @@ def _plan(args: argparse.Namespace) -> _Result:
     if args.budget_gb is not None:
         recommendations = recommend(planner, budget_bytes=round(args.budget_gb * GB), candidates=modules)
         group_choices = choose_groups(planner, stages, budget_bytes=round(args.budget_gb * GB))
-    text = _format(dims, pipeline, hardware, planner, modules, stages, recommendations, group_choices)
+    text = format_plan(dims, pipeline, hardware, planner, modules, stages, recommendations, group_choices)
     data = {
         "model": asdict(dims),
-        "byte_model": _byte_model(dims),
+        "byte_model": byte_model(dims),
         "pipeline": asdict(pipeline),
         "hardware": asdict(hardware),
         "modules": modules,
         "min_offload_bytes": planner.min_offload_bytes,
         "policy": planner.policy,
         "schedule": planner.plans[0].source,
-        "stages": [s.to_dict() for s in stages],
+        "stages": [_stage_dict(s, group_choices) for s in stages],
         "recommendations": None if recommendations is None else [r.to_dict() for r in recommendations],
         "group_choices": None if group_choices is None else [c.to_dict() for c in group_choices],
     }
     return _Result(text, data)
 
 
-def _byte_model(dims: GPTDims) -> str:
-    """Which layer spec the bytes are for, and how far they are measured."""
-    if dims.transformer_engine:
-        return (
-            f"Transformer Engine's spec (norms fused into qkv_linear / mlp_fc1, {dims.attention_kernel} attention): "
-            "from source, unmeasured; FP8 activations not modelled"
-        )
-    if dims.attention == "local":
-        return "megatron-core's local spec with its DotProductAttention (core_attn holds the s x s softmax); measured on CPU"
-    where = "measured on CPU" if dims.device == "cpu" else f"core_attn from source, unmeasured ({dims.attention_kernel} kernel)"
-    return f"megatron-core's local spec with torch's SDPA (core_attn: q, k, v, output, log-sum-exp); {where}"
-
-
-def _mb(nbytes: int | float) -> str:
-    return f"{nbytes / 1e6:.2f}"
-
-
-def _gb(nbytes: int | float) -> str:
-    return f"{nbytes / 1e9:.3f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
-
-
-def _format(
-    dims: GPTDims,
-    pipeline: PipelineConfig,
-    hardware: Hardware,
-    planner: StagePlanner,
-    modules: list[str],
-    stages: list[StageEstimate],
-    recommendations: list[Recommendation] | None,
-    group_choices: list[GroupChoice] | None = None,
-) -> str:
-    moe = f", {dims.num_experts} experts top-{dims.moe_router_topk} EP={dims.expert_parallel}" if dims.num_experts else ""
-    mlp = ("SwiGLU" + ("" if dims.bias_swiglu_fusion else " (unfused)")) if dims.swiglu else "GELU"
-    lines = [
-        f"model: {dims.num_layers} layers, hidden {dims.hidden_size}, ffn {dims.ffn}, {dims.num_attention_heads} heads "
-        f"({dims.query_groups} query groups), seq {dims.seq_length}, micro batch {dims.micro_batch_size}, {dims.dtype}{moe}",
-        f"layers: {dims.normalization}, {mlp}, {dims.position_embedding_type} positions; "
-        f"TP={dims.tensor_parallel}{' with sequence parallel' if dims.sequence_parallel else ''} (bytes and FLOPs per TP rank)",
-        f"schedule: {planner.plans[0].source}, PP={pipeline.pipeline_parallel} VPP={pipeline.vp_size}, "
-        f"{pipeline.num_microbatches} microbatches; policy {planner.policy}; tensors < {planner.min_offload_bytes} B stay",
-        f"offload: {', '.join(modules)}; host link {hardware.host_bandwidth_gbs:g} GB/s, device {hardware.device_tflops:g} TFLOP/s",
-        f"byte model: {_byte_model(dims)}",
-        "",
-        "saved bytes per layer and per chunk (MB, one microbatch):",
-    ]
-    rows = []
-    for s in stages:
-        for vp, chunk in enumerate(s.layers):
-            per = s.chunk_module_bytes[vp]
-            rows.append(
-                [str(s.pp_rank), str(vp), f"{chunk[0]}-{chunk[-1]}"]
-                + [f"{_mb(s.module_bytes_per_layer[m])}/{_mb(per[m])}" if m in per else "-" for m in modules]
-                + [_mb(sum(s.group_kept_bytes[vp]))]
-            )
-    lines += _table(["stage", "vp", "layers"] + [f"{m} layer/chunk" for m in modules] + ["held elsewhere/chunk"], rows)
-    lines += ["held elsewhere: saved bytes another reference keeps on device, kept there uncopied (NOTE [Storages held elsewhere])."]
-    lines += ["", "per stage (GB; peaks of the offload modules' saved bytes; copy, forward and backward compute per layer in ms):"]
-    rows = []
-    for s in stages:
-        rows.append(
-            [
-                str(s.pp_rank),
-                str(s.chunks_in_flight_peak),
-                str(len(s.kept_chunks)),
-                _gb(s.peak_saved_bytes),
-                _gb(s.peak_resident_bytes),
-                _gb(s.drop),
-                _gb(s.bytes_offloaded),
-                f"{s.copy_seconds_per_layer * 1e3:.3f}",
-                f"{s.compute_seconds_per_layer * 1e3:.3f}",
-                f"{s.backward_compute_seconds_per_layer * 1e3:.3f}",
-                "yes" if s.hides else "NO",
-                _gb(s.peak_without_offload_bytes),
-                _gb(s.peak_with_offload_bytes),
-            ]
-        )
-    lines += _table(
-        ["stage", "in flight", "kept", "peak w/o", "peak with", "drop", "copied/iter", "copy", "fwd", "bwd", "hides", "act w/o", "act with"],
-        rows,
-    )
-    lines += [
-        "",
-        "act w/o / act with: every saved activation of the stage's layers at its peak, without and with offload",
-        "(estimate, see chunk_offload.planner.estimate), plus --other-activation-gb.",
-    ]
-    if recommendations is not None:
-        lines += ["", f"budget {recommendations[0].budget_bytes / 1e9:g} GB per stage:"]
-        lines += [f"  {r.describe()}" for r in recommendations]
-    if group_choices is not None:
-        lines += ["", "per group, as a device budget chooses at run time (offload groups of single chunks):"]
-        lines += [f"  {c.describe()}" for c in group_choices]
-    return "\n".join(lines) + "\n"
+def _stage_dict(stage: StageEstimate, group_choices: list[GroupChoice] | None) -> dict:
+    """The stage's estimate, with ``budget`` (None without ``--budget-gb``): fits, bytes over, why."""
+    data = stage.to_dict()
+    choice = None if group_choices is None else next(c for c in group_choices if c.pp_rank == stage.pp_rank)
+    data["budget"] = None if choice is None else {
+        "budget_bytes": choice.budget_bytes,
+        "fits": choice.fits,
+        "over_bytes": choice.over_bytes,
+        "reason": choice.reason,
+    }
+    return data

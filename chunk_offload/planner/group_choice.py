@@ -37,10 +37,36 @@ class GroupChoice:
     """Offload groups of the iteration (every chunk), empty ones included."""
     by_module: dict[str, int]
     """Module name -> groups chosen of that module, over the iteration."""
+    min_offload_bytes: int = 0
+    """The planner's minimum size of an offloaded tensor (for the reason a stage cannot fit)."""
 
     @property
     def fits(self) -> bool:
-        return self.choice.fits
+        """Whether the stage's peak with the choice is within the budget: the groups' part fits
+        what the stage's other activations leave, and those alone fit."""
+        return self.choice.fits and self.other_bytes <= self.budget_bytes
+
+    @property
+    def over_bytes(self) -> int:
+        """Bytes by which the lowest peak any choice reaches exceeds the budget (0 when it fits)."""
+        return 0 if self.fits else max(0, self.other_bytes + self.choice.lowest_peak_bytes - self.budget_bytes)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the stage cannot fit the budget (None when it fits)."""
+        if self.fits:
+            return None
+        if self.choice.baseline_peak_bytes == 0:
+            return (
+                f"nothing can be offloaded (no saved tensor of the offload modules reaches the minimum offload size, "
+                f"{self.min_offload_bytes} B), and the stage's other activations alone take {_gb(self.other_bytes)}"
+            )
+        if self.other_bytes > self.budget_bytes:
+            return (
+                f"the activations offload does not move (other modules', tensors below {self.min_offload_bytes} B, "
+                f"held elsewhere, other activations) alone take {_gb(self.other_bytes)}"
+            )
+        return f"offloading every group still leaves a peak of {_gb(self.other_bytes + self.choice.lowest_peak_bytes)}"
 
     @property
     def peak_with_offload_bytes(self) -> int:
@@ -51,17 +77,25 @@ class GroupChoice:
         """One line for the text report."""
         c = self.choice
         head = f"stage {self.pp_rank}: "
-        if not c.offloaded and c.fits:
+        if not c.offloaded and self.fits:
             return head + f"offload no group: peak {_gb(self.peak_with_offload_bytes)} <= budget {_gb(self.budget_bytes)}"
+        if not c.offloaded:
+            return head + (
+                f"does not fit: peak {_gb(self.peak_with_offload_bytes)} > budget {_gb(self.budget_bytes)}, "
+                f"{_gb(self.over_bytes)} over: {self.reason}"
+            )
         modules = ", ".join(f"{name} {n}" for name, n in self.by_module.items())
         chunks = len(c.offloaded)
         line = (
             f"offload {c.groups_offloaded} of {self.groups_total} groups in {chunks} chunks ({modules}); "
-            f"peak {_gb(self.peak_with_offload_bytes)} {'<=' if c.fits else '>'} budget {_gb(self.budget_bytes)}, "
+            f"peak {_gb(self.peak_with_offload_bytes)} {'<=' if self.fits else '>'} budget {_gb(self.budget_bytes)}, "
             f"copies {_gb(c.bytes_offloaded)} per iteration"
         )
-        if not c.fits:
-            line += f"; does not fit: the lowest peak is {_gb(self.other_bytes + c.lowest_peak_bytes)}"
+        if not self.fits:
+            line += (
+                f"; does not fit: the lowest peak is {_gb(self.other_bytes + c.lowest_peak_bytes)}, "
+                f"{_gb(self.over_bytes)} over: {self.reason}"
+            )
         return head + line
 
     def to_dict(self) -> dict:
@@ -73,6 +107,8 @@ class GroupChoice:
             "other_bytes": self.other_bytes,
             "group_budget_bytes": c.budget_bytes,
             "fits": self.fits,
+            "over_bytes": self.over_bytes,
+            "reason": self.reason,
             "groups_offloaded": c.groups_offloaded,
             "groups_total": self.groups_total,
             "by_module": self.by_module,
@@ -108,6 +144,7 @@ def choose_groups(planner: StagePlanner, stages: list[StageEstimate], *, budget_
                 choice=choice,
                 groups_total=sum(len(stage.group_bytes[vp]) for _, vp in plan.chunks),
                 by_module=_in_layer_order(choice.offloaded_by_name(names), stage.group_names),
+                min_offload_bytes=planner.min_offload_bytes,
             )
         )
     return out

@@ -7,7 +7,12 @@ Pytree outputs are compared bit for bit with a run without offload; every refusa
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
 import gc
+import io
+import re
+import sys
 import threading
 import weakref
 
@@ -111,33 +116,32 @@ class UserError(Exception):
     pass
 
 
+def _offloaded_manager() -> tuple[OffloadManager, nn.Module]:
+    """A manager (``min_offload_bytes=1``) offloading a small module as group "m"."""
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    manager.offload_module(module, "m")
+    return manager, module
+
+
 def _forward_in_open_chunk(manager: OffloadManager, module: nn.Module) -> torch.Tensor:
     manager.begin_chunk(microbatch=0)
     return module(torch.randn(3, 4, requires_grad=True))
 
 
-def test_close_inside_iteration_lets_the_users_error_surface():
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
-    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    manager.offload_module(module, "m")
-    with pytest.raises(UserError, match="mine"):
-        with manager.iteration():
-            _forward_in_open_chunk(manager, module)
-            manager.close()
-            raise UserError("mine")
-    assert manager.closed and not manager.in_iteration
-    assert_clean(manager)
-
-
-def test_close_mid_iteration_without_error_ends_it_cleanly():
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
-    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    manager.offload_module(module, "m")
+@pytest.mark.parametrize("in_chunk_scope", [False, True])
+def test_close_mid_iteration_without_error_ends_it_cleanly(in_chunk_scope):
+    manager, module = _offloaded_manager()
     with manager.iteration():
         with manager.chunk(microbatch=0):
             module(torch.randn(3, 4, requires_grad=True))
-        _forward_in_open_chunk(manager, module)
-        manager.close()
+        if in_chunk_scope:  # the with-blocks exit quietly after close
+            with manager.chunk(microbatch=1):
+                module(torch.randn(3, 4, requires_grad=True))
+                manager.close()
+        else:
+            _forward_in_open_chunk(manager, module)
+            manager.close()
     assert manager.closed and not manager.in_iteration
     assert manager.last_iteration is None  # discarded, no record
     assert_clean(manager)
@@ -217,3 +221,232 @@ def test_a_closed_manager_keeps_no_model_alive() -> None:
     gc.collect()
     assert [ref() for ref in alive] == [None, None]
     assert manager.closed
+
+
+# ----------------------------------------------------------------------------- close while the user's error propagates
+
+
+def _close_in_iteration(manager, module):
+    with manager.iteration():
+        _forward_in_open_chunk(manager, module)
+        manager.close()
+        raise UserError("mine")
+
+
+def _close_in_finally(manager, module):
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            module(torch.randn(3, 4, requires_grad=True))
+            try:
+                raise UserError("mine")
+            finally:
+                manager.close()
+
+
+def _close_then_raise(manager, module):
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            module(torch.randn(3, 4, requires_grad=True))
+            manager.close()
+            raise UserError("mine")
+
+
+def _close_in_except(manager, module):
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            try:
+                module(torch.randn(3, 4, requires_grad=True))
+                raise UserError("mine")
+            except UserError:
+                manager.close()
+                raise
+
+
+def _close_in_explicit_pairs(manager, module):
+    manager.begin_iteration()
+    manager.begin_chunk(microbatch=0)
+    try:
+        module(torch.randn(3, 4, requires_grad=True))
+        raise UserError("mine")
+    except UserError:
+        manager.close()
+        manager.end_chunk(abort=True)  # what a hook-driven integration does next: no error now
+        manager.end_iteration(discard=True)
+        raise
+
+
+@pytest.mark.parametrize("where", [_close_in_iteration, _close_in_finally, _close_then_raise, _close_in_except, _close_in_explicit_pairs])
+def test_close_inside_a_chunk_lets_the_users_error_surface(where):
+    manager, module = _offloaded_manager()
+    with pytest.raises(UserError, match="mine") as info:
+        where(manager, module)
+    assert info.value.__context__ is None or not isinstance(info.value.__context__, ChunkOffloadError)
+    assert manager.closed and not manager.in_iteration
+    assert_clean(manager)
+
+
+def _break_close(manager: OffloadManager) -> None:
+    """Make the manager's close fail after stopping its streams (a copy stream that broke)."""
+    streams_close = manager.streams.close
+
+    def failing_close() -> None:
+        streams_close()
+        raise RuntimeError("copy stream broke")
+
+    manager.streams.close = failing_close
+
+
+def test_a_failing_close_while_the_users_error_propagates_is_chained_to_it_not_raised(caplog):
+    manager, module = _offloaded_manager()
+    _break_close(manager)
+    with pytest.raises(UserError, match="mine") as info:
+        _close_in_finally(manager, module)
+    notes = getattr(info.value, "__notes__", [])
+    if sys.version_info >= (3, 11):
+        assert notes == ["chunk_offload: close() during this exception also failed: RuntimeError('copy stream broke')"]
+    assert "close() failed while UserError('mine') propagated" in caplog.text
+    assert manager.closed
+
+
+def test_a_failing_close_without_an_error_in_flight_raises():
+    manager, _ = _offloaded_manager()
+    _break_close(manager)
+    with pytest.raises(RuntimeError, match="copy stream broke"):
+        manager.close()
+
+
+# ----------------------------------------------------------------------------- group marks of a wrong type
+
+
+@pytest.mark.parametrize("mark", ["group_start", "group_commit"])
+@pytest.mark.parametrize("tensors, shown", [(42, "42 (int)"), ("x", "'x' (str)"), (None, "None (NoneType)"), ((), "() (tuple)"), ({"a": 1}, "{'a': 1} (dict)")])
+@pytest.mark.parametrize("in_chunk", [True, False])
+def test_group_marks_without_a_tensor_fail_at_the_call(make_manager, mark, tensors, shown, in_chunk):
+    manager = make_manager()
+    with manager.iteration():
+        scope = manager.chunk(microbatch=0) if in_chunk else contextlib.nullcontext()
+        with scope:
+            with pytest.raises(ChunkOffloadError) as info:
+                getattr(manager, mark)(tensors, "g")
+    message = str(info.value)
+    assert message.startswith(f"chunk_offload: {mark}(tensors, name='g') needs tensors as a tensor or a tuple, list, dict")
+    assert f"got {shown}" in message
+    assert_clean(manager)
+
+
+@pytest.mark.parametrize("mark", ["group_start", "group_commit"])
+@pytest.mark.parametrize("name, shown", [(42, "42 (int)"), ("", "'' (str)"), (None, "None (NoneType)")])
+def test_group_marks_with_a_bad_name_fail_at_the_call(make_manager, mark, name, shown):
+    manager = make_manager()
+    x = torch.randn(2, requires_grad=True)
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            with pytest.raises(ChunkOffloadError, match=re.escape(f"{mark}(tensors, name) needs name as a non-empty str, got {shown}")):
+                getattr(manager, mark)(x, name)
+    assert_clean(manager)
+
+
+def test_a_module_returning_no_tensor_is_still_offloaded_quietly(make_manager):
+    class Side(nn.Module):
+        def forward(self, x):
+            x.sin()
+            return None
+
+    manager = make_manager()
+    manager.offload_module(Side(), "side")
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            manager.module_offloads[0].module(torch.randn(3, requires_grad=True))
+    assert_clean(manager)
+
+
+# ----------------------------------------------------------------------------- saving a model with offload attached
+
+
+def test_torch_save_of_a_model_with_offload_attached_works_and_the_copy_is_not_offloaded(make_manager):
+    manager = make_manager()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    manager.offload_module(model[0], "lin")
+    loaded = torch.load(_saved(model), weights_only=False)
+    x = torch.randn(3, 4, requires_grad=True)
+    with manager.iteration():
+        with manager.chunk(microbatch=0) as handler:
+            out = model(x)
+            copy_out = loaded(x)
+        assert [g.name for g in handler.groups] == ["lin"], "the original is still offloaded, the copy is not"
+        assert torch.equal(out, copy_out)
+        (out + copy_out).sum().backward()
+    assert_clean(manager)
+
+
+def _saved(model: nn.Module) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_deepcopy_of_a_model_with_offload_attached_gives_a_plain_copy(make_manager):
+    manager = make_manager()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    manager.offload_module(model, "m")
+    clone = copy.deepcopy(model)
+    with manager.iteration():
+        with manager.chunk(microbatch=0) as handler:
+            clone(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        assert handler.groups == []
+    assert manager.offload_module(clone, "clone").module is clone  # the copy can be registered itself
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(torch.load(_saved(model), weights_only=False)), buffer)  # a copy of a copy saves too
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: m.protect_module(3), "protect_module expects an nn.Module, got int 3"),
+        (lambda m: m.protect_module(torch.zeros(2)), "protect_module expects an nn.Module, got Tensor"),
+        (lambda m: m.end_iteration(discard="no"), "end_iteration(discard=...) takes True or False, got 'no'"),
+        (lambda m: m.end_chunk(abort=1), "end_chunk(abort=...) takes True or False, got 1"),
+    ],
+)
+def test_other_arguments_of_a_wrong_type_fail_at_the_call_and_leave_the_manager_usable(make_manager, call, message):
+    manager = make_manager()
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    manager.offload_module(module, "m")
+    manager.begin_iteration()
+    manager.begin_chunk(microbatch=0)
+    with pytest.raises(ChunkOffloadError, match=re.escape(message)):
+        call(manager)
+    out = module(torch.randn(3, 4, requires_grad=True))
+    manager.end_chunk()
+    out.sum().backward()
+    manager.end_iteration()
+    with manager.iteration():  # a refused protect_module left nothing behind
+        with manager.chunk(microbatch=0):
+            module(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert_clean(manager)
+
+
+@pytest.mark.parametrize("scope", ["chunk", "iteration"])
+def test_a_failing_abort_while_the_users_error_propagates_is_a_note_on_it(monkeypatch, scope):
+    from chunk_offload.core import ChunkOffloadHandler
+
+    manager, module = _offloaded_manager()
+
+    def broken_abort(self) -> None:
+        raise RuntimeError("abort broke")
+
+    with pytest.raises(UserError, match="mine") as info:
+        with manager.iteration():
+            with manager.chunk(microbatch=0):
+                module(torch.randn(3, 4, requires_grad=True))
+                if scope == "chunk":
+                    monkeypatch.setattr(ChunkOffloadHandler, "abort", broken_abort)
+                    raise UserError("mine")
+            monkeypatch.setattr(ChunkOffloadHandler, "abort", broken_abort)
+            raise UserError("mine")
+    what = "aborting the chunk" if scope == "chunk" else "discarding the iteration"
+    if sys.version_info >= (3, 11):
+        assert f"chunk_offload: {what} during this exception also failed: RuntimeError('abort broke')" in info.value.__notes__
+    monkeypatch.undo()
+    manager.close()

@@ -656,7 +656,7 @@ def test_pool_fallback_is_exact_and_warns_once(make_manager):
         capped = _train(mgr)
     ours = [w for w in caught if "host pool at its cap" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
-    assert f"capacity_bytes={cap}" in str(ours[0].message)
+    assert f"of host_pool_bytes={cap}" in str(ours[0].message)
     _assert_runs_equal(capped, plain)
     stats = mgr.stats()
     assert stats.pool.fallback_allocations > 0
@@ -677,7 +677,7 @@ def test_pool_error_raises_before_allocating_then_clean(make_manager):
         _train(mgr, iterations=1)
     message = str(info.value)
     assert "host pool exhausted" in message
-    assert f"capacity_bytes={cap}" in message
+    assert f"of host_pool_bytes={cap}" in message
     requested = int(message.split("host pool exhausted: ")[1].split(" bytes requested")[0])
     stats = mgr.stats()
     assert 0 < requested

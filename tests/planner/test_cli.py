@@ -52,7 +52,7 @@ def test_json_equals_the_api(capsys, tmp_path: Path):
     assert (status, err) == (0, "")
     data = json.loads(path.read_text())
     stages = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(["qkv_linear", "core_attn"])
-    assert data["stages"] == [json.loads(json.dumps(s.to_dict())) for s in stages]
+    assert data["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]  # no --budget-gb
     assert data["modules"] == ["qkv_linear", "core_attn"]
     assert data["schedule"] == "megatron interleaved 1F1B (group 2)"
     assert data["recommendations"] is None
@@ -109,17 +109,21 @@ def test_budget_nothing_fits(capsys):
     [
         (["--modules", "core_attn,qkv"], r"unknown offload module 'qkv'; valid names: \['attn_norm', 'qkv_linear', 'core_attn', 'attn_proj', 'mlp_norm', 'mlp_fc1', 'expert_fc1', 'moe_act', 'router_fc1'\]"),
         (["--modules", "expert_fc1"], r"module\(s\) \['expert_fc1'\] not in this model; it has \['attn_norm', 'qkv_linear', 'core_attn', 'attn_proj', 'mlp_norm', 'mlp_fc1'\]"),
-        (["--num-microbatches", "3"], r"num_microbatches \(3\) to be a multiple of the microbatch group size \(2\)"),
-        (["--vpp", "3"], r"num_layers 8 must split evenly over 2 stages x 3 model chunks \(a multiple of 6\)"),
-        (["--pp", "1"], "virtual_pipeline=2 needs pipeline_parallel >= 2, got 1"),
-        (["--num-experts", "3", "--ep", "2"], "num_experts 3 must be divisible by expert_parallel 2"),
+        (["--num-microbatches", "3"], r"--num-microbatches \(3\) to be a multiple of the microbatch group size \(2\)"),
+        (["--vpp", "3"], r"--num-layers 8 must split evenly over 2 stages x 3 model chunks \(a multiple of 6\)"),
+        (["--pp", "1"], "--vpp=2 needs --pp >= 2, got 1"),
+        (["--num-experts", "3", "--ep", "2"], "--num-experts 3 must be divisible by --ep 2"),
+        (["--num-experts", "3", "--expert-model-parallel-size", "2"], "--num-experts 3 must be divisible by --expert-model-parallel-size 2"),
         (["--num-experts", "4", "--moe-layer-freq", "1,x"], r"--moe-layer-freq takes an int or comma-separated 0/1 per layer, got '1,x'"),
         (["--budget-gb", "-1"], "--budget-gb must be >= 0, got -1.0"),
-        (["--host-bandwidth-gbs", "0"], "host_bandwidth_gbs must be a number > 0, got 0.0"),
-        (["--sequence-parallel"], "sequence_parallel needs tensor_parallel >= 2, got tensor_parallel 1"),
-        (["--tp", "3"], "num_attention_heads 4 must be divisible by tensor_parallel 3"),
-        (["--tp", "4"], "num_query_groups 2 must be divisible by tensor_parallel 4"),
-        (["--tp", "2", "--num-experts", "4"], "MoE with tensor_parallel 2 is not modelled"),
+        (["--host-bandwidth-gbs", "0"], "--host-bandwidth-gbs must be a number > 0, got 0.0"),
+        (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size >= 2, got --tensor-model-parallel-size 1"),
+        (["--tp", "3"], "--num-attention-heads 4 must be divisible by --tp 3"),
+        (["--tp", "4"], "--num-query-groups 2 must be divisible by --tp 4"),
+        (["--tensor-model-parallel-size", "4"], "--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4"),
+        (["--tp", "2", "--num-experts", "4"], "MoE with --tp 2 is not modelled"),
+        (["--min-offload-bytes", "-1"], "--min-offload-bytes must be an int >= 0, got -1"),
+        (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk"),
     ],
 )
 def test_invalid_input_names_the_fix(capsys, extra, message):
@@ -127,6 +131,9 @@ def test_invalid_input_names_the_fix(capsys, extra, message):
     assert status == 2 and out == ""
     assert err.startswith("chunk-offload plan: error: chunk_offload: ")
     assert re.search(message, err), err
+    internal = {f.name for cls in (GPTDims, PipelineConfig, Hardware) for f in dataclasses.fields(cls)} | {"min_offload_bytes"}
+    named = set(re.findall(r"[a-z]+(?:_[a-z0-9]+)+", err)) & internal
+    assert not named, f"the error names library fields {named} instead of the flags: {err}"
 
 
 @pytest.mark.parametrize(
@@ -163,7 +170,7 @@ def test_attention_models(capsys, tmp_path: Path):
         assert (status, err) == (0, "")
         dims = dataclasses.replace(_DIMS, attention=attention)
         stages = StagePlanner(dims, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(["core_attn"])
-        assert json.loads(path.read_text())["stages"] == [json.loads(json.dumps(s.to_dict())) for s in stages]
+        assert json.loads(path.read_text())["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]
         per_layer[attention] = stages[0].module_bytes_per_layer["core_attn"]
     assert "torch's SDPA (core_attn: q, k, v, output, log-sum-exp); core_attn from source, unmeasured" in _run(capsys)[1]
     assert per_layer["sdpa"] < per_layer["local"]
@@ -206,7 +213,7 @@ def test_llama_and_tensor_parallel_flags(capsys, tmp_path: Path):
     data = json.loads(path.read_text())
     assert data["model"] == json.loads(json.dumps(dataclasses.asdict(dims)))
     stages = StagePlanner(dims, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(data["modules"])
-    assert data["stages"] == [json.loads(json.dumps(s.to_dict())) for s in stages]
+    assert data["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]
     assert "layers: RMSNorm, SwiGLU (unfused), rope positions; TP=2 with sequence parallel" in out
     # --position-embedding-type rope is the same as --rope; the defaults are LayerNorm, GELU, learned.
     status, _, _ = _run(capsys, "--position-embedding-type", "rope", "--json", str(path))

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import warnings
 from typing import Any, Sequence
 
 from torch import nn
@@ -71,7 +72,7 @@ from .attach import MegatronOffloadManager, attach
 from .auto import ITERATION_MODES
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
-__all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args", "has_arguments"]
+__all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args", "check_args", "has_arguments"]
 
 GROUP_TITLE = "chunk-offload"
 """Title of the argument group `add_arguments` adds."""
@@ -96,6 +97,10 @@ _DESTS = {
     "profile-ranges": "chunk_offload_profile_ranges",
 }
 _SCHEDULE_CHOICES = ("plan", "group-start")
+_PLANNED = ("prefetch-bytes", "reload-ahead-bytes", "device-budget")
+"""Flags only the plan's policy reads (``--chunk-offload-schedule plan``)."""
+_BUDGETS = ("device-budget", "host-budget", "host-pool-bytes", "prefetch-bytes", "reload-ahead-bytes")
+"""Flags that bound what offload does: without --chunk-offload-modules (or with --chunk-offload-baseline) nothing uses them."""
 
 # Megatron-LM's own activation offloading: namespace attribute -> its flag.
 _MEGATRON_OFFLOAD_SWITCHES = {
@@ -327,6 +332,61 @@ def _check_megatron_offloading(args: argparse.Namespace, modules: Sequence[str] 
         )
 
 
+def _given(args: argparse.Namespace, suffixes: Sequence[str]) -> list[str]:
+    """``--flag value`` for each of ``suffixes`` set on the command line (their defaults are None)."""
+    given = []
+    for suffix in suffixes:
+        value = getattr(args, _DESTS[suffix], None)
+        if value is not None:
+            given.append(f"{_LONG_PREFIX}{suffix} {value}")
+    return given
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
+    """Check the parsed ``--chunk-offload-*`` flags against each other, naming them as typed.
+
+    - plan-only flags (prefetch, reload-ahead, device budget) under ``--chunk-offload-schedule
+      group-start``, which never reads them: an error;
+    - budget flags without ``--chunk-offload-modules``: nothing is offloaded, so they do nothing:
+      a usage error at the command line (``parser`` given: exit status 2), a warning otherwise;
+    - budget flags with ``--chunk-offload-baseline``, which copies nothing: a warning.
+
+    `attach_from_args` calls it without ``parser``; a command line calls it with its parser right
+    after parsing.
+    """
+    schedule = getattr(args, _DESTS["schedule"], "plan")
+    planned = _given(args, _PLANNED)
+    if planned and schedule != "plan":
+        message = (
+            f"{', '.join(planned)} is never used by {_LONG_PREFIX}schedule {schedule}, which reloads each group when "
+            f"backward reaches the group after it; use {_LONG_PREFIX}schedule plan (the default) or drop "
+            f"{'it' if len(planned) == 1 else 'them'}"
+        )
+        _refuse(message, parser)
+    budgets = _given(args, _BUDGETS)
+    if budgets and not getattr(args, _DESTS["modules"], None):
+        message = (
+            f"{', '.join(budgets)} given without {_LONG_PREFIX}modules: nothing will be offloaded, so "
+            f"{'it does' if len(budgets) == 1 else 'they do'} nothing; add {_LONG_PREFIX}modules NAMES or drop "
+            f"{'it' if len(budgets) == 1 else 'them'}"
+        )
+        if parser is not None:
+            parser.error(message)
+        warnings.warn(f"chunk_offload: {message}", stacklevel=3)
+    elif budgets and getattr(args, _DESTS["baseline"], False):
+        warnings.warn(
+            f"chunk_offload: {', '.join(budgets)} with {_LONG_PREFIX}baseline, which copies nothing: "
+            f"{'it is' if len(budgets) == 1 else 'they are'} not used in this run",
+            stacklevel=3,
+        )
+
+
+def _refuse(message: str, parser: argparse.ArgumentParser | None) -> None:
+    if parser is not None:
+        parser.error(message)
+    raise ChunkOffloadError(message)
+
+
 def attach_from_args(
     model: nn.Module | Sequence[nn.Module],
     args: argparse.Namespace,
@@ -351,8 +411,9 @@ def attach_from_args(
         baseline_iterations, trace, measure_time, iterations: applied over what ``args`` sets
             (None: from ``args``); the launcher passes ``iterations="auto"``.
 
-    Raises `ChunkOffloadError` when ``args`` was not parsed with `add_arguments`, or when it
-    also asks for Megatron-LM's own activation offloading (NOTE [Flag names]).
+    Raises `ChunkOffloadError` when ``args`` was not parsed with `add_arguments`, when it also
+    asks for Megatron-LM's own activation offloading (NOTE [Flag names]), or when its flags
+    contradict each other (`check_args`, which also warns about flags that would do nothing).
     """
     missing = [f"{_LONG_PREFIX}{suffix} ({dest})" for suffix, dest in _DESTS.items() if not hasattr(args, dest)]
     if missing:
@@ -362,6 +423,7 @@ def attach_from_args(
         )
     modules = getattr(args, _DESTS["modules"])
     _check_megatron_offloading(args, modules)
+    check_args(args)
     if not modules:
         return None
     report = bool(getattr(args, _DESTS["report"]))

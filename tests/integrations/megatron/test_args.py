@@ -19,7 +19,7 @@ from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadConfig, SchedulePolicy
 from chunk_offload.integrations.megatron import ALIASES, ITERATION_MODES, OFFLOAD_MODULE_NAMES, add_arguments, attach_from_args
-from chunk_offload.integrations.megatron.args import GROUP_TITLE
+from chunk_offload.integrations.megatron.args import GROUP_TITLE, check_args
 
 _HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
@@ -174,7 +174,10 @@ def test_device_budget_needs_the_plan() -> None:
     args = parser().parse_args(
         ["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", "--chunk-offload-device-budget", "1MiB"]
     )
-    with pytest.raises(ChunkOffloadError, match=r"device_budget_bytes=1048576 needs schedule_policy='plan'"):
+    with pytest.raises(
+        ChunkOffloadError,
+        match=r"^chunk_offload: --chunk-offload-device-budget 1048576 is never used by --chunk-offload-schedule group-start",
+    ):
         attach_from_args(nn.Linear(2, 2), args)
 
 
@@ -469,15 +472,70 @@ def test_attach_from_args_auto_iterations_on_dense_gpt() -> None:
                 manager.close()
 
 
-@pytest.mark.parametrize(
-    "budget, given",
-    [("--chunk-offload-prefetch-bytes", "prefetch_bytes=2097152"), ("--chunk-offload-reload-ahead-bytes", "reload_ahead_bytes=2097152")],
-)
-def test_group_start_refuses_plan_budgets(budget: str, given: str) -> None:
+@pytest.mark.parametrize("budget", ["--chunk-offload-prefetch-bytes", "--chunk-offload-reload-ahead-bytes"])
+def test_group_start_refuses_plan_budgets(budget: str) -> None:
     args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", budget, "2MiB"])
     with pytest.raises(
         ChunkOffloadError,
-        match=rf"^chunk_offload: {given} needs schedule_policy='plan' \(--chunk-offload-schedule plan\), "
-        r"got schedule_policy=None \(--chunk-offload-schedule group-start\)",
+        match=rf"^chunk_offload: {budget} 2097152 is never used by --chunk-offload-schedule group-start, which reloads "
+        r"each group when backward reaches the group after it; use --chunk-offload-schedule plan \(the default\) or drop it$",
     ):
         attach_from_args([torch.nn.Linear(2, 2)], args)
+
+
+# ----------------------------------------------------------------------------- flags that contradict or do nothing (check_args)
+
+_BUDGET_ARGS = [
+    ["--chunk-offload-device-budget", "1MiB"],
+    ["--chunk-offload-device-budget", "auto"],
+    ["--chunk-offload-host-budget", "1GiB"],
+    ["--chunk-offload-host-pool-bytes", "1GiB"],
+    ["--chunk-offload-prefetch-bytes", "0"],
+    ["--chunk-offload-reload-ahead-bytes", "1MiB"],
+]
+
+
+@pytest.mark.parametrize("budget", _BUDGET_ARGS)
+def test_budget_flags_without_modules_are_a_usage_error_at_the_command_line(budget, capsys) -> None:
+    p = parser()
+    args = p.parse_args(budget)
+    with pytest.raises(SystemExit) as info:
+        check_args(args, p)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{budget[0]} " in err and "given without --chunk-offload-modules: nothing will be offloaded" in err
+
+
+@pytest.mark.parametrize("budget", _BUDGET_ARGS)
+def test_budget_flags_without_modules_warn_in_the_library(budget) -> None:
+    args = parser().parse_args(budget)
+    with pytest.warns(UserWarning, match=rf"^chunk_offload: {budget[0]} .* given without --chunk-offload-modules: nothing will"):
+        assert attach_from_args(nn.Linear(2, 2), args) is None
+
+
+def test_several_plan_flags_under_group_start_are_named_together(capsys) -> None:
+    p = parser()
+    args = p.parse_args(
+        ["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start",
+         "--chunk-offload-prefetch-bytes", "1MiB", "--chunk-offload-device-budget", "auto"]
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        check_args(args, p)
+    err = capsys.readouterr().err
+    assert "--chunk-offload-prefetch-bytes 1048576, --chunk-offload-device-budget auto is never used by" in err
+    assert "drop them" in err
+
+
+def test_budget_flags_with_a_baseline_run_warn_that_nothing_uses_them() -> None:
+    args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-baseline", "--chunk-offload-device-budget", "1MiB"])
+    with pytest.warns(UserWarning, match=r"--chunk-offload-device-budget 1048576 with --chunk-offload-baseline, which copies nothing"):
+        check_args(args, parser())
+
+
+def test_plain_flags_pass_the_checks_quietly() -> None:
+    p = parser()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_args(p.parse_args([]), p)
+        check_args(p.parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-device-budget", "1MiB"]), p)
+        check_args(p.parse_args(["--chunk-offload-min-offload-bytes", "0"]), p)
