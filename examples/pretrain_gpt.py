@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chunk_offload.integrations.megatron import add_arguments, attach_from_args
-from chunk_offload.integrations.megatron.args import check_args
+from chunk_offload.integrations.megatron import add_arguments, attach_from_args, check_args
 from chunk_offload.devkit.gpt import (
     ATTENTIONS,
     GPTShape,

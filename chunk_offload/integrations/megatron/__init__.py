@@ -10,9 +10,10 @@ or, where the training loop calls ``get_forward_backward_func()`` itself (Megatr
 explicitly, it is not imported here because importing megatron-core is slow.
 """
 
-from .args import add_arguments, attach_from_args
+from .args import add_arguments
 from .attach import MegatronOffloadManager, attach
 from .auto import ITERATION_MODES
+from .from_args import attach_from_args, check_args
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "attach",
     "attach_from_args",
     "canonical_names",
+    "check_args",
 ]

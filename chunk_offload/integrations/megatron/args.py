@@ -62,26 +62,22 @@ from __future__ import annotations
 
 import argparse
 import re
-import warnings
-from typing import Any, Sequence
+from typing import Any
 
-from torch import nn
-
-from ...core import ChunkOffloadError, OffloadConfig, StreamBackend
-from .attach import MegatronOffloadManager, attach
+from ...core import ChunkOffloadError, OffloadConfig
 from .auto import ITERATION_MODES
 from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
 
-__all__ = ["GROUP_TITLE", "add_arguments", "attach_from_args", "check_args", "has_arguments"]
+__all__ = ["BUDGET_FLAGS", "DESTS", "GROUP_TITLE", "LONG_PREFIX", "MEGATRON_OFFLOAD_SWITCHES", "PLANNED_FLAGS", "add_arguments", "has_arguments"]
 
 GROUP_TITLE = "chunk-offload"
 """Title of the argument group `add_arguments` adds."""
 
-_LONG_PREFIX = "--chunk-offload-"
+LONG_PREFIX = "--chunk-offload-"
 _ON_EXHAUSTED_CHOICES = ("fallback", "error")  # OffloadConfig.on_exhausted's Literal; a test keeps them equal
 
 # Flag suffix -> destination in the parsed namespace. See NOTE [Flag names].
-_DESTS = {
+DESTS = {
     "modules": "chunk_offload_modules",
     "min-offload-bytes": "chunk_offload_min_offload_bytes",
     "host-pool-bytes": "chunk_offload_host_pool_bytes",
@@ -97,13 +93,13 @@ _DESTS = {
     "profile-ranges": "chunk_offload_profile_ranges",
 }
 _SCHEDULE_CHOICES = ("plan", "group-start")
-_PLANNED = ("prefetch-bytes", "reload-ahead-bytes", "device-budget")
+PLANNED_FLAGS = ("prefetch-bytes", "reload-ahead-bytes", "device-budget")
 """Flags only the plan's policy reads (``--chunk-offload-schedule plan``)."""
-_BUDGETS = ("device-budget", "host-budget", "host-pool-bytes", "prefetch-bytes", "reload-ahead-bytes")
+BUDGET_FLAGS = ("device-budget", "host-budget", "host-pool-bytes", "prefetch-bytes", "reload-ahead-bytes")
 """Flags that bound what offload does: without --chunk-offload-modules (or with --chunk-offload-baseline) nothing uses them."""
 
 # Megatron-LM's own activation offloading: namespace attribute -> its flag.
-_MEGATRON_OFFLOAD_SWITCHES = {
+MEGATRON_OFFLOAD_SWITCHES = {
     "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
     "cpu_offloading": "--cpu-offloading",
 }
@@ -154,7 +150,7 @@ def _valid_names_text() -> str:
 
 def has_arguments(parser: argparse.ArgumentParser) -> bool:
     """True when `add_arguments` already added the chunk-offload flags to ``parser``."""
-    return _LONG_PREFIX + "modules" in parser._option_string_actions  # argparse has no public lookup
+    return LONG_PREFIX + "modules" in parser._option_string_actions  # argparse has no public lookup
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -168,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if not isinstance(parser, argparse.ArgumentParser):
         raise ChunkOffloadError(f"add_arguments expects an argparse.ArgumentParser, got {type(parser).__name__}")
     existing = parser._option_string_actions  # argparse has no public lookup of defined flags
-    taken = sorted(_LONG_PREFIX + suffix for suffix in _DESTS if _LONG_PREFIX + suffix in existing)
+    taken = sorted(LONG_PREFIX + suffix for suffix in DESTS if LONG_PREFIX + suffix in existing)
     if taken:
         raise ChunkOffloadError(
             f"the parser already defines {taken}; add_arguments adds the chunk-offload flags once per parser "
@@ -176,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         )
 
     def names(suffix: str) -> list[str]:
-        return [_LONG_PREFIX + suffix]
+        return [LONG_PREFIX + suffix]
 
     defaults = OffloadConfig()
     group = parser.add_argument_group(
@@ -189,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("modules"),
-        dest=_DESTS["modules"],
+        dest=DESTS["modules"],
         nargs="+",
         action=_ModulesAction,
         default=None,
@@ -198,7 +194,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("min-offload-bytes"),
-        dest=_DESTS["min-offload-bytes"],
+        dest=DESTS["min-offload-bytes"],
         type=_byte_count,
         default=defaults.min_offload_bytes,
         metavar="BYTES",
@@ -206,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("host-pool-bytes"),
-        dest=_DESTS["host-pool-bytes"],
+        dest=DESTS["host-pool-bytes"],
         type=_byte_count,
         default=defaults.host_pool_bytes,
         metavar="BYTES",
@@ -214,7 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("on-exhausted"),
-        dest=_DESTS["on-exhausted"],
+        dest=DESTS["on-exhausted"],
         choices=_ON_EXHAUSTED_CHOICES,
         default=defaults.on_exhausted,
         help=(
@@ -224,19 +220,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("baseline"),
-        dest=_DESTS["baseline"],
+        dest=DESTS["baseline"],
         action="store_true",
         help="Track the same groups and bytes but copy nothing: the baseline run of a memory comparison.",
     )
     group.add_argument(
         *names("profile-ranges"),
-        dest=_DESTS["profile-ranges"],
+        dest=DESTS["profile-ranges"],
         action="store_true",
         help="Name each group's offload, reload and waits in torch.profiler traces (NVTX ranges under nsys on CUDA).",
     )
     group.add_argument(
         *names("schedule"),
-        dest=_DESTS["schedule"],
+        dest=DESTS["schedule"],
         choices=_SCHEDULE_CHOICES,
         default="plan",
         help=(
@@ -247,7 +243,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("prefetch-bytes"),
-        dest=_DESTS["prefetch-bytes"],
+        dest=DESTS["prefetch-bytes"],
         type=_byte_count,
         default=None,
         metavar="BYTES",
@@ -255,7 +251,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("reload-ahead-bytes"),
-        dest=_DESTS["reload-ahead-bytes"],
+        dest=DESTS["reload-ahead-bytes"],
         type=_byte_count,
         default=None,
         metavar="BYTES",
@@ -266,7 +262,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("device-budget"),
-        dest=_DESTS["device-budget"],
+        dest=DESTS["device-budget"],
         type=_device_budget,
         default=None,
         metavar="BYTES|auto",
@@ -278,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("host-budget"),
-        dest=_DESTS["host-budget"],
+        dest=DESTS["host-budget"],
         type=_byte_count,
         default=None,
         metavar="BYTES",
@@ -289,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("iterations"),
-        dest=_DESTS["iterations"],
+        dest=DESTS["iterations"],
         choices=ITERATION_MODES,
         default="wrap",
         help=(
@@ -301,7 +297,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         *names("report"),
-        dest=_DESTS["report"],
+        dest=DESTS["report"],
         default=None,
         metavar="PATH",
         help=(
@@ -311,144 +307,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ),
     )
     return parser
-
-
-def _check_megatron_offloading(args: argparse.Namespace, modules: Sequence[str] | None) -> None:
-    """Refuse Megatron-LM offload flags that were likely meant for us, or that would run alongside us."""
-    switched_on = [flag for attr, flag in _MEGATRON_OFFLOAD_SWITCHES.items() if getattr(args, attr, False)]
-    megatron_modules = getattr(args, "offload_modules", None)  # Megatron-LM's own --offload-modules
-    if not modules:
-        if megatron_modules and not switched_on:
-            raise ChunkOffloadError(
-                f"args.offload_modules={list(megatron_modules)!r} is Megatron-LM's own --offload-modules, which does "
-                "nothing without --fine-grained-activation-offloading; chunk-offload reads --chunk-offload-modules. "
-                f"Pass --chunk-offload-modules {','.join(megatron_modules)} instead."
-            )
-        return
-    if switched_on:
-        raise ChunkOffloadError(
-            f"--chunk-offload-modules {','.join(modules)} cannot be combined with Megatron-LM's own activation "
-            f"offloading ({', '.join(switched_on)}): both would move the same saved tensors. Use one of them."
-        )
-
-
-def _given(args: argparse.Namespace, suffixes: Sequence[str]) -> list[str]:
-    """``--flag value`` for each of ``suffixes`` set on the command line (their defaults are None)."""
-    given = []
-    for suffix in suffixes:
-        value = getattr(args, _DESTS[suffix], None)
-        if value is not None:
-            given.append(f"{_LONG_PREFIX}{suffix} {value}")
-    return given
-
-
-def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
-    """Check the parsed ``--chunk-offload-*`` flags against each other, naming them as typed.
-
-    - plan-only flags (prefetch, reload-ahead, device budget) under ``--chunk-offload-schedule
-      group-start``, which never reads them: an error;
-    - budget flags without ``--chunk-offload-modules``: nothing is offloaded, so they do nothing:
-      a usage error at the command line (``parser`` given: exit status 2), a warning otherwise;
-    - budget flags with ``--chunk-offload-baseline``, which copies nothing: a warning.
-
-    `attach_from_args` calls it without ``parser``; a command line calls it with its parser right
-    after parsing.
-    """
-    schedule = getattr(args, _DESTS["schedule"], "plan")
-    planned = _given(args, _PLANNED)
-    if planned and schedule != "plan":
-        message = (
-            f"{', '.join(planned)} is never used by {_LONG_PREFIX}schedule {schedule}, which reloads each group when "
-            f"backward reaches the group after it; use {_LONG_PREFIX}schedule plan (the default) or drop "
-            f"{'it' if len(planned) == 1 else 'them'}"
-        )
-        _refuse(message, parser)
-    budgets = _given(args, _BUDGETS)
-    if budgets and not getattr(args, _DESTS["modules"], None):
-        message = (
-            f"{', '.join(budgets)} given without {_LONG_PREFIX}modules: nothing will be offloaded, so "
-            f"{'it does' if len(budgets) == 1 else 'they do'} nothing; add {_LONG_PREFIX}modules NAMES or drop "
-            f"{'it' if len(budgets) == 1 else 'them'}"
-        )
-        if parser is not None:
-            parser.error(message)
-        warnings.warn(f"chunk_offload: {message}", stacklevel=3)
-    elif budgets and getattr(args, _DESTS["baseline"], False):
-        warnings.warn(
-            f"chunk_offload: {', '.join(budgets)} with {_LONG_PREFIX}baseline, which copies nothing: "
-            f"{'it is' if len(budgets) == 1 else 'they are'} not used in this run",
-            stacklevel=3,
-        )
-
-
-def _refuse(message: str, parser: argparse.ArgumentParser | None) -> None:
-    if parser is not None:
-        parser.error(message)
-    raise ChunkOffloadError(message)
-
-
-def attach_from_args(
-    model: nn.Module | Sequence[nn.Module],
-    args: argparse.Namespace,
-    *,
-    streams: StreamBackend | None = None,
-    baseline_iterations: int | None = None,
-    trace: bool | None = None,
-    measure_time: bool | None = None,
-    iterations: str | None = None,
-) -> MegatronOffloadManager | None:
-    """`attach` with the options parsed by `add_arguments`; None when no module was given.
-
-    With ``--chunk-offload-report`` the manager runs its first training iteration as a baseline
-    without copies (``baseline_iterations=1``) and traces memory (``trace=True``) for
-    ``manager.report()``. With ``--chunk-offload-iterations auto`` it is attached with
-    ``iterations="auto"`` (no wrap; Megatron's ``get_num_microbatches()`` per iteration).
-
-    Args:
-        model: the rank's model chunks (one per virtual stage) or a single chunk.
-        args: the namespace parsed with `add_arguments` (Megatron-LM's ``get_args()``).
-        streams: the engine's stream backend (None: the default).
-        baseline_iterations, trace, measure_time, iterations: applied over what ``args`` sets
-            (None: from ``args``); the launcher passes ``iterations="auto"``.
-
-    Raises `ChunkOffloadError` when ``args`` was not parsed with `add_arguments`, when it also
-    asks for Megatron-LM's own activation offloading (NOTE [Flag names]), or when its flags
-    contradict each other (`check_args`, which also warns about flags that would do nothing).
-    """
-    missing = [f"{_LONG_PREFIX}{suffix} ({dest})" for suffix, dest in _DESTS.items() if not hasattr(args, dest)]
-    if missing:
-        raise ChunkOffloadError(
-            f"args has no {missing}; parse the command line with chunk_offload.integrations.megatron.add_arguments "
-            "(Megatron-LM: extra_args_provider=add_arguments)."
-        )
-    modules = getattr(args, _DESTS["modules"])
-    _check_megatron_offloading(args, modules)
-    check_args(args)
-    if not modules:
-        return None
-    report = bool(getattr(args, _DESTS["report"]))
-    config = OffloadConfig(
-        min_offload_bytes=getattr(args, _DESTS["min-offload-bytes"]),
-        host_pool_bytes=getattr(args, _DESTS["host-pool-bytes"]),
-        on_exhausted=getattr(args, _DESTS["on-exhausted"]),
-        offload=not getattr(args, _DESTS["baseline"]),
-        trace=report if trace is None else trace,  # the report's plot of memory over one iteration
-        profile_ranges=getattr(args, _DESTS["profile-ranges"]),
-    )
-    if measure_time is not None:
-        config.measure_time = measure_time
-    if baseline_iterations is None:
-        baseline_iterations = 1 if report else 0  # the report's peak without offload
-    return attach(
-        model,
-        modules,
-        config=config,
-        streams=streams,
-        schedule_policy="plan" if getattr(args, _DESTS["schedule"]) == "plan" else None,
-        prefetch_bytes=getattr(args, _DESTS["prefetch-bytes"]),
-        reload_ahead_bytes=getattr(args, _DESTS["reload-ahead-bytes"]),
-        device_budget_bytes=getattr(args, _DESTS["device-budget"]),
-        host_budget_bytes=getattr(args, _DESTS["host-budget"]),
-        baseline_iterations=baseline_iterations,
-        iterations=getattr(args, _DESTS["iterations"]) if iterations is None else iterations,
-    )

@@ -19,7 +19,8 @@ from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadConfig, SchedulePolicy
 from chunk_offload.integrations.megatron import ALIASES, ITERATION_MODES, OFFLOAD_MODULE_NAMES, add_arguments, attach_from_args
-from chunk_offload.integrations.megatron.args import GROUP_TITLE, check_args
+from chunk_offload.integrations.megatron import check_args
+from chunk_offload.integrations.megatron.args import GROUP_TITLE
 
 _HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 

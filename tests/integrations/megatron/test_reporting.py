@@ -21,7 +21,7 @@ import torch
 
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.integrations.megatron import add_arguments, attach_from_args
-from chunk_offload.integrations.megatron import args as args_module
+from chunk_offload.integrations.megatron import from_args as args_module
 from chunk_offload.integrations.megatron.reporting import build_stage_report
 from chunk_offload.report import MEASURES, format_table, read_json
 
