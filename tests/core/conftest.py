@@ -11,6 +11,14 @@ from tests.core._streams import JOIN_TIMEOUT_S, worker_threads
 
 
 @pytest.fixture
+def manager():
+    """An `OffloadManager` with ``min_offload_bytes=1``, closed after the test."""
+    mgr = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    yield mgr
+    mgr.close()
+
+
+@pytest.fixture
 def make_manager():
     """``make(**fields)``: an `OffloadManager` of ``OffloadConfig(**fields)`` (``min_offload_bytes=1``
     unless given), closed after the test."""

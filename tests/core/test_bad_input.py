@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import gc
-import io
 import re
-import sys
 import threading
 import weakref
 
@@ -21,7 +18,9 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadConfig, OffloadManager
+from tests.core._bad_input import _forward_in_open_chunk, _offloaded_manager
 from tests.core._models import assert_clean
+
 
 Pair = collections.namedtuple("Pair", ["hidden", "gate"])
 
@@ -110,23 +109,6 @@ def test_offload_module_twice_is_refused_at_registration(make_manager, second):
     assert [r.name for r in manager.module_offloads] == ["lin"]
     manager.module_offloads[0].remove()
     manager.offload_module(module, second)  # after remove() it may be registered again
-
-
-class UserError(Exception):
-    pass
-
-
-def _offloaded_manager() -> tuple[OffloadManager, nn.Module]:
-    """A manager (``min_offload_bytes=1``) offloading a small module as group "m"."""
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
-    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    manager.offload_module(module, "m")
-    return manager, module
-
-
-def _forward_in_open_chunk(manager: OffloadManager, module: nn.Module) -> torch.Tensor:
-    manager.begin_chunk(microbatch=0)
-    return module(torch.randn(3, 4, requires_grad=True))
 
 
 @pytest.mark.parametrize("in_chunk_scope", [False, True])
@@ -223,98 +205,6 @@ def test_a_closed_manager_keeps_no_model_alive() -> None:
     assert manager.closed
 
 
-# ----------------------------------------------------------------------------- close while the user's error propagates
-
-
-def _close_in_iteration(manager, module):
-    with manager.iteration():
-        _forward_in_open_chunk(manager, module)
-        manager.close()
-        raise UserError("mine")
-
-
-def _close_in_finally(manager, module):
-    with manager.iteration():
-        with manager.chunk(microbatch=0):
-            module(torch.randn(3, 4, requires_grad=True))
-            try:
-                raise UserError("mine")
-            finally:
-                manager.close()
-
-
-def _close_then_raise(manager, module):
-    with manager.iteration():
-        with manager.chunk(microbatch=0):
-            module(torch.randn(3, 4, requires_grad=True))
-            manager.close()
-            raise UserError("mine")
-
-
-def _close_in_except(manager, module):
-    with manager.iteration():
-        with manager.chunk(microbatch=0):
-            try:
-                module(torch.randn(3, 4, requires_grad=True))
-                raise UserError("mine")
-            except UserError:
-                manager.close()
-                raise
-
-
-def _close_in_explicit_pairs(manager, module):
-    manager.begin_iteration()
-    manager.begin_chunk(microbatch=0)
-    try:
-        module(torch.randn(3, 4, requires_grad=True))
-        raise UserError("mine")
-    except UserError:
-        manager.close()
-        manager.end_chunk(abort=True)  # what a hook-driven integration does next: no error now
-        manager.end_iteration(discard=True)
-        raise
-
-
-@pytest.mark.parametrize("where", [_close_in_iteration, _close_in_finally, _close_then_raise, _close_in_except, _close_in_explicit_pairs])
-def test_close_inside_a_chunk_lets_the_users_error_surface(where):
-    manager, module = _offloaded_manager()
-    with pytest.raises(UserError, match="mine") as info:
-        where(manager, module)
-    assert info.value.__context__ is None or not isinstance(info.value.__context__, ChunkOffloadError)
-    assert manager.closed and not manager.in_iteration
-    assert_clean(manager)
-
-
-def _break_close(manager: OffloadManager) -> None:
-    """Make the manager's close fail after stopping its streams (a copy stream that broke)."""
-    streams_close = manager.streams.close
-
-    def failing_close() -> None:
-        streams_close()
-        raise RuntimeError("copy stream broke")
-
-    manager.streams.close = failing_close
-
-
-def test_a_failing_close_while_the_users_error_propagates_is_chained_to_it_not_raised(caplog):
-    manager, module = _offloaded_manager()
-    _break_close(manager)
-    with pytest.raises(UserError, match="mine") as info:
-        _close_in_finally(manager, module)
-    notes = getattr(info.value, "__notes__", [])
-    if sys.version_info >= (3, 11):
-        assert notes == ["chunk_offload: close() during this exception also failed: RuntimeError('copy stream broke')"]
-    assert "close() failed while UserError('mine') propagated" in caplog.text
-    assert manager.closed
-
-
-def test_a_failing_close_without_an_error_in_flight_raises():
-    manager, _ = _offloaded_manager()
-    _break_close(manager)
-    with pytest.raises(RuntimeError, match="copy stream broke"):
-        manager.close()
-
-
 # ----------------------------------------------------------------------------- group marks of a wrong type
 
 
@@ -360,46 +250,6 @@ def test_a_module_returning_no_tensor_is_still_offloaded_quietly(make_manager):
     assert_clean(manager)
 
 
-# ----------------------------------------------------------------------------- saving a model with offload attached
-
-
-def test_torch_save_of_a_model_with_offload_attached_works_and_the_copy_is_not_offloaded(make_manager):
-    manager = make_manager()
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-    manager.offload_module(model[0], "lin")
-    loaded = torch.load(_saved(model), weights_only=False)
-    x = torch.randn(3, 4, requires_grad=True)
-    with manager.iteration():
-        with manager.chunk(microbatch=0) as handler:
-            out = model(x)
-            copy_out = loaded(x)
-        assert [g.name for g in handler.groups] == ["lin"], "the original is still offloaded, the copy is not"
-        assert torch.equal(out, copy_out)
-        (out + copy_out).sum().backward()
-    assert_clean(manager)
-
-
-def _saved(model: nn.Module) -> io.BytesIO:
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    return buffer
-
-
-def test_deepcopy_of_a_model_with_offload_attached_gives_a_plain_copy(make_manager):
-    manager = make_manager()
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    manager.offload_module(model, "m")
-    clone = copy.deepcopy(model)
-    with manager.iteration():
-        with manager.chunk(microbatch=0) as handler:
-            clone(torch.randn(3, 4, requires_grad=True)).sum().backward()
-        assert handler.groups == []
-    assert manager.offload_module(clone, "clone").module is clone  # the copy can be registered itself
-    buffer = io.BytesIO()
-    torch.save(copy.deepcopy(torch.load(_saved(model), weights_only=False)), buffer)  # a copy of a copy saves too
-
-
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -425,28 +275,3 @@ def test_other_arguments_of_a_wrong_type_fail_at_the_call_and_leave_the_manager_
         with manager.chunk(microbatch=0):
             module(torch.randn(3, 4, requires_grad=True)).sum().backward()
     assert_clean(manager)
-
-
-@pytest.mark.parametrize("scope", ["chunk", "iteration"])
-def test_a_failing_abort_while_the_users_error_propagates_is_a_note_on_it(monkeypatch, scope):
-    from chunk_offload.core import ChunkOffloadHandler
-
-    manager, module = _offloaded_manager()
-
-    def broken_abort(self) -> None:
-        raise RuntimeError("abort broke")
-
-    with pytest.raises(UserError, match="mine") as info:
-        with manager.iteration():
-            with manager.chunk(microbatch=0):
-                module(torch.randn(3, 4, requires_grad=True))
-                if scope == "chunk":
-                    monkeypatch.setattr(ChunkOffloadHandler, "abort", broken_abort)
-                    raise UserError("mine")
-            monkeypatch.setattr(ChunkOffloadHandler, "abort", broken_abort)
-            raise UserError("mine")
-    what = "aborting the chunk" if scope == "chunk" else "discarding the iteration"
-    if sys.version_info >= (3, 11):
-        assert f"chunk_offload: {what} during this exception also failed: RuntimeError('abort broke')" in info.value.__notes__
-    monkeypatch.undo()
-    manager.close()
