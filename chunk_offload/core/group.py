@@ -26,12 +26,11 @@ from .group_state import TRANSITIONS, GroupHandler, GroupState, state_error
 from .saved import KeptRef, SavedRef, Storage, alive, fix_spans
 from .streams import Event
 
-
 __all__ = ["OffloadGroup"]
 
 
 # The profiler range of each compute wait, by wait name (`OffloadConfig.profile_ranges`).
-_WAIT_RANGES = {"use_after_reload": "wait_reload"}
+_WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
 
 # The states the per-tensor paths test, as globals: an Enum member lookup costs several times
 # a global one, and these run for every saved tensor.

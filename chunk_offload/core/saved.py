@@ -16,7 +16,7 @@ from .host_pool import HostBuffer
 
 __all__ = [
     "SPAN_ALIGN", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs",
-    "fix_spans", "version_probe", "view_span",
+    "fix_spans", "version_probe",
 ]  # fmt: skip
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
@@ -232,19 +232,6 @@ def fix_spans(storages: dict[int, Storage], kept: set[int] | None, held: Collect
         for key in dropped:
             del storages[key]
     return saved_bytes, kept_bytes, kept_views, held_bytes
-
-
-def view_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """Bytes ``[start, end)`` of its storage that ``tensor`` touches."""
-    if tensor.is_contiguous():  # also an empty tensor: nbytes is 0
-        start = tensor.storage_offset() * tensor.element_size()
-        return start, start + tensor.nbytes
-    itemsize = tensor.element_size()
-    start = tensor.storage_offset() * itemsize
-    if tensor.numel() == 0:
-        return start, start
-    extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
-    return start, start + extent * itemsize
 
 
 def alive(storage: Storage) -> list[SavedRef]:

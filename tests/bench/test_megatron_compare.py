@@ -67,6 +67,18 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     assert "losses =" in done.stdout and "peak: CPU has no device allocator" in done.stdout
 
 
+def test_reload_ahead_adds_a_bit_identical_run(tmp_path) -> None:
+    out = tmp_path / "compare.json"
+    done = _run("--min-offload-bytes", "1", "--iterations", "1", "--warmup", "1", "--modules", "core_attn,qkv_linear",
+                "--reload-ahead-bytes", "1048576", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "megatron"]
+    ahead = rows[3]
+    assert ahead["losses_identical"] and ahead["grads_identical"] and ahead["bytes_copied"] > 0
+    assert "chunk-offload reload-ahead" in done.stdout and "wait ms" in done.stdout
+
+
 def test_bad_flag_exits_2() -> None:
     done = _run("--no-such-flag")
     assert done.returncode == 2, done.stderr
@@ -81,6 +93,8 @@ def test_bad_flag_exits_2() -> None:
         (["--warmup", "0"], "--warmup must be an integer >= 1"),
         (["--hidden", "30", "--heads", "4"], "--hidden must be divisible by --heads (4), got 30"),
         (["--budget-bytes", "-1"], "--budget-bytes must be an integer >= 0, got -1"),
+        (["--reload-ahead-bytes", "-5"], "--reload-ahead-bytes must be an integer >= 0, got -5"),
+        (["--reload-ahead-bytes", "lots"], "argument --reload-ahead-bytes: invalid int value: 'lots'"),
     ],
 )
 def test_usage_errors(capsys, argv: list[str], message: str) -> None:

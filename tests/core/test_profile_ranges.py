@@ -28,12 +28,14 @@ def _model() -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(LAYERS)])
 
 
-def _run(make_manager, *, profile_ranges: bool, microbatches: int = 1, schedule_policy: SchedulePolicy | None = None):
+def _run(
+    make_manager, *, profile_ranges: bool, microbatches: int = 1, schedule_policy: SchedulePolicy | None = None, **config
+):
     """Forwards of ``microbatches`` chunks, then their backwards (last first), under the profiler.
 
     Returns the ranges (step -> Counter of (group index, microbatch)) and the iteration's record.
     """
-    manager = make_manager(profile_ranges=profile_ranges, measure_time=False)
+    manager = make_manager(profile_ranges=profile_ranges, measure_time=False, **config)
     if schedule_policy is not None:
         manager.schedule_policy = schedule_policy
     model = _model()
@@ -72,6 +74,12 @@ def test_one_offload_and_one_reload_range_per_offloaded_group(make_manager) -> N
     assert ranges["wait_reload"] == every_group
     assert "prefetch" not in ranges  # the default policy prefetches nothing
     assert set(ranges) == {"offload", "reload", "wait_reload"}
+
+
+def test_deterministic_memory_names_each_release_wait(make_manager) -> None:
+    """With ``deterministic_memory`` each release waits on its offload: one ``wait_offload`` range per group."""
+    ranges, _ = _run(make_manager, profile_ranges=True, microbatches=2, deterministic_memory=True)
+    assert ranges["wait_offload"] == {(index, mb): 1 for index in range(LAYERS) for mb in range(2)}
 
 
 def test_no_range_and_no_record_function_when_off(make_manager, monkeypatch) -> None:

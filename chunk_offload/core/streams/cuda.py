@@ -66,7 +66,7 @@ class _CudaStream(Stream):
             end = torch.cuda.Event(enable_timing=True)
             start.record(raw)
         previous = current_stream_data(self._index)
-        set_stream_data(self._data if self._data is not None else (raw.stream_id, raw.device_index, raw.device_type))
+        set_stream_data(self._data if self._data is not None else self._current_data)  # `_raw` just read it
         try:
             fn()
         finally:
