@@ -14,6 +14,7 @@ from .handler import ChunkOffloadHandler
 from .host_pool import HostPool, HostPoolStats
 from .manager import OffloadManager
 from .marks import ModuleOffload
+from .option_table import OPTIONS, Option, check_value, option, parse_bytes
 from .ordering import kept_tail, prefetch_selection, reload_ahead_selection
 from .schedule_policy import SchedulePolicy
 from .stats import GroupStats, IterationRecord, OffloadStats
@@ -21,6 +22,7 @@ from .streams import CpuStreams, CudaStreams, Event, Stream, StreamBackend, defa
 from .tensor_policy import OffloadPolicy, is_marked_not_offloadable, mark_not_offloadable
 
 __all__ = [
+    "OPTIONS",
     "Action",
     "ActionKind",
     "ChunkKey",
@@ -40,15 +42,19 @@ __all__ = [
     "OffloadManager",
     "OffloadPolicy",
     "OffloadStats",
+    "Option",
     "SchedulePolicy",
     "Stream",
     "StreamBackend",
     "default_streams",
+    "check_value",
     "diff_actions",
     "format_actions",
     "is_marked_not_offloadable",
     "kept_tail",
     "mark_not_offloadable",
+    "option",
+    "parse_bytes",
     "prefetch_selection",
     "reload_ahead_selection",
 ]

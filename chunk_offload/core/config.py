@@ -1,16 +1,20 @@
-"""`OffloadConfig`: the typed options of an `OffloadManager`, checked in one place."""
+"""`OffloadConfig`: the typed options of an `OffloadManager`, checked in one place.
+
+Defaults and checks come from the option table (`option_table.OPTIONS`), which the command
+lines read too: one row per field.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
 from .errors import ChunkOffloadError
+from .option_table import OPTIONS, check_value, config_default, option
 
 __all__ = ["ON_EXHAUSTED", "OffloadConfig"]
 
-ON_EXHAUSTED = ("fallback", "error")
+ON_EXHAUSTED = option("OffloadConfig.on_exhausted").choices
 """The accepted values of `OffloadConfig.on_exhausted`."""
 
 
@@ -18,39 +22,35 @@ ON_EXHAUSTED = ("fallback", "error")
 class OffloadConfig:
     """Options of an `OffloadManager` (and of the integrations' ``attach(..., config=...)``)."""
 
-    min_offload_bytes: int = 1 << 20
+    min_offload_bytes: int = config_default("OffloadConfig.min_offload_bytes")
     """Saved tensors smaller than this stay on device (copies of small tensors cost more than they save)."""
-    host_pool_bytes: int | None = None
+    host_pool_bytes: int | None = config_default("OffloadConfig.host_pool_bytes")
     """Cap on the host memory of the pool; ``None`` for no cap."""
-    on_exhausted: Literal["fallback", "error"] = "fallback"
+    on_exhausted: Literal["fallback", "error"] = config_default("OffloadConfig.on_exhausted")
     """At the cap: allocate unpooled host buffers with one warning, or raise."""
-    offload: bool = True
+    offload: bool = not config_default("OffloadConfig.offload")  # the table's row is --chunk-offload-baseline
     """False: track groups and resident bytes but copy nothing (a baseline with identical accounting)."""
-    measure_time: bool = True
+    measure_time: bool = config_default("OffloadConfig.measure_time")
     """Time copies and compute waits (CUDA events on GPU); `stats` reports them."""
-    trace: bool = False
+    trace: bool = config_default("OffloadConfig.trace")
     """Record the resident saved bytes (and on CUDA the allocated device memory) after every
     accounting change of an iteration, in `IterationRecord.resident_trace` / ``device_trace``."""
-    deterministic_memory: bool = False
+    deterministic_memory: bool = config_default("OffloadConfig.deterministic_memory")
     """True: compute waits on each group's copy to host before its device originals are released,
     so device memory follows the program exactly, at the cost of stalls where the link lags.
     False: the originals are handed to the copy stream and their memory is reused once their
     copy ends, with no stall (NOTE [Release by the copy stream] in core/copies.py)."""
-    profile_ranges: bool = False
+    profile_ranges: bool = config_default("OffloadConfig.profile_ranges")
     """Mark each group's offload and reload issue, the compute waits on them and policy prefetches
     with `torch.profiler.record_function` ranges (NVTX ranges on CUDA under nsys or ``emit_nvtx``),
     named ``chunk_offload::<step> <group>[<index>] mb=<microbatch> vp=<vp_stage>``. Off: no range
     object is made."""
 
     def validate(self) -> None:
-        """Raise `ChunkOffloadError` naming the first field whose value is not accepted."""
-        _check_bytes("min_offload_bytes", self.min_offload_bytes, optional=False)
-        _check_bytes("host_pool_bytes", self.host_pool_bytes, optional=True)
-        if not isinstance(self.on_exhausted, str) or self.on_exhausted not in ON_EXHAUSTED:
-            raise ChunkOffloadError(f"on_exhausted={self.on_exhausted!r} is not valid; choose one of {ON_EXHAUSTED}")
-        for name in ("offload", "measure_time", "trace", "deterministic_memory", "profile_ranges"):
-            if not isinstance(getattr(self, name), bool):
-                raise ChunkOffloadError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        """Raise `ChunkOffloadError` naming the first field whose value is not accepted (the
+        field's row of the option table says what is)."""
+        for row in _ROWS:
+            check_value(row, getattr(self, row.field_name))
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -58,12 +58,4 @@ class OffloadConfig:
         return [f.name for f in fields(cls)]
 
 
-def _check_bytes(name: str, value: object, *, optional: bool) -> None:
-    """A byte count is an int >= 0 (bool, float, nan and inf refused); None only where ``optional``."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        accepted = "an int >= 0 or None" if optional else "an int >= 0"
-        if isinstance(value, float) and not math.isfinite(value):
-            accepted += " (not nan or inf)"
-        raise ChunkOffloadError(f"{name} must be {accepted}, got {value!r}")
+_ROWS = tuple(row for row in OPTIONS if row.owner == "OffloadConfig")

@@ -41,13 +41,12 @@ more). Each rank's host pool takes its share as cap (`HostPool.set_capacity`). S
 from __future__ import annotations
 
 import logging
-import numbers
 import warnings
 from typing import Any, Literal
 
 import torch.distributed as dist
 
-from ..core import ChunkOffloadError, IterationRecord, SchedulePolicy
+from ..core import IterationRecord, SchedulePolicy, check_value, option
 from ..schedule import (
     CopyTiming,
     OffloadChoice,
@@ -66,28 +65,14 @@ __all__ = ["Budgets", "check_device_budget", "check_host_budget"]
 
 logger = logging.getLogger(__name__)
 
-_SIZE_HINT = "pass an int number of bytes, e.g. 64 << 30 for 64 GiB"
-
-
-def _bytes_or_none(name: str, value: Any, accepted: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ChunkOffloadError(f"{name} must be {accepted}, got {value!r}; {_SIZE_HINT}")
-    return int(value)
-
-
 def check_device_budget(value: Any) -> int | Literal["auto"] | None:
     """Raise unless ``value`` is None, ``"auto"`` or an int >= 0; return it."""
-    if isinstance(value, str) and value == "auto":
-        return "auto"
-    accepted = "an int number of bytes >= 0, 'auto' (the smallest budget every pipeline rank meets) or None (no budget)"
-    return _bytes_or_none("device_budget_bytes", value, accepted)
+    return check_value(option("ScheduleOptions.device_budget_bytes"), value)
 
 
 def check_host_budget(value: Any) -> int | None:
     """Raise unless ``value`` is None or an int >= 0; return it."""
-    return _bytes_or_none("host_budget_bytes", value, "an int number of bytes >= 0 (pinned host memory of the whole node) or None")
+    return check_value(option("ScheduleOptions.host_budget_bytes"), value)
 
 
 class Budgets:

@@ -25,7 +25,9 @@ from dataclasses import asdict
 from typing import Sequence
 
 from ..core.errors import ChunkOffloadError
-from .estimate import GB, Hardware, PipelineConfig, StageEstimate, StagePlanner
+from ..core.option_table import option
+from ..option_flags import argparse_keywords
+from .estimate import GB, POLICY_SCHEDULES, Hardware, PipelineConfig, StageEstimate, StagePlanner
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
 from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
 from .group_choice import GroupChoice, choose_groups
@@ -109,12 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated offload modules from {list(OFFLOAD_MODULE_NAMES) + sorted(ALIASES)}; "
         "default every one the model has but moe_act",
     )
-    off.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors smaller than this stay (default 1 MiB)")
+    min_bytes = option("min-offload-bytes")
+    off.add_argument("--min-offload-bytes", **argparse_keywords(min_bytes, dest="min_offload_bytes"))
+    schedule = option("schedule")
     off.add_argument(
-        "--policy",
-        choices=["plan", "all"],
-        default="plan",
-        help="plan: keep chunks whose backward follows at once, prefetch by plan; all: offload every chunk",
+        "--schedule",
+        **argparse_keywords(
+            schedule,
+            dest="schedule",
+            help="the launcher's --chunk-offload-schedule: plan (default) keeps chunks whose backward follows at once "
+            "and prefetches by plan; group-start offloads every chunk",
+        ),
+    )
+    off.add_argument(
+        "--policy", choices=sorted(POLICY_SCHEDULES), default=None, help="deprecated: use --schedule (all is group-start)"
     )
     hw = plan.add_argument_group("hardware")
     hw.add_argument("--host-bandwidth-gbs", type=float, default=25.0, help="device-host GB/s per direction (default 25)")
@@ -210,7 +220,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         pipeline,
         hardware=hardware,
         min_offload_bytes=args.min_offload_bytes,
-        policy=args.policy,
+        schedule=args.schedule,
         other_activation_bytes=round(args.other_activation_gb * GB),
     )
     present = [m for m in OFFLOAD_MODULE_NAMES if any(m in dims.modules_of(i) for i in range(dims.num_layers))]
@@ -234,7 +244,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         "hardware": asdict(hardware),
         "modules": modules,
         "min_offload_bytes": planner.min_offload_bytes,
-        "policy": planner.policy,
+        "schedule_policy": planner.schedule,
         "schedule": planner.plans[0].source,
         "stages": [_stage_dict(s, group_choices) for s in stages],
         "recommendations": None if recommendations is None else [r.to_dict() for r in recommendations],

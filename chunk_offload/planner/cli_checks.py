@@ -12,9 +12,11 @@ import argparse
 import math
 import os
 import re
+import sys
 from typing import Sequence
 
 from .dims import ATTENTION_KERNELS
+from .estimate import POLICY_SCHEDULES
 
 __all__ = ["check_args", "given_flags", "name_flags"]
 
@@ -82,9 +84,29 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given:
             f"argument --attention-kernel: {args.attention_kernel!r} is not a kernel of --transformer-impl "
             f"{args.transformer_impl}; choose from {list(kernels)}"
         )
+    _translate_policy(parser, args, given)
     _check_contradictions(parser, args, given)
     if args.rope:
         args.position_embedding_type = "rope"
+
+
+def _translate_policy(parser: argparse.ArgumentParser, args: argparse.Namespace, given: dict[str, str]) -> None:
+    """The deprecated ``--policy plan|all`` as ``--schedule plan|group-start``, with a warning."""
+    if args.policy is None:
+        return
+    schedule = POLICY_SCHEDULES[args.policy]
+    if "schedule" in given and args.schedule != schedule:
+        parser.error(
+            f"argument {given['policy']}: cannot be combined with {given['schedule']} {args.schedule}: --policy is the "
+            "deprecated spelling of --schedule; keep --schedule"
+        )
+    print(
+        f"{parser.prog}: warning: {given['policy']} {args.policy} is deprecated and will be removed in the next release; "
+        f"use --schedule {schedule}",
+        file=sys.stderr,
+    )
+    args.schedule = schedule
+    given.setdefault("schedule", given["policy"])
 
 
 def _check_contradictions(parser: argparse.ArgumentParser, args: argparse.Namespace, given: dict[str, str]) -> None:
@@ -96,12 +118,12 @@ def _check_contradictions(parser: argparse.ArgumentParser, args: argparse.Namesp
     def needs(dest: str, other: str, why: str) -> None:
         parser.error(f"argument {given[dest]}: needs {other}: {why}")
 
-    if args.budget_gb is not None and "policy" in given and args.policy == "all":
+    if args.budget_gb is not None and "schedule" in given and args.schedule == "group-start":
         both(
             "budget_gb",
-            f"{given['policy']} all",
+            f"{given['schedule']} {args.policy or args.schedule}",
             "the budget chooses which groups of which chunks to offload from the plan (as "
-            "--chunk-offload-device-budget does at run time), --policy all offloads every chunk; drop one of them",
+            "--chunk-offload-device-budget does at run time), --schedule group-start offloads every chunk; drop one of them",
         )
     if args.rope and "position_embedding_type" in given and args.position_embedding_type != "rope":
         both("rope", f"{given['position_embedding_type']} {args.position_embedding_type}", "they set different position embeddings; keep one")

@@ -56,7 +56,7 @@ def format_plan(
         f"layers: {dims.normalization}, {mlp}, {dims.position_embedding_type} positions; "
         f"TP={dims.tensor_parallel}{' with sequence parallel' if dims.sequence_parallel else ''} (bytes and FLOPs per TP rank)",
         f"schedule: {planner.plans[0].source}, PP={pipeline.pipeline_parallel} VPP={pipeline.vp_size}, "
-        f"{pipeline.num_microbatches} microbatches; policy {planner.policy}; tensors < {planner.min_offload_bytes} B stay",
+        f"{pipeline.num_microbatches} microbatches; schedule policy {planner.schedule}; tensors < {planner.min_offload_bytes} B stay",
         f"offload: {', '.join(modules)}; host link {hardware.host_bandwidth_gbs:g} GB/s, device {hardware.device_tflops:g} TFLOP/s",
         f"byte model: {byte_model(dims)}",
         "",

@@ -27,10 +27,12 @@ communication buffers and the allocator's workspace are not modelled: pass them 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from ..core.errors import ChunkOffloadError
+from ..core.option_table import check_value, config_default, option
 from ..schedule import PlanPolicy, Simulation, simulate
 from ..module_names import canonical_modules
 from .config import GB, Hardware, PipelineConfig
@@ -38,6 +40,10 @@ from .dims import GPTDims
 from .model import LayerGroup, layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_saved_bytes
 
 __all__ = ["GB", "Hardware", "PipelineConfig", "StageEstimate", "StagePlanner", "estimate_stages", "stage_layers"]
+
+_MIN_OFFLOAD_BYTES = config_default("OffloadConfig.min_offload_bytes")
+POLICY_SCHEDULES = {"plan": "plan", "all": "group-start"}
+"""The deprecated ``policy`` values and the ``schedule`` each is."""
 
 @dataclass(kw_only=True)
 class StageEstimate:
@@ -170,26 +176,45 @@ def estimate_stages(
     modules: str | Sequence[str],
     *,
     hardware: Hardware | None = None,
-    min_offload_bytes: int = 1 << 20,
-    policy: Literal["plan", "all"] = "plan",
+    min_offload_bytes: int = _MIN_OFFLOAD_BYTES,
+    schedule: Literal["plan", "group-start"] = "plan",
     other_activation_bytes: int = 0,
+    policy: Literal["plan", "all"] | None = None,
 ) -> list[StageEstimate]:
     """One `StageEstimate` per pipeline rank for offloading ``modules``.
 
-    ``policy``: ``"plan"`` uses `PlanPolicy` in its steady state, the groups known (chunks whose
-    backward follows their forward at once copy all but their last group, NOTE [Kept tail]; the
-    next backward chunk is prefetched), ``"all"`` the engine's default
-    `SchedulePolicy` (offload every chunk). ``min_offload_bytes`` as in `OffloadConfig`.
+    ``schedule`` (the launcher's ``--chunk-offload-schedule``): ``"plan"`` uses `PlanPolicy` in
+    its steady state, the groups known (chunks whose backward follows their forward at once copy
+    all but their last group, NOTE [Kept tail]; the next backward chunk is prefetched),
+    ``"group-start"`` the engine's default `SchedulePolicy` (offload every chunk).
+    ``min_offload_bytes`` as in `OffloadConfig`. ``policy``: deprecated spelling of ``schedule``
+    (``"all"`` is ``"group-start"``).
     """
     planner = StagePlanner(
         dims,
         pipeline,
         hardware=hardware,
         min_offload_bytes=min_offload_bytes,
-        policy=policy,
+        schedule=schedule,
         other_activation_bytes=other_activation_bytes,
+        policy=policy,
     )
     return planner.estimate(modules)
+
+
+def _schedule(schedule: object, policy: object) -> str:
+    """``schedule`` checked, or the deprecated ``policy`` translated (with a warning)."""
+    if policy is not None:
+        warnings.warn(
+            f"chunk_offload: policy={policy!r} is deprecated and will be removed in the next release; pass "
+            f"schedule={'group-start' if policy == 'all' else policy!r} (the launcher's --chunk-offload-schedule values)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if policy not in POLICY_SCHEDULES:
+            raise ChunkOffloadError(f"policy={policy!r} is not valid; choose one of {tuple(POLICY_SCHEDULES)}")
+        schedule = POLICY_SCHEDULES[policy]
+    return check_value(option("ScheduleOptions.schedule_policy"), schedule, name="schedule")
 
 
 class StagePlanner:
@@ -205,21 +230,21 @@ class StagePlanner:
         pipeline: PipelineConfig,
         *,
         hardware: Hardware | None = None,
-        min_offload_bytes: int = 1 << 20,
-        policy: Literal["plan", "all"] = "plan",
+        min_offload_bytes: int = _MIN_OFFLOAD_BYTES,
+        schedule: Literal["plan", "group-start"] = "plan",
         other_activation_bytes: int = 0,
+        policy: Literal["plan", "all"] | None = None,
     ) -> None:
-        if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
-            raise ChunkOffloadError(f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}")
-        if policy not in ("plan", "all"):
-            raise ChunkOffloadError(f"unknown policy {policy!r}; valid: ['all', 'plan']")
+        check_value(option("OffloadConfig.min_offload_bytes"), min_offload_bytes)
+        schedule = _schedule(schedule, policy)
         if not isinstance(other_activation_bytes, int) or other_activation_bytes < 0:
             raise ChunkOffloadError(f"other_activation_bytes must be an int >= 0, got {other_activation_bytes!r}")
         self.dims = dims
         self.pipeline = pipeline
         self.hardware = hardware if hardware is not None else Hardware()
         self.min_offload_bytes = min_offload_bytes
-        self.policy = policy
+        self.schedule = schedule
+        """``"plan"`` or ``"group-start"``: the schedule policy the estimate assumes."""
         self.other_activation_bytes = other_activation_bytes
         self.layers = [stage_layers(dims, pipeline, r) for r in range(pipeline.pipeline_parallel)]
         self.plans = [pipeline.plan(r) for r in range(pipeline.pipeline_parallel)]
@@ -259,7 +284,7 @@ class StagePlanner:
                 worst, copy_s, compute_s = layer, c, f
         if worst is None:  # nothing offloaded: report the first layer's compute
             compute_s = hardware.compute_seconds(layer_forward_flops(dims, layers[0][0]))
-        policy = PlanPolicy(plan, group_bytes=group_bytes) if self.policy == "plan" else None
+        policy = PlanPolicy(plan, group_bytes=group_bytes) if self.schedule == "plan" else None
         simulation = simulate(plan, group_bytes, policy=policy, kept_bytes=kept_bytes)
         return StageEstimate(
             pp_rank=pp_rank,

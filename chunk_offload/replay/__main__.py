@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ChunkOffloadError
+from ..core.option_table import option
 from ..core.streams import CpuStreams
 from ..devkit.gpt import ATTENTIONS, GPTShape
+from ..option_flags import argparse_keywords
 from ..planner import PipelineConfig, canonical_modules
 from .compare import compare_with_megatron
 from .run import replay
@@ -63,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g = p.add_argument_group("offload")
     g.add_argument("--modules", required=True, help="comma-separated offload module names, e.g. core_attn,qkv_linear")
-    g.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors below this stay on device")
+    g.add_argument("--min-offload-bytes", **argparse_keywords(option("min-offload-bytes"), dest="min_offload_bytes"))
     g.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link, GB/s (copy time = bytes / rate)")
     g = p.add_argument_group("run")
     g.add_argument("--iterations", type=int, default=3, help="measured iterations per mode")
@@ -89,9 +91,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, value in positive + [(f, v) for f, v in optional if v is not None]:
         if value < 1:
             p.error(f"{flag} must be an integer >= 1, got {value}")
-    for flag, value in (("--warmup", args.warmup), ("--min-offload-bytes", args.min_offload_bytes)):
-        if value < 0:
-            p.error(f"{flag} must be an integer >= 0, got {value}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be an integer >= 0, got {args.warmup}")
     if args.link_gbps is not None and not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
         p.error(f"--link-gbps must be a finite number > 0 (GB/s), got {args.link_gbps}")
     if not 0 <= args.stage < args.pp:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from ..core.errors import ChunkOffloadError
+from ..core.option_table import check_value, option
 from ..core import kept_tail
 from ..core.actions import Action, ActionKind, ChunkKey
 from ..core.schedule_policy import SchedulePolicy
@@ -101,10 +102,7 @@ class PlanPolicy(SchedulePolicy):
     def check_budgets(**budgets: int | None) -> dict[str, int | None]:
         """Raise unless every byte budget is None or an int >= 0; return them (for integrations
         that build the policy later, at the first training call, but should fail at once)."""
-        for label, value in budgets.items():
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ChunkOffloadError(f"{label} must be None or an int >= 0, got {value!r}")
-        return budgets
+        return {label: check_value(option(f"ScheduleOptions.{label}"), value) for label, value in budgets.items()}
 
     def __repr__(self) -> str:
         return (

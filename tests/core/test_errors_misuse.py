@@ -206,9 +206,9 @@ def test_unknown_option_lists_valid_options():
 
 
 def test_invalid_option_values():
-    with pytest.raises(ChunkOffloadError, match=r"min_offload_bytes must be an int >= 0, got -1"):
+    with pytest.raises(ChunkOffloadError, match=r"min_offload_bytes must be an int number of bytes >= 0, got -1"):
         OffloadManager(OffloadConfig(min_offload_bytes=-1))
-    with pytest.raises(ChunkOffloadError, match=r"host_pool_bytes must be an int >= 0 or None, got -5"):
+    with pytest.raises(ChunkOffloadError, match=r"host_pool_bytes must be an int number of bytes >= 0 or None, got -5"):
         OffloadManager(OffloadConfig(host_pool_bytes=-5))
     with pytest.raises(ChunkOffloadError, match=r"unknown wait names \['nope'\]; valid: \['offload_after_compute'"):
         manager_skipping_waits(("nope",))

@@ -122,7 +122,6 @@ def test_budget_nothing_fits(capsys):
         (["--tp", "4"], "--num-query-groups 2 must be divisible by --tp 4"),
         (["--tensor-model-parallel-size", "4"], "--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4"),
         (["--tp", "2", "--num-experts", "4"], "MoE with --tp 2 is not modelled"),
-        (["--min-offload-bytes", "-1"], "--min-offload-bytes must be an int >= 0, got -1"),
         (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk"),
     ],
 )
@@ -143,6 +142,8 @@ def test_invalid_input_names_the_fix(capsys, extra, message):
         (["--device-tflops", "inf"], "argument --device-tflops: must be a finite number, got inf"),
         (["--json", "/missing/dir/x.json"], "argument --json: folder '/missing/dir' of '/missing/dir/x.json' does not exist"),
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+        (["--min-offload-bytes", "-1"], "argument --min-offload-bytes: expected a byte count >= 0 such as 1048576 or 1MiB"),
+        (["--schedule", "all"], "argument --schedule: invalid choice: 'all' (choose from 'plan', 'group-start')"),
         (["--attention-kernel", "fused"], "argument --attention-kernel: 'fused' is not a kernel of --transformer-impl local; choose from ['flash', 'efficient']"),
         (["--transformer-impl", "transformer_engine", "--attention-kernel", "efficient"], "choose from ['flash', 'fused']"),
     ],

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from chunk_offload import ChunkOffloadError
+
 from chunk_offload.planner import GB, StagePlanner, choose_groups
 from chunk_offload.planner.cli import main
 
@@ -30,6 +32,8 @@ _SMALL = ["plan", "--num-layers", "8", "--hidden-size", "256", "--num-attention-
         (["--budget-gb", "1", "--policy", "all"], "argument --budget-gb: cannot be combined with --policy all: "),
         (["--policy", "all", "--budget-gb", "1"], "argument --budget-gb: cannot be combined with --policy all: "),
         (["--budg", "1", "--pol", "all"], "argument --budg: cannot be combined with --pol all: "),
+        (["--budget-gb", "1", "--schedule", "group-start"], "argument --budget-gb: cannot be combined with --schedule group-start: "),
+        (["--schedule", "plan", "--policy", "all"], "argument --policy: cannot be combined with --schedule plan: --policy is the deprecated"),
         (["--rope", "--position-embedding-type", "learned_absolute"], "argument --rope: cannot be combined with --position-embedding-type learned_absolute"),
         (["--no-bias-swiglu-fusion"], "argument --no-bias-swiglu-fusion: needs --swiglu: "),
         (["--moe-router-topk", "4"], "argument --moe-router-topk: needs --num-experts: "),
@@ -48,6 +52,29 @@ def test_contradictory_flags_get_one_usage_error_naming_both(capsys, monkeypatch
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert err.count("error:") == 1
+
+
+def test_deprecated_policy_flag_warns_and_plans_as_the_schedule_it_names(capsys, tmp_path: Path):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    assert main([*_ARGS, "--policy", "all", "--json", str(old)]) == 0
+    assert "--policy all is deprecated and will be removed in the next release; use --schedule group-start" in capsys.readouterr().err
+    assert main([*_ARGS, "--schedule", "group-start", "--json", str(new)]) == 0
+    assert "deprecated" not in capsys.readouterr().err
+    assert json.loads(old.read_text()) == json.loads(new.read_text())
+    assert json.loads(new.read_text())["schedule_policy"] == "group-start"
+
+
+def test_deprecated_policy_keyword_of_the_library_warns():
+    from chunk_offload.planner import GPTDims, PipelineConfig, StagePlanner
+
+    dims = GPTDims(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1)
+    pipeline = PipelineConfig(pipeline_parallel=2, num_microbatches=4)
+    with pytest.warns(DeprecationWarning, match=r"policy='all' is deprecated .* pass schedule='group-start'"):
+        planner = StagePlanner(dims, pipeline, policy="all")
+    assert planner.schedule == "group-start"
+    assert StagePlanner(dims, pipeline, schedule="group-start").estimate("core_attn") == planner.estimate("core_attn")
+    with pytest.raises(ChunkOffloadError, match=r"schedule='all' is not valid; choose one of \('plan', 'group-start'\)"):
+        StagePlanner(dims, pipeline, schedule="all")
 
 
 def test_microbatch_group_size_without_vpp_is_a_usage_error(capsys):

@@ -33,7 +33,7 @@ from ._stage_hooks import RecordHooks
 
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
 _DENSE = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1")
-_POLICIES = {"plan": "plan", "all": None}  # planner policy -> attach's schedule_policy
+_SCHEDULES = {"plan": "plan", "group-start": None}  # planner schedule -> attach's schedule_policy
 
 
 def _dims(cfg: TinyGPTConfig, attention: str = "local") -> GPTDims:
@@ -80,7 +80,7 @@ _CASES = {
 def _runs(case: _Case) -> list[Run]:
     runs = []
     cfg = case.config
-    for schedule_policy in _POLICIES.values():
+    for schedule_policy in _SCHEDULES.values():
         options = {"min_offload_bytes": 1, "schedule_policy": schedule_policy}
         hooks = RecordHooks(case.modules, options=options, attention=case.attention)
         runs.append(Run(config=cfg, hooks=Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, after_step=hooks.after_step)))
@@ -100,7 +100,7 @@ def measured() -> dict[str, list]:
         runs = [run for n in names for run in _runs(_CASES[n])]
         results = spawn_runs(runs, world_size=world_size, timeout_s=240.0)
         for i, name in enumerate(names):
-            out[name] = results[i * len(_POLICIES) : (i + 1) * len(_POLICIES)]
+            out[name] = results[i * len(_SCHEDULES) : (i + 1) * len(_SCHEDULES)]
     return out
 
 
@@ -125,12 +125,12 @@ def _kept_as_learned(stage, policy: SchedulePolicy, learned: set[tuple[int, int]
 def test_predicted_drop_equals_measured(measured, name: str):
     case = _CASES[name]
     cfg = case.config
-    for (policy, _), ranks in zip(_POLICIES.items(), measured[name], strict=True):
-        stages = StagePlanner(_dims(cfg, case.attention), _pipeline(cfg), min_offload_bytes=1, policy=policy).estimate(case.modules)
+    for (schedule, _), ranks in zip(_SCHEDULES.items(), measured[name], strict=True):
+        stages = StagePlanner(_dims(cfg, case.attention), _pipeline(cfg), min_offload_bytes=1, schedule=schedule).estimate(case.modules)
         steady_steps = 0
         for result in ranks:
             stage = stages[result.pipeline_rank]
-            what = f"{name} policy={policy} stage {result.pipeline_rank}"
+            what = f"{name} schedule={schedule} stage {result.pipeline_rank}"
             assert len(result.steps) == cfg.iterations
             plan = stage.simulation.plan
             # The first step does not know the groups yet: chunks whose backward follows at once
@@ -144,11 +144,11 @@ def test_predicted_drop_equals_measured(measured, name: str):
                 assert step["plan"] == [str(a) for a in plan.actions], what
                 assert step["group_bytes"] == {c: stage.group_bytes[c[1]] for c in plan.chunks}, what
                 got = (step["peak_saved_bytes"], step["peak_resident_bytes"], step["host_bytes_at_saved_peak"], step["bytes_offloaded"])
-                ran = step["policy"] if number else PlanPolicy(plan) if policy == "plan" else SchedulePolicy()
+                ran = step["policy"] if number else PlanPolicy(plan) if schedule == "plan" else SchedulePolicy()
                 before = set(learned)
                 kept = _kept_as_learned(stage, ran, learned)
                 assert step["group_kept_bytes"] == kept, what
-                steady = number > 0 and learned == before and (policy == "all" or ran.copied_head == heads)
+                steady = number > 0 and learned == before and (schedule == "group-start" or ran.copied_head == heads)
                 steady_steps += steady
                 predicted = stage.simulation if steady else simulate(plan, stage.group_bytes, policy=ran, kept_bytes=kept)
                 want = (predicted.peak_saved_bytes, predicted.peak_resident_bytes, predicted.host_bytes_at_saved_peak, predicted.bytes_offloaded)
@@ -157,9 +157,9 @@ def test_predicted_drop_equals_measured(measured, name: str):
                 assert stage.drop > 0 and measured_drop == predicted.drop, what  # R = 1
                 if number == 0:
                     first = predicted
-            if policy == "plan" and result.pipeline_rank == cfg.pipeline_parallel - 1 and cfg.virtual_pipeline is None:
+            if schedule == "plan" and result.pipeline_rank == cfg.pipeline_parallel - 1 and cfg.virtual_pipeline is None:
                 assert first.drop == 0 < stage.drop, what  # every chunk kept, then all groups but the last copied
-        assert steady_steps > 0, f"{name} policy={policy}: no step ran the planner's steady state"
+        assert steady_steps > 0, f"{name} schedule={schedule}: no step ran the planner's steady state"
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_vpp2", "pp4"])

@@ -21,9 +21,9 @@ def test_plan_policy_decisions():
     assert list(policy.prefetch_on("F", ChunkKey(2, 0))) == []  # B2 is kept on device: nothing to reload
     assert list(PlanPolicy(plan, prefetch_bytes=0).prefetch_on("F", ChunkKey(1, 0))) == []
     assert list(PlanPolicy(plan, prefetch_bytes=64).prefetch_on("F", ChunkKey(1, 0))) == [(ChunkKey(0, 0), 64)]
-    with pytest.raises(ChunkOffloadError, match="prefetch_bytes must be None or an int >= 0, got -1"):
+    with pytest.raises(ChunkOffloadError, match="prefetch_bytes must be an int number of bytes >= 0 or None, got -1"):
         PlanPolicy(plan, prefetch_bytes=-1)
-    with pytest.raises(ChunkOffloadError, match="reload_ahead_bytes must be None or an int >= 0, got 1.5"):
+    with pytest.raises(ChunkOffloadError, match="reload_ahead_bytes must be an int number of bytes >= 0 or None, got 1.5"):
         PlanPolicy(plan, reload_ahead_bytes=1.5)
     assert policy.reload_ahead_bytes(ChunkKey(0, 0)) is None
     assert PlanPolicy(plan, reload_ahead_bytes=4096).reload_ahead_bytes(ChunkKey(1, 0)) == 4096

@@ -12,7 +12,9 @@
 With ``--chunk-offload-iterations auto`` no wrap is needed: the manager delimits the iterations
 itself (for Megatron-LM's ``pretrain``, whose ``train_step`` calls ``get_forward_backward_func()``).
 
-Flags (group "chunk-offload"); every value lands in ``args.chunk_offload_*``:
+Flags (group "chunk-offload"), one per row of the option table (`chunk_offload.core.OPTIONS`,
+which also holds their defaults, help and the config field each sets); every value lands in
+``args.chunk_offload_*``:
 
 * ``--chunk-offload-modules core_attn,qkv_linear``: what to offload (comma- or space-separated
   names from `OFFLOAD_MODULE_NAMES`, aliases from `ALIASES`), checked while parsing.
@@ -29,6 +31,8 @@ Flags (group "chunk-offload"); every value lands in ``args.chunk_offload_*``:
   ``manager.wrap(get_forward_backward_func())`` is one iteration; ``auto``: the manager opens and
   closes iterations itself, with Megatron's ``get_num_microbatches()`` forwards per model chunk
   (``attach(..., iterations="auto")``, NOTE [Automatic iterations] in ``attach.py``).
+* ``--chunk-offload-deterministic-memory``: compute waits on each group's copy before its
+  device originals are released (``OffloadConfig.deterministic_memory``).
 * ``--chunk-offload-report PATH``: produce the per-stage memory report. `attach_from_args` then
   runs the first training iteration as a baseline without copies (``baseline_iterations=1``)
   and traces memory (``trace=True``), so ``manager.report()`` can compare the baseline with the
@@ -61,12 +65,9 @@ mechanisms at once.
 from __future__ import annotations
 
 import argparse
-import re
-from typing import Any
 
-from ...core import ChunkOffloadError, OffloadConfig
-from .auto import ITERATION_MODES
-from .modules import ALIASES, OFFLOAD_MODULE_NAMES, canonical_names
+from ...core import OPTIONS, ChunkOffloadError, Option
+from ...option_flags import argparse_keywords
 
 __all__ = ["BUDGET_FLAGS", "DESTS", "GROUP_TITLE", "LONG_PREFIX", "MEGATRON_OFFLOAD_SWITCHES", "PLANNED_FLAGS", "add_arguments", "has_arguments"]
 
@@ -74,25 +75,11 @@ GROUP_TITLE = "chunk-offload"
 """Title of the argument group `add_arguments` adds."""
 
 LONG_PREFIX = "--chunk-offload-"
-_ON_EXHAUSTED_CHOICES = ("fallback", "error")  # OffloadConfig.on_exhausted's Literal; a test keeps them equal
 
-# Flag suffix -> destination in the parsed namespace. See NOTE [Flag names].
-DESTS = {
-    "modules": "chunk_offload_modules",
-    "min-offload-bytes": "chunk_offload_min_offload_bytes",
-    "host-pool-bytes": "chunk_offload_host_pool_bytes",
-    "on-exhausted": "chunk_offload_on_exhausted",
-    "baseline": "chunk_offload_baseline",
-    "report": "chunk_offload_report",
-    "schedule": "chunk_offload_schedule",
-    "prefetch-bytes": "chunk_offload_prefetch_bytes",
-    "reload-ahead-bytes": "chunk_offload_reload_ahead_bytes",
-    "iterations": "chunk_offload_iterations",
-    "device-budget": "chunk_offload_device_budget",
-    "host-budget": "chunk_offload_host_budget",
-    "profile-ranges": "chunk_offload_profile_ranges",
-}
-_SCHEDULE_CHOICES = ("plan", "group-start")
+FLAG_ROWS: tuple[Option, ...] = tuple(row for row in OPTIONS if row.flag)
+"""The option table's rows that are launcher flags, in the order of ``--help``."""
+DESTS = {row.name: row.dest for row in FLAG_ROWS}
+"""Flag suffix -> destination in the parsed namespace. See NOTE [Flag names]."""
 PLANNED_FLAGS = ("prefetch-bytes", "reload-ahead-bytes", "device-budget")
 """Flags only the plan's policy reads (``--chunk-offload-schedule plan``)."""
 BUDGET_FLAGS = ("device-budget", "host-budget", "host-pool-bytes", "prefetch-bytes", "reload-ahead-bytes")
@@ -104,49 +91,6 @@ MEGATRON_OFFLOAD_SWITCHES = {
     "cpu_offloading": "--cpu-offloading",
 }
 
-_SIZE_UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def _byte_count(text: str) -> int:
-    """argparse ``type``: a byte count >= 0, as an integer with an optional binary suffix."""
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"expected a byte count >= 0 such as 1048576 or 1MiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
-        )
-    return int(match.group(1)) * _SIZE_UNITS[unit]
-
-
-def _device_budget(text: str) -> int | str:
-    """argparse ``type``: ``auto`` or a byte count (`_byte_count`)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _byte_count(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'auto' or a byte count >= 0 such as 60GiB or 600KiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
-        ) from None
-
-
-class _ModulesAction(argparse.Action):
-    """Join the comma- or space-separated names, resolve aliases and reject unknown names at parse time."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
-        tokens = [values] if isinstance(values, str) else list(values)
-        try:
-            names = canonical_names(",".join(tokens))
-        except ChunkOffloadError as e:
-            raise argparse.ArgumentError(self, str(e).removeprefix("chunk_offload: ")) from e
-        setattr(namespace, self.dest, names)
-
-
-def _valid_names_text() -> str:
-    aliases = ", ".join(f"{alias} (= {name})" for alias, name in sorted(ALIASES.items()))
-    return f"{', '.join(OFFLOAD_MODULE_NAMES)}; aliases: {aliases}"
-
 
 def has_arguments(parser: argparse.ArgumentParser) -> bool:
     """True when `add_arguments` already added the chunk-offload flags to ``parser``."""
@@ -154,7 +98,8 @@ def has_arguments(parser: argparse.ArgumentParser) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the "chunk-offload" argument group to ``parser`` and return ``parser``.
+    """Add the "chunk-offload" argument group to ``parser`` and return ``parser``: one flag per
+    row of the option table (`chunk_offload.core.OPTIONS`).
 
     Usable as Megatron-LM's ``extra_args_provider``; every flag starts with ``--chunk-offload-``
     (NOTE [Flag names]).
@@ -170,11 +115,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             f"the parser already defines {taken}; add_arguments adds the chunk-offload flags once per parser "
             "(pass it as extra_args_provider only, or remove the other definition)."
         )
-
-    def names(suffix: str) -> list[str]:
-        return [LONG_PREFIX + suffix]
-
-    defaults = OffloadConfig()
     group = parser.add_argument_group(
         title=GROUP_TITLE,
         description=(
@@ -183,127 +123,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "KiB/MiB/GiB/TiB suffix."
         ),
     )
-    group.add_argument(
-        *names("modules"),
-        dest=DESTS["modules"],
-        nargs="+",
-        action=_ModulesAction,
-        default=None,
-        metavar="NAMES",
-        help=f"Submodules whose saved tensors are offloaded, comma- or space-separated: {_valid_names_text()}. Unset: no offload.",
-    )
-    group.add_argument(
-        *names("min-offload-bytes"),
-        dest=DESTS["min-offload-bytes"],
-        type=_byte_count,
-        default=defaults.min_offload_bytes,
-        metavar="BYTES",
-        help=f"Saved tensors smaller than this stay on device (default: {defaults.min_offload_bytes}).",
-    )
-    group.add_argument(
-        *names("host-pool-bytes"),
-        dest=DESTS["host-pool-bytes"],
-        type=_byte_count,
-        default=defaults.host_pool_bytes,
-        metavar="BYTES",
-        help="Cap on the pinned host memory of the pool (default: no cap).",
-    )
-    group.add_argument(
-        *names("on-exhausted"),
-        dest=DESTS["on-exhausted"],
-        choices=_ON_EXHAUSTED_CHOICES,
-        default=defaults.on_exhausted,
-        help=(
-            "At the host pool cap: 'fallback' allocates unpooled host buffers (one warning), 'error' raises "
-            f"(default: {defaults.on_exhausted})."
-        ),
-    )
-    group.add_argument(
-        *names("baseline"),
-        dest=DESTS["baseline"],
-        action="store_true",
-        help="Track the same groups and bytes but copy nothing: the baseline run of a memory comparison.",
-    )
-    group.add_argument(
-        *names("profile-ranges"),
-        dest=DESTS["profile-ranges"],
-        action="store_true",
-        help="Name each group's offload, reload and waits in torch.profiler traces (NVTX ranges under nsys on CUDA).",
-    )
-    group.add_argument(
-        *names("schedule"),
-        dest=DESTS["schedule"],
-        choices=_SCHEDULE_CHOICES,
-        default="plan",
-        help=(
-            "'plan' (default): decisions from Megatron's schedule table: chunks whose backward follows at once stay "
-            "on device, and the next backward chunk is reloaded during the action before it. 'group-start': offload "
-            "every chunk and reload each group when backward reaches the group after it."
-        ),
-    )
-    group.add_argument(
-        *names("prefetch-bytes"),
-        dest=DESTS["prefetch-bytes"],
-        type=_byte_count,
-        default=None,
-        metavar="BYTES",
-        help="With --chunk-offload-schedule plan: bytes of a chunk reloaded ahead of its backward (default: its last group; 0: none).",
-    )
-    group.add_argument(
-        *names("reload-ahead-bytes"),
-        dest=DESTS["reload-ahead-bytes"],
-        type=_byte_count,
-        default=None,
-        metavar="BYTES",
-        help=(
-            "With --chunk-offload-schedule plan: in a chunk's backward, bytes of earlier groups that may be reloading "
-            "ahead of the running one (default: one group ahead). Hides a large group's copy behind small groups."
-        ),
-    )
-    group.add_argument(
-        *names("device-budget"),
-        dest=DESTS["device-budget"],
-        type=_device_budget,
-        default=None,
-        metavar="BYTES|auto",
-        help=(
-            "With --chunk-offload-schedule plan: device bytes this rank may use; each rank offloads the fewest groups "
-            "whose predicted peak fits (a rank that fits offloads nothing). CUDA: bounds max_memory_allocated; CPU: "
-            "the saved-bytes accounting. 'auto': the smallest budget every pipeline rank meets. Default: no budget."
-        ),
-    )
-    group.add_argument(
-        *names("host-budget"),
-        dest=DESTS["host-budget"],
-        type=_byte_count,
-        default=None,
-        metavar="BYTES",
-        help=(
-            "Pinned host bytes of the whole node, split among its ranks by what each rank's plan puts on host "
-            "(early stages get more); each rank's host pool cap follows after the first iteration. Default: no budget."
-        ),
-    )
-    group.add_argument(
-        *names("iterations"),
-        dest=DESTS["iterations"],
-        choices=ITERATION_MODES,
-        default="wrap",
-        help=(
-            "'wrap' (default): each call of manager.wrap(get_forward_backward_func()) is one offload iteration. "
-            "'auto': the manager opens an iteration at the first training forward of each step and closes it when "
-            "every model chunk ran get_num_microbatches() forwards and their backwards; for training loops that call "
-            "get_forward_backward_func() themselves (Megatron-LM's pretrain)."
-        ),
-    )
-    group.add_argument(
-        *names("report"),
-        dest=DESTS["report"],
-        default=None,
-        metavar="PATH",
-        help=(
-            "Produce the per-stage memory report (peak without and with offload, theoretical drop, R): the first "
-            "training iteration runs as a baseline without copies, and the per-stage memory report will be written "
-            "to PATH.json, PATH.png and PATH.md by the training loop (chunk_offload.report.write_report)."
-        ),
-    )
+    for row in FLAG_ROWS:
+        group.add_argument(LONG_PREFIX + row.name, **argparse_keywords(row))
     return parser

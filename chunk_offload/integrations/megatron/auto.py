@@ -28,13 +28,13 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from ...core import ChunkOffloadError, OffloadManager
+from ...core import ChunkOffloadError, OffloadManager, option
 
 __all__ = ["ITERATION_MODES", "AutoIterations", "IterationOwner", "check_iterations"]
 
 logger = logging.getLogger(__name__)
 
-ITERATION_MODES = ("wrap", "auto")
+ITERATION_MODES = option("attach.iterations").choices
 """How training iterations are delimited: by ``manager.wrap(forward_backward_func)`` calls, or
 by the chunk hooks themselves (NOTE [Automatic iterations])."""
 

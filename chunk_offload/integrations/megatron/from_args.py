@@ -15,7 +15,7 @@ from typing import Sequence
 from torch import nn
 
 from ...core import ChunkOffloadError, OffloadConfig, StreamBackend
-from .args import BUDGET_FLAGS, DESTS, LONG_PREFIX, MEGATRON_OFFLOAD_SWITCHES, PLANNED_FLAGS
+from .args import BUDGET_FLAGS, DESTS, FLAG_ROWS, LONG_PREFIX, MEGATRON_OFFLOAD_SWITCHES, PLANNED_FLAGS
 from .attach import MegatronOffloadManager, attach
 
 __all__ = ["attach_from_args", "check_args"]
@@ -135,28 +135,20 @@ def attach_from_args(
     if not modules:
         return None
     report = bool(getattr(args, DESTS["report"]))
-    config = OffloadConfig(
-        min_offload_bytes=getattr(args, DESTS["min-offload-bytes"]),
-        host_pool_bytes=getattr(args, DESTS["host-pool-bytes"]),
-        on_exhausted=getattr(args, DESTS["on-exhausted"]),
-        offload=not getattr(args, DESTS["baseline"]),
-        trace=report if trace is None else trace,  # the report's plot of memory over one iteration
-        profile_ranges=getattr(args, DESTS["profile-ranges"]),
-    )
+    fields = {row.field: row.to_field(getattr(args, row.dest)) for row in FLAG_ROWS if row.owner in ("OffloadConfig", "ScheduleOptions")}
+    config = OffloadConfig(**{row.field_name: fields[row.field] for row in FLAG_ROWS if row.owner == "OffloadConfig"})
+    config.trace = report if trace is None else trace  # the report's plot of memory over one iteration
     if measure_time is not None:
         config.measure_time = measure_time
     if baseline_iterations is None:
         baseline_iterations = 1 if report else 0  # the report's peak without offload
+    schedule_options = {row.field_name: fields[row.field] for row in FLAG_ROWS if row.owner == "ScheduleOptions"}
     return attach(
         model,
         modules,
         config=config,
         streams=streams,
-        schedule_policy="plan" if getattr(args, DESTS["schedule"]) == "plan" else None,
-        prefetch_bytes=getattr(args, DESTS["prefetch-bytes"]),
-        reload_ahead_bytes=getattr(args, DESTS["reload-ahead-bytes"]),
-        device_budget_bytes=getattr(args, DESTS["device-budget"]),
-        host_budget_bytes=getattr(args, DESTS["host-budget"]),
+        **schedule_options,  # ScheduleOptions' fields are attach's keywords
         baseline_iterations=baseline_iterations,
         iterations=getattr(args, DESTS["iterations"]) if iterations is None else iterations,
     )
