@@ -17,9 +17,10 @@ from .marks import ModuleOffload
 from .option_table import OPTIONS, Option, check_value, option, parse_bytes
 from .ordering import kept_tail, prefetch_selection, reload_ahead_selection
 from .schedule_policy import SchedulePolicy
-from .stats import GroupStats, IterationRecord, OffloadStats
+from .records import IterationRecord
+from .stats import GroupStats, OffloadStats
 from .streams import CpuStreams, CudaStreams, Event, Stream, StreamBackend, default_streams
-from .tensor_policy import OffloadPolicy, is_marked_not_offloadable, mark_not_offloadable
+from .tensor_filter import TensorFilter, is_marked_not_offloadable, mark_not_offloadable
 
 __all__ = [
     "OPTIONS",
@@ -40,12 +41,12 @@ __all__ = [
     "ModuleOffload",
     "OffloadConfig",
     "OffloadManager",
-    "OffloadPolicy",
     "OffloadStats",
     "Option",
     "SchedulePolicy",
     "Stream",
     "StreamBackend",
+    "TensorFilter",
     "default_streams",
     "check_value",
     "diff_actions",
@@ -58,3 +59,18 @@ __all__ = [
     "prefetch_selection",
     "reload_ahead_selection",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``OffloadPolicy``, the name of `TensorFilter` until 0.1: a deprecation warning for one release."""
+    if name == "OffloadPolicy":
+        import warnings
+
+        warnings.warn(
+            "chunk_offload.core.OffloadPolicy is deprecated and will be removed in the next release; use "
+            "chunk_offload.core.TensorFilter ('policy' names the schedule policy only)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return TensorFilter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

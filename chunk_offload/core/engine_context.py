@@ -34,9 +34,9 @@ class EngineContext:
 
     streams: StreamBackend
     pool: HostPool
-    offload_key: Callable[[torch.Tensor, Sequence[torch.Tensor]], int]
-    """`OffloadPolicy.offload_key`: a saved tensor's storage key if it is offloaded, else 0 or
-    the negated key of a kept storage that other saved views may share."""
+    decide: Callable[[torch.Tensor, Sequence[torch.Tensor]], tuple[bool, int]]
+    """`TensorFilter.decide`: whether a saved tensor is offloaded, and its storage key (0 for a
+    kept storage no other saved view can be offloaded from)."""
     resident: ResidentBytes
     stats: StatsRecorder
     held_elsewhere: HeldElsewhere

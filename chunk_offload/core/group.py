@@ -118,7 +118,7 @@ class OffloadGroup:
         """Register a saved tensor the policy leaves on device (too small, marked, a parameter).
 
         ``pin_key``: its storage's key where other saved views of that storage could be
-        offloaded (the policy's negated `OffloadPolicy.offload_key`), else 0. At commit, offloaded
+        offloaded (the key `TensorFilter.decide` returns with False), else 0. At commit, offloaded
         views of such a storage are kept too: the kept view holds the whole storage on device, so
         a copy would free nothing while counting its bytes as moved.
         """

@@ -74,7 +74,7 @@ class ChunkOffloadHandler:
         offload_group: Callable[[int], bool] | None = None,
     ) -> None:
         self.ctx = ctx
-        self._offload_key = ctx.offload_key
+        self._decide = ctx.decide
         self.key = key
         self.offload = offload
         """Whether committed groups are copied to host (False: kept on device, still accounted)."""
@@ -244,10 +244,10 @@ class ChunkOffloadHandler:
         group = self.current
         if group is None:
             group = self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
-        key = self._offload_key(tensor, group.inputs)
-        if key > 0:
+        offload, key = self._decide(tensor, group.inputs)
+        if offload:
             return group.save(tensor, key)
-        return group.keep(tensor, -key)
+        return group.keep(tensor, key)
 
     def _unpack(self, tensor_tag: Any) -> torch.Tensor:
         tag_type = type(tensor_tag)

@@ -1,11 +1,11 @@
 """`OffloadManager`: the one object a training run creates to offload activations.
 
-It owns the streams, the host pool, the policy, the chunk handlers of the current
-iteration and the statistics. There is no global instance: each manager is explicit.
+It owns the streams, the host pool, the tensor filter, the schedule policy, the chunk handlers of
+the iteration, the stats and the iteration records; there is no global instance.
 
-Scopes are explicit method pairs: `begin_iteration` / `end_iteration` around one optimizer
-step, `begin_chunk` / `end_chunk` around one chunk's forward. `iteration()` and `chunk()` are
-thin ``with`` wrappers over them (an exception discards the iteration, or aborts the chunk).
+Scopes are method pairs: `begin_iteration` / `end_iteration` around one optimizer step, `begin_chunk`
+/ `end_chunk` around one chunk's forward; ``with`` `iteration()` / `chunk()` wrap them (an exception
+discards the iteration, or aborts the chunk).
 Integrations drive the pairs from their hooks and read the public properties (`in_iteration`,
 `closed`, `iteration_handlers`, `current_handler`, `module_offloads`).
 """
@@ -21,20 +21,21 @@ from torch import nn
 
 from .actions import Action, ActionKind, ChunkKey
 from .config import OffloadConfig
-from .errors import ChunkOffloadError
 from .engine_context import EngineContext
+from .errors import ChunkOffloadError
 from .handler import ChunkOffloadHandler
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
+from .iteration_window import IterationWindow
 from .manager_args import check_begin_chunk, check_begin_iteration, check_flag, check_manager_args, check_module
 from .marks import GroupMarks, ModuleOffload, check_group_args
+from .records import IterationRecord
 from .registry import ModuleRegistry
-from .tensor_policy import OffloadPolicy
-from .records import IterationWindow
 from .schedule_policy import SchedulePolicy
 from .shutdown import run_cleanup
-from .stats import IterationRecord, OffloadStats, ResidentBytes, StatsRecorder
+from .stats import OffloadStats, ResidentBytes, StatsRecorder
 from .streams import StreamBackend, default_streams
+from .tensor_filter import TensorFilter
 from .thread_scope import ThreadScope
 
 __all__ = ["OffloadManager"]
@@ -56,9 +57,8 @@ class OffloadManager:
         config: the options (`OffloadConfig`); None: the defaults.
         streams: the stream backend; default CUDA streams when CUDA is available, else CPU
             worker-thread streams.
-        schedule_policy: which chunks to offload and what to reload ahead, from the pipeline
-            schedule (`chunk_offload.schedule.PlanPolicy`); default offload every chunk and
-            reload one group ahead in backward.
+        schedule_policy: which chunks to offload and what to reload ahead (`schedule.PlanPolicy`);
+            default offload every chunk and reload one group ahead in backward.
     """
 
     def __init__(
@@ -77,13 +77,13 @@ class OffloadManager:
             cap_name="host_pool_bytes",  # what the user set (messages name it, not the pool's argument)
         )
         self.schedule_policy = schedule_policy if schedule_policy is not None else SchedulePolicy()
-        self.policy = OffloadPolicy(min_offload_bytes=self.config.min_offload_bytes, device_type=self.streams.device.type)
+        self.tensor_filter = TensorFilter(min_offload_bytes=self.config.min_offload_bytes, device_type=self.streams.device.type)
         self._resident = ResidentBytes()
         self._stats = StatsRecorder()
         self._ctx = EngineContext(
             streams=self.streams,
             pool=self.pool,
-            offload_key=self.policy.offload_key,
+            decide=self.tensor_filter.decide,
             resident=self._resident,
             stats=self._stats,
             held_elsewhere=HeldElsewhere(),
@@ -112,13 +112,13 @@ class OffloadManager:
         ``remove()`` undoes the registration.
         """
         registration = self._registry.add(self, module, name)
-        self.policy.protect(module)
+        self.tensor_filter.protect(module)
         return registration
 
     def protect_module(self, module: nn.Module) -> None:
         """Never offload parameters or buffers of ``module`` (or views of their storage)."""
         check_module("protect_module", module)
-        self.policy.protect(module)
+        self.tensor_filter.protect(module)
 
     @property
     def module_offloads(self) -> tuple[ModuleOffload, ...]:
@@ -156,7 +156,7 @@ class OffloadManager:
         """
         check_begin_iteration(closed=self._closed, in_iteration=self.in_iteration, offload=offload)
         self._threads.claim()
-        self.policy.refresh()
+        self.tensor_filter.refresh()
         self.schedule_policy.begin_iteration()
         offload = self.config.offload if offload is None else offload
         self._window = IterationWindow(self.streams, self.config, self._resident, self._stats, offload=offload)
@@ -345,6 +345,6 @@ class OffloadManager:
                 self.end_iteration(discard=True)
         finally:
             self._closed = True
-            self.policy.forget_protected()
+            self.tensor_filter.forget_protected()
             self.streams.synchronize()
             self.streams.close()

@@ -1,6 +1,6 @@
 """The storages of protected module trees, collected again at each iteration's start, cheaply.
 
-`OffloadPolicy` never offloads a tensor on the storage of a protected module's parameter or
+`TensorFilter` never offloads a tensor on the storage of a protected module's parameter or
 buffer. Parameters can be re-allocated between iterations (``module.to``, resharding), so the
 storages are collected again at each iteration's start; but a model seldom changes, so
 `ProtectedStorages.refresh` first checks that the module trees and their tensors are still

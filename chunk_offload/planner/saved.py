@@ -2,7 +2,7 @@
 
 Per call of an offloaded submodule the engine moves the tensors autograd saves inside it that are
 not parameters and hold at least ``min_offload_bytes`` (numel x element size of the saved view,
-like `chunk_offload.core.tensor_policy.OffloadPolicy`); views of one storage are moved once, as the span
+like `chunk_offload.core.tensor_filter.TensorFilter`); views of one storage are moved once, as the span
 from their lowest start (rounded down to 16 bytes) to their highest end
 (``chunk_offload/core/group.py``). The byte models describe every module as a list of
 `SavedTensor` and `group_bytes` applies those rules; `storage_bytes` gives the same bytes per

@@ -23,7 +23,7 @@ import torch
 from ..core.config import OffloadConfig
 from ..core.errors import ChunkOffloadError, internal_assert
 from ..core.schedule_policy import SchedulePolicy
-from ..core.stats import IterationRecord
+from ..core.records import IterationRecord
 from ..core.streams import StreamBackend
 from ..integrations.megatron import MegatronOffloadManager, attach
 from ..report.stage import StageReport, stage_report

@@ -35,7 +35,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from ..core.errors import ChunkOffloadError
 from ..core.schedule_policy import SchedulePolicy
-from ..core.stats import IterationRecord
+from ..core.records import IterationRecord
 from ..schedule import Plan, simulate
 
 __all__ = ["MEASURES", "Measure", "StageReport", "stage_report"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..core.actions import Action, ActionKind
-from ..core.stats import IterationRecord
+from ..core.records import IterationRecord
 from .plan import Plan
 
 __all__ = ["CopyTiming", "OffloadChoice"]

@@ -1,4 +1,4 @@
-"""`ProtectedStorages` through `OffloadPolicy.refresh`: after every kind of change to a protected
+"""`ProtectedStorages` through `TensorFilter.refresh`: after every kind of change to a protected
 module tree, the policy decides exactly as a fresh policy would, drops the storages the tree no
 longer has, and leaves no process-wide hook behind (NOTE [Exact refresh])."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from chunk_offload import OffloadConfig, OffloadManager
-from chunk_offload.core import OffloadPolicy
+from chunk_offload.core import TensorFilter
 
 class Tree(nn.Module):
     """Containers, a plain submodule, a buffer: every place a change to the protected set can hide."""
@@ -70,7 +70,7 @@ def _aliases(module: nn.Module) -> list[torch.Tensor]:
 def test_refresh_decides_as_a_fresh_policy_after_each_kind_of_change(change):
     apply, drops = TREE_CHANGES[change]
     tree = Tree()
-    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
     policy.protect(tree)
     policy.protect(tree.seq)  # nested roots, as a model chunk and its offloaded submodules are
     policy.refresh()
@@ -82,7 +82,7 @@ def test_refresh_decides_as_a_fresh_policy_after_each_kind_of_change(change):
     stale = [policy.should_offload(p) for p in probes]
 
     policy.refresh()
-    fresh = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    fresh = TensorFilter(min_offload_bytes=1, device_type="cpu")
     fresh.protect(tree)
     fresh.protect(tree.seq)
     expected = [fresh.should_offload(p) for p in probes]
@@ -101,7 +101,7 @@ def test_refresh_decides_as_a_fresh_policy_after_each_kind_of_change(change):
 @pytest.mark.parametrize("change", [name for name, (_, drops) in TREE_CHANGES.items() if drops])
 def test_dropped_storages_are_held_until_the_next_refresh(change):
     tree = Tree()
-    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
     policy.protect(tree)
     policy.refresh()
     old = [weakref.ref(t.untyped_storage()) for t in (*tree.parameters(), *tree.buffers())]
@@ -123,7 +123,7 @@ def test_refresh_sees_the_inner_tensors_of_a_wrapper_subclass_replaced():
 
     module = nn.Module()
     module.register_buffer("pair", TwoTensor(torch.randn(4, 4), torch.randn(4, 4)))
-    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
     policy.protect(module)
     policy.refresh()
     old_a = module.pair.a.detach()
@@ -162,7 +162,7 @@ def test_managers_leave_no_global_module_hooks_behind():
                 out = lin(torch.randn(2, 4, requires_grad=True))
             out.sum().backward()
         manager.close()
-        refs.append((weakref.ref(manager), weakref.ref(manager.policy)))
+        refs.append((weakref.ref(manager), weakref.ref(manager.tensor_filter)))
         del manager, lin, out
     gc.collect()
     assert [len(d) for d in hook_dicts] == before
@@ -171,7 +171,7 @@ def test_managers_leave_no_global_module_hooks_behind():
 
 def test_protect_between_refreshes_adds_at_once_and_keeps_the_rest():
     first, second = nn.Linear(4, 4), nn.Linear(4, 4)
-    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
     policy.protect(first)
     policy.refresh()
     assert policy.should_offload(second.weight.detach()) is True

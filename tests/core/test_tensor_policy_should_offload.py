@@ -1,4 +1,4 @@
-"""`OffloadPolicy.should_offload` case by case (parameters, buffers, views, leaves, subclasses, size
+"""`TensorFilter.should_offload` case by case (parameters, buffers, views, leaves, subclasses, size
 threshold, marks), the public mark API, the marks of Transformer Engine and Megatron, protection refresh.
 """
 
@@ -10,7 +10,7 @@ from torch import nn
 
 import chunk_offload
 from chunk_offload import mark_not_offloadable
-from chunk_offload.core import OffloadPolicy, is_marked_not_offloadable
+from chunk_offload.core import TensorFilter, is_marked_not_offloadable
 
 # ----------------------------------------------------------------------------- should_offload
 
@@ -24,7 +24,7 @@ def policy_and_module():
     torch.manual_seed(0)
     module = nn.Linear(8, 8)
     module.register_buffer("running", torch.randn(8, 8))
-    policy = OffloadPolicy(min_offload_bytes=64, device_type="cpu")
+    policy = TensorFilter(min_offload_bytes=64, device_type="cpu")
     policy.protect(module)
     return policy, module
 
@@ -73,9 +73,9 @@ def test_a_leaf_handed_to_the_group_is_an_activation(policy_and_module):
     assert policy.should_offload(received[1:], [received]) is True
     assert policy.should_offload(received, [received[2:]]) is True  # a view of it handed in
     assert policy.should_offload(module.weight.detach(), [module.weight]) is False  # protected storage
-    assert policy.offload_key(received, [received]) == received.untyped_storage()._cdata
-    assert policy.offload_key(received) == -received.untyped_storage()._cdata  # kept: the group keeps views of it
-    assert policy.offload_key(module.weight.detach()) == 0  # protected: no view of it is offloaded
+    assert policy.decide(received, [received]) == (True, received.untyped_storage()._cdata)
+    assert policy.decide(received) == (False, received.untyped_storage()._cdata)  # kept: the group keeps views of it
+    assert policy.decide(module.weight.detach()) == (False, 0)  # protected: no view of it is offloaded
 
 
 def test_should_offload_view_made_without_grad_mode_of_an_activation(policy_and_module):
@@ -125,7 +125,7 @@ def test_mark_covers_views_of_a_marked_view():
 
 def test_refresh_follows_reallocated_parameters():
     module = nn.Linear(8, 8)
-    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
     policy.protect(module)
     module.double()  # new storages
     stale = module.weight.detach()
@@ -141,7 +141,7 @@ def test_manager_refreshes_protection_each_iteration(make_manager):
     module.double()
     with manager.iteration():
         pass
-    assert manager.policy.should_offload(module.weight.detach()) is False
+    assert manager.tensor_filter.should_offload(module.weight.detach()) is False
 
 
 def test_public_mark_api():
@@ -157,9 +157,9 @@ def test_public_mark_api():
     ids=["transformer_engine", "megatron_core"],
 )
 def test_marks_of_transformer_engine_and_megatron_are_honoured(attribute, value):
-    from chunk_offload.core.tensor_policy import OffloadPolicy
+    from chunk_offload.core.tensor_filter import TensorFilter
 
-    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
     x = torch.randn(8, 8) * 2
     assert policy.should_offload(x)
     setattr(x, attribute, value)
@@ -178,11 +178,11 @@ def test_a_replaced_buffer_keeps_its_address_until_the_next_refresh():
     import gc
     import weakref
 
-    from chunk_offload.core.tensor_policy import OffloadPolicy
+    from chunk_offload.core.tensor_filter import TensorFilter
 
     module = nn.Module()
     module.register_buffer("counts", torch.zeros(64))
-    policy = OffloadPolicy(min_offload_bytes=1, device_type="cpu")
+    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
     policy.protect(module)
     old = weakref.ref(module.counts.untyped_storage())
     module.counts = torch.zeros(64)

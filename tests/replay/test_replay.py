@@ -161,18 +161,18 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys, flag: str | None, dt
 @pytest.mark.parametrize("stage", [0, 1], ids=["first_stage", "last_stage"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_replay_in_half_precision(monkeypatch, dtype: torch.dtype, stage: int) -> None:
-    from chunk_offload.core.tensor_policy import OffloadPolicy
+    from chunk_offload.core.tensor_filter import TensorFilter
 
     offloaded: list[tuple[torch.dtype, tuple[int, ...]]] = []
-    offload_key = OffloadPolicy.offload_key
+    decide = TensorFilter.decide
 
     def recording(self, tensor, inputs=()):
-        key = offload_key(self, tensor, inputs)
-        if key > 0:
+        decision = decide(self, tensor, inputs)
+        if decision[0]:
             offloaded.append((tensor.dtype, tuple(tensor.shape)))
-        return key
+        return decision
 
-    monkeypatch.setattr(OffloadPolicy, "offload_key", recording)
+    monkeypatch.setattr(TensorFilter, "decide", recording)
     shape = GPTShape(**{**_SHAPE.__dict__, "num_layers": 4, "dtype": dtype})
     _, dtypes, result = _replay(2, stage, 1, None, shape=shape, microbatches=2, iterations=1)
 

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from chunk_offload.core.stats import GroupStats, IterationRecord
+from chunk_offload.core.records import IterationRecord
+from chunk_offload.core.stats import GroupStats
 
 
 def comparable(record: IterationRecord) -> dict[str, Any]:

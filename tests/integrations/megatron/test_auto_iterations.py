@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch import nn
 
-from chunk_offload.core.stats import IterationRecord
+from chunk_offload.core.records import IterationRecord
 from tests._megatron import RankResult, Run, TinyGPTConfig, spawn_runs
 from tests._megatron_offload import OffloadHooks
 from tests.integrations.megatron._auto_iterations import comparable

@@ -120,7 +120,7 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
             assert (len(layers), experts) == (2, 4)
             assert manager.offload_modules == ["core_attn", "expert_fc1", "attn_norm"]
             assert manager.registered == {"core_attn": len(layers), "expert_fc1": experts, "attn_norm": len(layers)}
-            assert manager.config.min_offload_bytes == 1 == manager.engine.policy.min_offload_bytes
+            assert manager.config.min_offload_bytes == 1 == manager.engine.tensor_filter.min_offload_bytes
             assert manager.config.host_pool_bytes == 64 << 20 == manager.pool.capacity_bytes
             assert manager.config.on_exhausted == "error" == manager.pool.on_exhausted
             assert manager.config.offload is True

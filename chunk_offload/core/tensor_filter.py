@@ -12,7 +12,7 @@ from ._torch_compat import key_of_storage, storage_key, view_base
 from .errors import ChunkOffloadError
 from .protected_storages import ProtectedStorages
 
-__all__ = ["OffloadPolicy", "mark_not_offloadable", "is_marked_not_offloadable"]
+__all__ = ["TensorFilter", "mark_not_offloadable", "is_marked_not_offloadable"]
 
 _KEEP_ATTR = "_chunk_offload_keep_on_device"
 
@@ -59,7 +59,11 @@ def _marked(tensor: torch.Tensor, storage: torch.UntypedStorage | None) -> bool:
     return storage is not None and bool(getattr(storage, _KEEP_ATTR, False))
 
 
-class OffloadPolicy:
+_NOT_OFFLOADABLE = (False, 0)
+"""`TensorFilter.decide` for a tensor no saved view of whose storage is offloaded (one tuple, made once)."""
+
+
+class TensorFilter:
     """Decides per saved tensor whether it is offloaded.
 
     Parameters and buffers are recognised by *storage*, not by type: ``weight.t()`` is a plain
@@ -100,43 +104,43 @@ class OffloadPolicy:
         ``inputs``: the group's input tensors; leaves among them that require grad (or views of
         one) are activations handed to the group, to which the leaf-requires-grad rule does not apply.
         """
-        return self.offload_key(tensor, inputs) > 0
+        return self.decide(tensor, inputs)[0]
 
-    def offload_key(self, tensor: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> int:
-        """`should_offload` with the storage key of ``tensor`` (`storage_key`), as one signed int.
+    def decide(self, tensor: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> tuple[bool, int]:
+        """`should_offload` with the storage key of ``tensor`` (`storage_key`): ``(offload, key)``.
 
-        - ``key > 0``: offloaded;
-        - ``key < 0``: kept on device, and ``-key`` is the key of a storage another saved view may
-          share (too small, marked, a leaf): the group keeps such views too (`OffloadGroup.keep`);
-        - ``0``: kept, and no saved view of its storage can be offloaded (not a plain strided
-          tensor, on another device, or a protected storage).
+        - ``(True, key)``: offloaded;
+        - ``(False, key)``: kept on device (too small, marked, a leaf), and ``key`` is that of a
+          storage another saved view may share: the group keeps such views too (`OffloadGroup.keep`);
+        - ``(False, 0)``: kept, and no saved view of its storage can be offloaded (not a plain
+          strided tensor, on another device, or a protected storage).
 
         The pack hook runs this for every saved tensor: the cheap refusals come first and the
         storage is looked up once, for the decision and the group's bookkeeping alike.
         """
         if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
-            return 0  # parameters, subclasses (DTensor, fake, functional) and sparse tensors
+            return _NOT_OFFLOADABLE  # parameters, subclasses (DTensor, fake, functional) and sparse tensors
         if not self._on_device(tensor):
-            return 0
+            return _NOT_OFFLOADABLE
         storage_obj = tensor.untyped_storage()
         key = key_of_storage(storage_obj)
         if key in self._protected:
-            return 0
+            return _NOT_OFFLOADABLE
         if tensor.nbytes < self.min_offload_bytes:  # numel * element_size
-            return -key
+            return False, key
         base = view_base(tensor)
         if base is None:
             # A leaf that requires grad is a parameter in all but type (unless the group was handed it).
             if tensor.is_leaf and tensor.requires_grad and not _is_leaf_input(key, inputs):
-                return -key
+                return False, key
         # (a view made without grad mode, e.g. in a custom Function's forward, also reports
         # is_leaf and requires_grad; its base decides)
         elif (isinstance(base, nn.Parameter) or (base.requires_grad and base.is_leaf)) and not _is_leaf_input(key, inputs):
-            return -key
+            return False, key
         if tensor.__dict__ or (base is not None and base.__dict__) or getattr(storage_obj, _KEEP_ATTR, False):
             if _marked(tensor, storage_obj):  # only a tensor or storage with attributes can carry a mark
-                return -key
-        return key
+                return False, key
+        return True, key
 
     def _device_check(self, device_type: str) -> Callable[[torch.Tensor], bool]:
         """Whether a tensor is on ``device_type``: a flag read for cpu and cuda (``tensor.device``

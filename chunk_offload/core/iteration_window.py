@@ -1,0 +1,130 @@
+"""`IterationWindow`: one iteration's chunks, and what it did between its start and its end.
+
+The window opens the iteration's chunks with the schedule policy's decisions and keeps their
+handlers by key (a policy's prefetch names chunks by key). Besides the counters, it records the
+order in which chunks start forward and backward (`note_action`) and when each started, from the
+iteration's start: the measured compute time between a group's forward and its backward that
+`chunk_offload.schedule.CopyTiming` reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Iterable
+
+import torch
+
+from .actions import Action, ActionKind, ChunkKey
+from .config import OffloadConfig
+from .engine_context import EngineContext
+from .handler import ChunkOffloadHandler
+from .schedule_policy import SchedulePolicy
+from .records import IterationRecord
+from .stats import GroupStats, ResidentBytes, StatsRecorder
+from .streams import StreamBackend
+
+__all__ = ["IterationWindow"]
+
+
+class IterationWindow:
+    """The counters at an iteration's start, its chunks, and its `IterationRecord` at its end.
+
+    ``offload=False``: a baseline iteration (its chunks copy nothing).
+    """
+
+    def __init__(
+        self, streams: StreamBackend, config: OffloadConfig, resident: ResidentBytes, stats: StatsRecorder, *, offload: bool
+    ) -> None:
+        self.offload = offload
+        self.handlers: list[ChunkOffloadHandler] = []
+        """The chunk handlers of the iteration, in forward order."""
+        self._by_key: dict[ChunkKey, ChunkOffloadHandler] = {}
+        self.streams = streams
+        self.config = config
+        self.resident = resident
+        self.stats = stats
+        cuda = streams.device.type == "cuda"
+        self._cuda = cuda
+        if cuda:
+            # The allocator's statistics are kept on the host at allocation time: no device sync
+            # is needed for them; the wall time (measure_time) needs one at both ends.
+            if config.measure_time:
+                torch.cuda.synchronize(streams.device)
+            torch.cuda.reset_peak_memory_stats(streams.device)
+        device_bytes = (lambda: torch.cuda.memory_allocated(streams.device)) if cuda else None
+        resident.start_window(trace=config.trace, device_bytes=device_bytes)
+        streams.synchronize()
+        stats.fold()
+        self._before = stats.snapshot()
+        self.order: list[Action] = []
+        """The F and B actions so far, as the engine saw chunks start forward and backward."""
+        self.action_starts_s: list[float] = []
+        """For each entry of ``order``: seconds from the iteration's start at which it began."""
+        self._started = time.perf_counter()
+
+    def open_chunk(self, ctx: EngineContext, policy: SchedulePolicy, key: ChunkKey) -> ChunkOffloadHandler:
+        """The handler of a chunk whose forward starts now, with ``policy``'s decisions for it."""
+        self.note_action(Action(ActionKind.FORWARD, key.microbatch, key.vp_stage))
+        self.prefetch(policy.prefetch_on("F", key))
+        offload = self.offload and policy.offload_chunk(key)
+        # Per-group decisions only from a policy that makes them: the base class copies every group.
+        per_group = offload and type(policy).offload_group is not SchedulePolicy.offload_group
+        handler = ChunkOffloadHandler(
+            ctx,
+            key,
+            offload=offload,
+            reload_ahead_bytes=policy.reload_ahead_bytes(key),
+            offload_group=functools.partial(policy.offload_group, key) if per_group else None,
+        )
+        self._by_key[key] = handler  # a chunk key entered twice (no schedule does that) maps to its latest forward
+        self.handlers.append(handler)
+        return handler
+
+    def prefetch(self, requests: Iterable[tuple[tuple[int, int], int | None]]) -> None:
+        """Start the reloads a policy asks for, by chunk key, within each one's byte budget."""
+        for key, budget in requests:
+            handler = self._by_key.get(ChunkKey(*key))
+            if handler is not None:  # a chunk that did not run forward (a plan that is wrong) is skipped
+                handler.prefetch(budget)
+
+    def discard(self) -> None:
+        """Discard every chunk of the iteration (its saved tensors can no longer be unpacked)."""
+        for handler in self.handlers:
+            handler.abort()
+
+    def note_action(self, action: Action) -> None:
+        """A chunk starts forward, or backward first reached one of its groups."""
+        self.action_starts_s.append(time.perf_counter() - self._started)
+        self.order.append(action)
+
+    def finish(self) -> IterationRecord:
+        """Wait for the copies and describe the iteration: peaks, traces, bytes per group."""
+        streams = self.streams
+        streams.synchronize()
+        if self._cuda and self.config.measure_time:
+            torch.cuda.synchronize(streams.device)
+        wall = time.perf_counter() - self._started
+        self.stats.fold()
+        groups = {}
+        for name, now in self.stats.snapshot().items():
+            was = self._before.get(name, GroupStats())
+            groups[name] = GroupStats(**{f: getattr(now, f) - getattr(was, f) for f in GroupStats.__dataclass_fields__})
+        window = self.resident.window
+        handlers = self.handlers
+        return IterationRecord(
+            offload=self.offload,
+            peak_resident_bytes=window.peak,
+            peak_saved_bytes=window.saved_peak,
+            host_bytes_at_saved_peak=window.host_at_saved_peak,
+            device_peak_bytes=torch.cuda.max_memory_allocated(streams.device) if self._cuda else None,
+            resident_trace=self.resident.trace,
+            device_trace=self.resident.device_trace,
+            group_bytes={tuple(h.key): h.group_bytes() for h in handlers},
+            group_names={tuple(h.key): [g.name for g in h.groups] for h in handlers},
+            group_kept_bytes={tuple(h.key): h.group_kept_bytes() for h in handlers},
+            groups=groups,
+            order=list(self.order),
+            action_starts_s=list(self.action_starts_s),
+            wall_time_s=wall,
+        )
