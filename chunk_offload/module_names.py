@@ -12,7 +12,16 @@ from typing import Sequence
 
 from .core.errors import ChunkOffloadError
 
-__all__ = ["ALIASES", "DESCRIPTIONS", "OFFLOAD_MODULE_NAMES", "TE_FUSED_INTO", "canonical_modules"]
+__all__ = [
+    "ALIASES",
+    "DESCRIPTIONS",
+    "MOE_MODULES",
+    "OFFLOAD_MODULE_NAMES",
+    "TE_FUSED_INTO",
+    "canonical_modules",
+    "check_combination",
+    "combination_problem",
+]
 
 OFFLOAD_MODULE_NAMES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1", "expert_fc1", "moe_act")
 """Every offload-module name, in the order a layer calls the modules."""
@@ -59,3 +68,48 @@ def canonical_modules(names: str | Sequence[str]) -> list[str]:
     if not out:
         raise ChunkOffloadError(f"no offload module given; choose from {list(OFFLOAD_MODULE_NAMES)}")
     return out
+
+
+MOE_MODULES = frozenset({"expert_fc1", "moe_act"})
+"""The offload modules inside a MoE layer's experts (Megatron also has ``fused_group_mlp``)."""
+
+
+def combination_problem(modules: Sequence[str], recompute_modules: Sequence[str] = ()) -> str | None:
+    """Why Megatron's rules refuse offloading ``modules`` (canonical names) while selective recompute
+    covers ``recompute_modules``, or None when they allow it. The rules of megatron-core 0.19's
+    `TransformerConfig` for its own offloading, which hold for ours for the same reasons:
+
+    - ``attn_proj`` needs ``core_attn``: attn_proj saves core attention's output, which core
+      attention's backward needs as well (flash attention saves it), so offloading attn_proj alone
+      moves nothing off the device;
+    - MoE modules are not offloaded while ``moe`` is recomputed: the recompute checkpoints the whole
+      MoE forward, so nothing inside it is saved to offload.
+    """
+    if "attn_proj" in modules and "core_attn" not in modules:
+        return (
+            "attn_proj is offloaded without core_attn: attn_proj saves core attention's output, which core "
+            "attention's backward needs too, so attn_proj alone frees nothing (megatron-core refuses it as well); "
+            "add core_attn or drop attn_proj"
+        )
+    inside_moe = sorted(MOE_MODULES & set(modules))
+    if inside_moe and "moe" in recompute_modules:
+        return (
+            f"{','.join(inside_moe)} cannot be offloaded while the MoE layer is recomputed ('moe' in the recompute "
+            "modules): the recompute checkpoints the whole MoE forward, so nothing inside it is saved to offload "
+            "(megatron-core refuses it as well); drop 'moe' from the recompute modules or drop "
+            f"{','.join(inside_moe)}"
+        )
+    return None
+
+
+def check_combination(
+    modules: Sequence[str], recompute_modules: Sequence[str] = (), *, modules_flag: str, recompute_flag: str
+) -> None:
+    """Raise `ChunkOffloadError` naming the flags as typed (``--chunk-offload-modules`` and
+    ``--recompute-modules``, or the library's arguments) when `combination_problem` finds one."""
+    problem = combination_problem(modules, recompute_modules)
+    if problem is not None:
+        given = f"{modules_flag} {','.join(modules)}"
+        if "recompute modules" in problem:
+            given += f" with {recompute_flag} {' '.join(recompute_modules)}"
+        raise ChunkOffloadError(f"{given}: {problem}")

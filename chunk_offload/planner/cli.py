@@ -28,7 +28,7 @@ from ..core.errors import ChunkOffloadError
 from ..core.option_table import option
 from ..option_flags import argparse_keywords
 from .estimate import GB, POLICY_SCHEDULES, Hardware, PipelineConfig, StageEstimate, StagePlanner
-from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
+from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules, check_combination
 from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
 from .group_choice import GroupChoice, choose_groups
 from .cli_checks import check_args, given_flags, name_flags
@@ -228,6 +228,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         modules = [m for m in present if m != "moe_act"]
     else:
         modules = canonical_modules(args.modules)
+        check_combination(modules, modules_flag="--modules", recompute_flag="--recompute-modules")
         missing = [m for m in modules if m not in present]
         if missing:
             raise ChunkOffloadError(f"module(s) {missing} not in this model; it has {present}")

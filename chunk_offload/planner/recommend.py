@@ -1,6 +1,7 @@
 """Per stage, the cheapest offload module set that fits a memory budget without stalling.
 
-`recommend` tries every subset of the candidate modules (2^n sets, n <= 8) on every stage with
+`recommend` tries every subset of the candidate modules (2^n sets, n <= 8) that megatron-core's
+rules allow (`chunk_offload.module_names.combination_problem`) on every stage with
 `StagePlanner` and keeps, per stage, among the sets that
 
 - fit: the estimated activation peak with offload (NOTE [Stage activation peak] in
@@ -24,7 +25,7 @@ from typing import Sequence
 
 from ..core.errors import ChunkOffloadError
 from .estimate import StageEstimate, StagePlanner
-from ..module_names import OFFLOAD_MODULE_NAMES, canonical_modules
+from ..module_names import OFFLOAD_MODULE_NAMES, canonical_modules, combination_problem
 
 __all__ = ["Recommendation", "recommend"]
 
@@ -113,7 +114,7 @@ def recommend(planner: StagePlanner, *, budget_bytes: int, candidates: str | Seq
         names = canonical_modules(candidates)
     if len(names) > _MAX_CANDIDATES:
         raise ChunkOffloadError(f"at most {_MAX_CANDIDATES} candidate modules (2^n sets are tried), got {len(names)}: {names}")
-    subsets = [list(c) for k in range(len(names) + 1) for c in combinations(names, k)]
+    subsets = [list(c) for k in range(len(names) + 1) for c in combinations(names, k) if combination_problem(c) is None]
     per_stage: list[list[StageEstimate]] = [[] for _ in range(planner.pipeline.pipeline_parallel)]
     for subset in subsets:
         estimates = planner.estimate(subset)

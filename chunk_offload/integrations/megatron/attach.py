@@ -46,6 +46,7 @@ from ..plan_tracking import PlanTracking
 from ..session import TrainingSession, check_baseline_iterations
 from .auto import AutoIterations, check_iterations
 from .chunk_hooks import ChunkHooks
+from ...module_names import check_combination
 from .modules import canonical_names, offload_submodules
 from .reporting import build_stage_report
 
@@ -86,6 +87,7 @@ class MegatronOffloadManager(AttachedManager):
             raise ChunkOffloadError(
                 f"attach expects a GPTModel chunk or a list of them (one per virtual stage), got {model_chunks!r:.200}"
             )
+        check_combination(offload_modules, _recomputed(chunks[0]), modules_flag="offload_modules", recompute_flag="config.recompute_modules")
         # NOTE [Deferred exchanges] (exchange.py): auto iterations close where ranks wait on each other.
         session = TrainingSession(
             config=config,
@@ -241,6 +243,14 @@ class MegatronOffloadManager(AttachedManager):
             self._auto.settle(discard_incomplete=False)
         self._hooks.remove()
         self._remove_module_offloads()
+
+
+def _recomputed(chunk: nn.Module) -> list[str]:
+    """The modules megatron-core's selective recompute covers in ``chunk`` (its TransformerConfig)."""
+    config = getattr(chunk, "config", None)
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return []
+    return list(getattr(config, "recompute_modules", None) or [])
 
 
 def _pipeline_group() -> Any:

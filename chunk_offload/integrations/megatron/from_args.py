@@ -15,6 +15,7 @@ from typing import Sequence
 from torch import nn
 
 from ...core import ChunkOffloadError, OffloadConfig, StreamBackend
+from ...module_names import check_combination
 from .args import BUDGET_FLAGS, DESTS, FLAG_ROWS, LONG_PREFIX, MEGATRON_OFFLOAD_SWITCHES, PLANNED_FLAGS
 from .attach import MegatronOffloadManager, attach
 
@@ -57,11 +58,20 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
       group-start``, which never reads them: an error;
     - budget flags without ``--chunk-offload-modules``: nothing is offloaded, so they do nothing:
       a usage error at the command line (``parser`` given: exit status 2), a warning otherwise;
-    - budget flags with ``--chunk-offload-baseline``, which copies nothing: a warning.
+    - budget flags with ``--chunk-offload-baseline``, which copies nothing: a warning;
+    - module combinations megatron-core refuses for its own offloading (`combination_problem`:
+      ``attn_proj`` without ``core_attn``; MoE modules with ``--recompute-modules moe``): an error.
 
     `attach_from_args` calls it without ``parser``; a command line calls it with its parser right
     after parsing.
     """
+    modules = getattr(args, DESTS["modules"], None)
+    if modules:
+        recompute = getattr(args, "recompute_modules", None) if getattr(args, "recompute_granularity", None) == "selective" else None
+        try:
+            check_combination(modules, recompute or (), modules_flag=LONG_PREFIX + "modules", recompute_flag="--recompute-modules")
+        except ChunkOffloadError as e:
+            _refuse(str(e).removeprefix("chunk_offload: "), parser)
     schedule = getattr(args, DESTS["schedule"], "plan")
     planned = _given(args, PLANNED_FLAGS)
     if planned and schedule != "plan":
