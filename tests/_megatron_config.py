@@ -67,6 +67,8 @@ class TinyGPTConfig:
     recompute_granularity: str | None = None
     """Megatron's activation recomputation: ``"selective"`` (core attention by default) or
     ``"full"`` (whole layers, see ``recompute_method``); None for none."""
+    recompute_modules: tuple[str, ...] | None = None
+    """With ``recompute_granularity="selective"``: megatron's ``recompute_modules`` (None: core_attn)."""
     recompute_method: str | None = None
     """With ``recompute_granularity="full"``: ``"uniform"`` (every layer, in groups of
     ``recompute_num_layers``) or ``"block"`` (the first ``recompute_num_layers`` layers of each chunk)."""

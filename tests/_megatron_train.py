@@ -168,6 +168,7 @@ def gpt_shape(cfg: TinyGPTConfig):
         k: v
         for k, v in (
             ("recompute_granularity", cfg.recompute_granularity),
+            ("recompute_modules", cfg.recompute_modules),
             ("recompute_method", cfg.recompute_method),
             ("recompute_num_layers", cfg.recompute_num_layers),
         )

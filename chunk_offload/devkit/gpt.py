@@ -1,15 +1,14 @@
 """Build the megatron-core GPTModel chunks of this pipeline rank, and feed them random tokens.
 
-Shared by the pretraining example, the test harness and (later) the stage replay, so that all
-of them train the very same model: local layer spec (no Transformer Engine) with megatron's
+Shared by the pretraining example, the test harness and the stage replay, so that all of them
+train the very same model: local layer spec (no Transformer Engine) with megatron's
 core attention or torch's scaled_dot_product_attention (``GPTShape.attention``), fused CUDA
 kernels off, dropout 0, deterministic on CPU. Model parallelism must be initialised first
 (``parallel_state.initialize_model_parallel``).
 
-The shape also picks Llama-style options of the local spec: RMSNorm, SwiGLU (gated MLP with
-SiLU, megatron's fused or unfused activation) and rotary position embeddings. Sequence
-parallelism with the local spec needs Apex's norm; without Apex (CPU hosts) torch's norm stands
-in for it, see `SequenceParallelTorchNorm`.
+The shape also picks Llama-style options of the local spec: RMSNorm, SwiGLU (fused or not) and
+rotary positions. Sequence parallelism with the local spec needs Apex's norm; without Apex (CPU
+hosts) torch's norm stands in for it, see `SequenceParallelTorchNorm`.
 """
 
 from __future__ import annotations
@@ -77,8 +76,9 @@ class GPTShape:
     half dtype every parameter and buffer is cast, as Megatron-LM's ``Float16Module`` does (see
     NOTE [ Half-precision chunks ])."""
     recompute_granularity: str | None = None
-    """megatron's activation recomputation: ``"selective"`` (``recompute_modules``, core attention
-    by default) or ``"full"``; None for none."""
+    """megatron's activation recomputation: ``"selective"`` or ``"full"``; None for none."""
+    recompute_modules: tuple[str, ...] | None = None
+    """With selective recomputation: megatron's ``recompute_modules`` (None: its default, core_attn)."""
     recompute_method: str | None = None
     """With full recomputation: ``"uniform"`` or ``"block"``."""
     recompute_num_layers: int | None = None
@@ -107,9 +107,7 @@ class GPTShape:
         if self.normalization not in _NORMALIZATIONS:
             raise ChunkOffloadError(f"normalization must be one of {list(_NORMALIZATIONS)}, got {self.normalization!r}")
         if self.position_embedding_type not in _POSITION_EMBEDDINGS:
-            raise ChunkOffloadError(
-                f"position_embedding_type must be one of {list(_POSITION_EMBEDDINGS)}, got {self.position_embedding_type!r}"
-            )
+            raise ChunkOffloadError(f"position_embedding_type must be one of {list(_POSITION_EMBEDDINGS)}, got {self.position_embedding_type!r}")
 
 
 class SequenceParallelTorchNorm:
@@ -193,6 +191,7 @@ def build_gpt_chunks(
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         add_bias_linear=shape.add_bias_linear,
         recompute_granularity=shape.recompute_granularity,
+        recompute_modules=None if shape.recompute_modules is None else list(shape.recompute_modules),
         recompute_method=shape.recompute_method,
         recompute_num_layers=shape.recompute_num_layers,
         normalization=shape.normalization,
