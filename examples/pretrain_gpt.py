@@ -229,7 +229,8 @@ def print_summary(args: argparse.Namespace, gathered: list, reports: list | None
     print(format_table(reports))
     if args.chunk_offload_report is not None:
         files = write_report(reports, args.chunk_offload_report)
-        print(f"report written to {files.table}, {files.json} and {files.png}")
+        written = [str(f) for f in (files.table, files.json, files.png) if f is not None]  # png: None without matplotlib
+        print(f"report written to {', '.join(written)}")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ Inert when ``torch.cuda.is_available()``. The rules:
 * ``device_count``: ``torch.cuda.device_count()`` is 1 and ``torch.cuda.set_device`` does
   nothing: with 0 devices ``_initialize_distributed`` silently skips model-parallel set-up and
   ``_set_random_seed`` skips ``model_parallel_cuda_manual_seed``.
-* ``compile_helpers``: ``megatron.core.datasets.utils.compile_helpers`` does not run ``make``
-  when the wheel's compiled ``helpers_cpp`` imports (the wheel ships it; ``make`` may be missing).
+* ``compile_helpers``: ``megatron.core.datasets.utils.compile_helpers`` imports the compiled
+  ``helpers_cpp`` when it imports (the wheel ships it, and no Makefile) and runs Megatron's
+  ``make`` only otherwise (a Megatron-LM checkout), after checking the tools it needs
+  (`chunk_offload.devkit.megatron_dataset_helpers`).
 * ``fused_kernels``: ``megatron.legacy.fused_kernels.load`` (core_v0.16's ``initialize``; only in
   a Megatron-LM checkout) does not build the nvcc kernels. Skipped where the module is absent.
 """
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import ChunkOffloadError
+from .megatron_dataset_helpers import compiled_or_built
 
 __all__ = ["RULES", "TrainingCpuRules", "enable", "training_on_cpu"]
 
@@ -98,7 +100,7 @@ class TrainingCpuRules:
 
     def _compile_helpers(self) -> bool:
         utils = importlib.import_module("megatron.core.datasets.utils")
-        self._patch(utils, "compile_helpers", _import_helpers)
+        self._patch(utils, "compile_helpers", compiled_or_built(utils.compile_helpers))
         return True
 
     def _fused_kernels(self) -> bool:
@@ -120,17 +122,6 @@ def _with_allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*bound.args, **bound.kwargs)
 
     return initialize_megatron
-
-
-def _import_helpers() -> None:
-    """``compile_helpers`` without ``make``: the wheel's compiled helpers must import."""
-    try:
-        importlib.import_module("megatron.core.datasets.helpers_cpp")
-    except ImportError as e:
-        raise ChunkOffloadError(
-            "chunk_offload: megatron.core.datasets.helpers_cpp does not import and megatron_training_cpu "
-            "does not run `make`; install a megatron-core wheel (it ships the compiled helpers)"
-        ) from e
 
 
 def enable() -> TrainingCpuRules:

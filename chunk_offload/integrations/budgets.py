@@ -215,9 +215,14 @@ class Budgets:
         if not self.choice.fits and not self._warned:
             self._warned = True
             warnings.warn(budget_shortfall_message(self.choice, rank=pp_rank), RuntimeWarning, stacklevel=2)
+        # One line per decision and rank: several ranks share a pipeline stage (data and expert
+        # parallelism), so the line names the global rank; a budget given as "auto" stays "auto".
+        given = f"auto (levelled to {self.leveled_budget} bytes)" if self.device_budget == "auto" else f"{self.device_budget} bytes"
         logger.info(
-            "chunk_offload: pipeline rank %d: budget %d bytes, predicted peak %d, %d bytes offloaded per iteration",
-            pp_rank, budget, self.choice.predicted_peak_bytes, self.choice.bytes_offloaded,
+            "chunk_offload: rank %d (pipeline rank %d): device budget %s, activation budget %d bytes, predicted peak %d, "
+            "%d bytes offloaded per iteration",
+            dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, pp_rank, given, budget, self.choice.predicted_peak_bytes,
+            self.choice.bytes_offloaded,
         )
         return self.policy(plan)
 

@@ -13,8 +13,12 @@ it up: ``megatron.training``, ``megatron.training.training``, ``.arguments``, ``
   attached once its last chunk is built; a config container whose model config has
   ``pre_wrap_hooks`` (core_v0.19, the model built from the config inside ``pretrain``) gets a
   hook that attaches to the bare chunks before Megatron-LM wraps them in DDP / Float16Module.
-  After ``pretrain`` returns, the report is written (``--chunk-offload-report``); in any case
-  the manager is closed.
+  After ``pretrain`` returns, every rank's `StageSummary` is gathered to rank 0 (a collective),
+  where `close_run` writes the report (``--chunk-offload-report``) and prepares the closing
+  summary (``closing``, printed by the launcher); in any case the manager is closed.
+
+Our flags' defaults are Megatron-LM's parser's too, but for ``--chunk-offload-iterations``, whose
+default there is ``auto``: what runs (Megatron-LM prints every argument at start-up).
 
 Attaching goes through `attach_from_args` with ``iterations="auto"``: Megatron-LM's ``train_step``
 calls ``get_forward_backward_func()`` itself, so there is nothing to wrap.
@@ -30,21 +34,20 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch.distributed as dist
 from torch import nn
 
 from ..integrations.megatron import MegatronOffloadManager, add_arguments, attach_from_args
 from ..integrations.megatron.args import has_arguments
-from ..integrations.megatron.reporting import write_rank_reports
-from ..report import ReportFiles
+from ..report import ReportFiles, gather_objects
+from .closing import Closing, close_run
+from .summary import stage_summary
 
 __all__ = ["EntryPoints"]
-
-logger = logging.getLogger(__name__)
 
 _ARGS_ENTRY_POINTS = ("parse_and_validate_args", "initialize_megatron")
 _BINDING_MODULES = (
@@ -77,6 +80,9 @@ class EntryPoints:
         self._pending: list[nn.Module] = []
         self._builds = 0
         self.report_files: ReportFiles | None = None
+        """The report files written on rank 0 (``--chunk-offload-report``)."""
+        self.closing: Closing | None = None
+        """Rank 0, after ``pretrain``: the closing summary, warnings and error of the run."""
 
     # -- installation -------------------------------------------------------------------------
 
@@ -183,13 +189,20 @@ class EntryPoints:
         self.manager = attach_from_args(chunks, get_args(), iterations="auto")
 
     def _after_training(self) -> None:
+        """Gather every rank's summary to rank 0 (a collective) and close the run there."""
         from megatron.training import get_args
 
-        path = getattr(get_args(), "chunk_offload_report", None)
-        if path and self.manager is not None:
-            self.report_files = write_rank_reports(self.manager, path)
-        elif path:
-            logger.warning("--chunk-offload-report %s: no report, --chunk-offload-modules offloads nothing", path)
+        args = get_args()
+        requested = getattr(args, "chunk_offload_modules", None)
+        if not requested:  # the same on every rank: no collective
+            first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+            self.closing = close_run(None, report_path=None) if first else None
+            return
+        path = getattr(args, "chunk_offload_report", None)
+        summaries = gather_objects(stage_summary(self.manager, requested=list(requested), report=bool(path)))
+        if summaries is not None:
+            self.closing = close_run(summaries, report_path=path)
+            self.report_files = self.closing.files
 
 
 def _chunks_per_rank() -> int:
@@ -211,13 +224,16 @@ def _compose_provider(signature: inspect.Signature, args: tuple, kwargs: dict) -
 
 
 def _composed(provider: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
-    """``provider`` followed by `add_arguments` (unless ``provider`` already added our flags)."""
+    """``provider`` followed by `add_arguments` (unless ``provider`` already added our flags), with
+    ``--chunk-offload-iterations`` defaulting to ``auto``, the mode the launcher runs."""
     if getattr(provider, _COMPOSED, False):
         return provider
 
     def extra_args_provider(parser: Any) -> Any:
         parser = parser if provider is None else provider(parser)
-        return parser if has_arguments(parser) else add_arguments(parser)
+        parser = parser if has_arguments(parser) else add_arguments(parser)
+        parser.set_defaults(chunk_offload_iterations="auto")  # what runs: Megatron-LM prints it
+        return parser
 
     setattr(extra_args_provider, _COMPOSED, True)
     return extra_args_provider

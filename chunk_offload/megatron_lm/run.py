@@ -1,9 +1,15 @@
-"""`run_script` and the command line of ``python -m chunk_offload.megatron_lm SCRIPT [ARGS...]``."""
+"""`run_script` and the command line of ``python -m chunk_offload.megatron_lm SCRIPT [ARGS...]``.
+
+Exit status: 2 for a usage error, found before anything runs (`preflight`); 1 when the run cannot
+start (no ``megatron.training``, dataset helpers that cannot be built) or fails at its end (the
+report cannot be written: the summary is printed first); 0 otherwise.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
 import os
 import runpy
@@ -14,7 +20,10 @@ from typing import Iterator, Sequence
 import torch
 
 from ..core.errors import ChunkOffloadError
+from ..devkit import megatron_dataset_helpers
+from .closing import Closing
 from .entry_points import EntryPoints
+from .preflight import USAGE, LauncherParser, preflight
 
 __all__ = ["main", "run_script"]
 
@@ -23,15 +32,17 @@ _DESCRIPTION = (
     "one in the same style) with chunk-offload: the script's own arguments plus the --chunk-offload-* "
     "flags (e.g. --chunk-offload-modules core_attn,qkv_linear --chunk-offload-report out/report). "
     "Iterations are delimited automatically. Without CUDA, megatron-core and megatron.training run on "
-    "CPU with gloo (pass --distributed-backend gloo)."
+    "CPU with gloo (pass --distributed-backend gloo). At the end rank 0 prints a summary per rank."
 )
 
 
 @contextlib.contextmanager
-def _cpu_layers() -> Iterator[None]:
-    """megatron-core's and megatron.training's CPU rules, when this host has no CUDA; else nothing."""
+def _megatron_layers() -> Iterator[None]:
+    """Megatron's dataset helpers imported before built; without CUDA also megatron-core's and
+    megatron.training's CPU rules (whose ``compile_helpers`` rule does the same)."""
     if torch.cuda.is_available():
-        yield
+        with megatron_dataset_helpers.compiled_first():
+            yield
         return
     from ..devkit import cpu_compat, megatron_training_cpu
 
@@ -55,19 +66,24 @@ def _as_main_argv(script: Path, script_args: Sequence[str]) -> Iterator[None]:
 def run_script(script: str | os.PathLike, script_args: Sequence[str]) -> EntryPoints:
     """Run ``script`` as ``__main__`` with ``script_args``, Megatron-LM's entry points wrapped.
 
-    Returns the `EntryPoints` of the run (its ``manager`` and ``report_files``). The wraps, the
-    CPU rules, ``sys.argv`` and ``sys.path`` are restored afterwards, also when the script raises.
+    Returns the `EntryPoints` of the run (its ``manager``, ``report_files`` and ``closing``). The
+    wraps, the CPU rules, ``sys.argv`` and ``sys.path`` are restored afterwards, also when the
+    script raises. Raises `ChunkOffloadError` before the script runs when megatron.training is
+    missing or Megatron's dataset helpers are neither compiled nor buildable here.
     """
     script = Path(script)
-    # NOTE: sys.path first: a Megatron-LM checkout (core_v0.16) brings megatron.training with it.
+    # NOTE: sys.path first: a Megatron-LM checkout brings megatron.core and megatron.training with it.
     with _as_main_argv(script, script_args):
-        _require_megatron_training(script)
-        with _cpu_layers(), EntryPoints() as entry_points:
-            runpy.run_path(str(script), run_name="__main__")
+        _find_megatron_training(script)
+        megatron_dataset_helpers.check_helpers()
+        with _megatron_layers():  # megatron.training imported under megatron-core's CPU rules, as before
+            _import_megatron_training()
+            with EntryPoints() as entry_points:
+                runpy.run_path(str(script), run_name="__main__")
     return entry_points
 
 
-def _require_megatron_training(script: Path) -> None:
+def _find_megatron_training(script: Path) -> None:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.training") is None:
         raise ChunkOffloadError(
             f"chunk_offload: the launcher needs Megatron-LM's megatron.training to run {str(script)!r}; it is "
@@ -75,18 +91,45 @@ def _require_megatron_training(script: Path) -> None:
         )
 
 
+def _import_megatron_training() -> None:
+    """megatron.training must import: it needs triton (also on CPU), and a checkout its requirements."""
+    try:
+        importlib.import_module("megatron.training")
+    except ModuleNotFoundError as e:
+        origin = importlib.util.find_spec("megatron.training").origin
+        raise ChunkOffloadError(
+            f"chunk_offload: Megatron-LM's megatron.training ({origin}) does not import: {e}; install it "
+            f"(pip install {(e.name or '?').split('.')[0]}; megatron.training imports triton even on CPU, and a "
+            "Megatron-LM checkout needs the packages of its requirements files)"
+        ) from e
+
+
+def _close(closing: Closing | None, prog: str) -> int:
+    """Print the closing (rank 0 has one) and return the exit status."""
+    if closing is None:
+        return 0
+    if closing.summary:
+        print(closing.summary, flush=True)
+    for warning in closing.warnings:
+        print(f"{prog}: warning: {warning}", file=sys.stderr, flush=True)
+    if closing.error is not None:
+        print(f"{prog}: error: {closing.error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m chunk_offload.megatron_lm``; exit code 2 on a usage error."""
-    parser = argparse.ArgumentParser(
-        prog="python -m chunk_offload.megatron_lm", description=_DESCRIPTION, allow_abbrev=False
-    )
+    """Entry point of ``python -m chunk_offload.megatron_lm``; exit status 2 on a usage error."""
+    parser = LauncherParser(prog="python -m chunk_offload.megatron_lm", usage=USAGE, description=_DESCRIPTION, allow_abbrev=False)
     parser.add_argument("script", help="the Megatron-LM training script, e.g. pretrain_gpt.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, ours included")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not Path(args.script).is_file():
         parser.error(f"script {args.script!r} is not a file; pass the path of a training script such as pretrain_gpt.py")
+    preflight(args.script_args, prog=parser.prog)
     try:
-        run_script(args.script, args.script_args)
-    except ChunkOffloadError as e:
-        parser.exit(1, f"{parser.prog}: error: {e}\n")  # a run-time error, not a usage error: exit 1
-    return 0
+        entry_points = run_script(args.script, args.script_args)
+    except ChunkOffloadError as e:  # a run-time error, not a usage error: exit 1, on every rank
+        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return _close(entry_points.closing, parser.prog)

@@ -7,7 +7,7 @@ render them: `format_table`, `to_json` / `write_json`, `plot_memory`, or all thr
 """
 
 from .files import ReportFiles, report_files, write_report
-from .gather import gather_reports
+from .gather import gather_objects, gather_reports
 from .plot import plot_memory
 from .render import FORMAT, format_table, from_json, read_json, to_json, write_json
 from .stage import MEASURES, Measure, StageReport, stage_report
@@ -20,6 +20,7 @@ __all__ = [
     "StageReport",
     "format_table",
     "from_json",
+    "gather_objects",
     "gather_reports",
     "plot_memory",
     "read_json",

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from .plot import plot_memory
+from .plot import missing_plot_package, plot_memory
 from .render import format_table, write_json
 from .stage import StageReport
 
 __all__ = ["ReportFiles", "report_files", "write_report"]
+
+logger = logging.getLogger(__name__)
 
 _SUFFIXES = (".json", ".png", ".md")
 
@@ -21,8 +24,8 @@ class ReportFiles:
 
     json: Path
     """The reports as JSON (`chunk_offload.report.read_json` reads it back)."""
-    png: Path
-    """The plot of `plot_memory`."""
+    png: Path | None
+    """The plot of `plot_memory` (`write_report`: None when it was not drawn)."""
     table: Path
     """The table of `format_table` (Markdown)."""
 
@@ -39,12 +42,17 @@ def report_files(path: str | Path) -> ReportFiles:
 def write_report(reports: Sequence[StageReport], path: str | Path, *, plot: bool = True) -> ReportFiles:
     """Write the table, the JSON and (unless ``plot=False``) the PNG named by `report_files`.
 
-    The plot needs matplotlib (the ``plot`` extra); without it this raises `ChunkOffloadError`
-    after the table and the JSON are written.
+    The plot is optional: it needs matplotlib (the ``plot`` extra), and without it the PNG is
+    skipped with a one-line warning naming the package and the path. The returned files' ``png``
+    is None when no PNG was written.
     """
     files = report_files(path)
     write_json(reports, files.json)
     files.table.write_text(format_table(reports) + "\n")
-    if plot:
-        plot_memory(reports, files.png)
+    missing = missing_plot_package() if plot else None
+    if missing:
+        logger.warning("chunk_offload: %s is not installed: skipped the plot %s (pip install 'chunk-offload[plot]')", missing, files.png)
+    if not plot or missing:
+        return replace(files, png=None)
+    plot_memory(reports, files.png)
     return files

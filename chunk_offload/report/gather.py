@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from .stage import StageReport
 
-__all__ = ["gather_reports"]
+__all__ = ["gather_objects", "gather_reports"]
+
+T = TypeVar("T")
+
+
+def gather_objects(item: T, *, group: Any = None) -> list[T] | None:
+    """Collect one picklable ``item`` per rank of ``group`` (default: the world) on its first rank.
+
+    A collective: every rank of ``group`` must call it. Returns the items in rank order on the
+    group's first rank and None on the others; without an initialised process group (a single
+    process) ``[item]``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return [item]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, item, group=group)
+    return gathered if dist.get_rank(group) == 0 else None
 
 
 def gather_reports(report: StageReport, *, group: Any = None) -> list[StageReport] | None:
@@ -18,10 +34,5 @@ def gather_reports(report: StageReport, *, group: Any = None) -> list[StageRepor
     the group's first rank and None on the others. Without an initialised process group (a
     single process) it returns ``[report]``.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        return [report]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, report, group=group)
-    if dist.get_rank(group) != 0:
-        return None
-    return sorted(gathered, key=lambda r: r.rank)
+    gathered = gather_objects(report, group=group)
+    return None if gathered is None else sorted(gathered, key=lambda r: r.rank)

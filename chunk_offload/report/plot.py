@@ -6,15 +6,26 @@ through `matplotlib.figure.Figure` alone, so no pyplot state or GUI backend is t
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Sequence
 
 from ..core.errors import ChunkOffloadError
 from .stage import StageReport
 
-__all__ = ["plot_memory"]
+__all__ = ["missing_plot_package", "plot_memory"]
 
 _UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
+
+
+def missing_plot_package() -> str | None:
+    """The name of the package the plot needs and cannot import (``"matplotlib"``), or None."""
+    try:
+        for name in ("matplotlib", "matplotlib.figure"):  # the package too: its submodule may be imported already
+            importlib.import_module(name)
+    except ImportError as e:
+        return (e.name or "matplotlib").split(".")[0]
+    return None
 
 
 def plot_memory(reports: Sequence[StageReport], path: str | Path, *, dpi: int = 110) -> Path:
@@ -25,12 +36,12 @@ def plot_memory(reports: Sequence[StageReport], path: str | Path, *, dpi: int = 
     The x axis is the fraction of the iteration's accounting changes: the offload iteration has
     more of them (every copy is one), so both lines span the same width.
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
+    missing = missing_plot_package()
+    if missing:
         raise ChunkOffloadError(
-            "plotting the stage report needs matplotlib: pip install 'chunk-offload[plot]' (or pip install matplotlib)"
-        ) from e
+            f"plotting the stage report needs {missing}: pip install 'chunk-offload[plot]' (or pip install matplotlib)"
+        )
+    from matplotlib.figure import Figure
     reports = list(reports)
     if not reports:
         raise ChunkOffloadError("no stage reports to plot; pass the list gather_reports returned on rank 0")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..core.errors import ChunkOffloadError
 from .stage import MEASURES, StageReport
 
-__all__ = ["FORMAT", "format_table", "from_json", "read_json", "to_json", "write_json"]
+__all__ = ["FORMAT", "format_table", "from_json", "read_json", "table_lines", "to_json", "write_json"]
 
 FORMAT = "chunk_offload.stage_reports/1"
 """The ``format`` field of the JSON document; bumped when fields change meaning."""
@@ -73,18 +73,21 @@ def format_table(reports: Sequence[StageReport]) -> str:
     for base, offload in pairs:
         if base is not None and offload is not None:
             lines.append(f"peak without: iteration {base + 1} (baseline, nothing copied); peak with: iteration {offload + 1} (offload)")
-    lines += ["", *_table(_COLUMNS, reports)]  # a blank line: Markdown needs it before a table
+    lines += ["", *table_lines(_COLUMNS, reports)]  # a blank line: Markdown needs it before a table
     lines += _nothing_copied_notes(reports)
     lines += _difference_notes(reports)
     if any(r.device_budget is not None or r.host_budget is not None for r in reports):
         lines += ["", "budgets (predicted peak: simulate's, under the budget's choice; peak with: measured):", ""]
-        lines += _table(_BUDGET_COLUMNS, reports)
+        lines += table_lines(_BUDGET_COLUMNS, reports)
     return "\n".join(lines)
 
 
-def _table(columns: Sequence[tuple], reports: list[StageReport]) -> list[str]:
-    """The lines of a Markdown table with a row per report."""
-    cells = [[header for header, _, _ in columns]] + [[cell(r) for _, _, cell in columns] for r in reports]
+def table_lines(columns: Sequence[tuple[str, str, Callable[[Any], str]]], rows: Sequence[Any]) -> list[str]:
+    """The lines of a Markdown table (that also reads as plain text) with a line per row.
+
+    ``columns``: ``(header, alignment, cell)`` each, alignment ``"r"`` or ``"l"``, ``cell(row)`` the text.
+    """
+    cells = [[header for header, _, _ in columns]] + [[cell(r) for _, _, cell in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
 
     def row(values: list[str]) -> str:

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,12 +54,12 @@ TIMEOUT_S = 420
 _LINE = re.compile(r"^chunk-offload-test (loss|grad-norm) rank=(\d+) value=(\S+)$", re.MULTILINE)
 
 
-def _train(nproc: int, case_args: str, extra: list[str], tmp_path: Path, *, script: Path = SCRIPT, launcher: bool = True) -> list[tuple[str, int, str]]:
-    """Run ``script`` (under the launcher); the (kind, rank, hex value) lines in the order each rank printed them."""
+def _run(nproc: int, args: list[str], tmp_path: Path, *, script: Path = SCRIPT, launcher: bool = True, **env_vars: str) -> tuple[int, str, str]:
+    """Run ``script`` with ``args`` under torchrun (and the launcher); its exit status, stdout and stderr."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), *(["-m", "chunk_offload.megatron_lm"] if launcher else []), str(script)]
-    cmd += COMMON + case_args.split() + extra
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd += args
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env_vars}
     # A session of its own: on a hang the whole process group (torchrun and its ranks) is killed.
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     # stdout apart from stderr: a warning written by one rank must not split another's result line.
@@ -68,7 +69,45 @@ def _train(nproc: int, case_args: str, extra: list[str], tmp_path: Path, *, scri
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} did not finish within {TIMEOUT_S} s:\n{(out + err)[-6000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{(out + err)[-6000:]}"
+    return proc.returncode, out, err
+
+
+def _run_one_rank(args: list[str], tmp_path: Path, **env_vars: str) -> tuple[int, str, str]:
+    """One rank without torchrun (its environment set here), so that the launcher's own exit status
+    and stderr come back as they are: `_WRAPPER` runs `SCRIPT` as set up by ``env_vars``."""
+    wrapper = tmp_path / "wrapped_train_gpt.py"
+    wrapper.write_text(_WRAPPER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TEST_SCRIPT": str(SCRIPT), **rank, **env_vars}
+    cmd = [sys.executable, "-m", "chunk_offload.megatron_lm", str(wrapper), *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+# Runs SCRIPT after the launcher's checks passed: without matplotlib, or with a folder where a report file goes.
+_WRAPPER = """import os, runpy, sys
+if os.environ.get("TEST_NO_MATPLOTLIB"):
+    sys.modules["matplotlib"] = None  # import matplotlib fails
+if os.environ.get("TEST_BLOCK"):
+    os.makedirs(os.environ["TEST_BLOCK"])  # writing this report file will fail at the end
+runpy.run_path(os.environ["TEST_SCRIPT"], run_name="__main__")
+"""
+
+
+def _train(
+    nproc: int, case_args: str, extra: list[str], tmp_path: Path, *, script: Path = SCRIPT, launcher: bool = True, outputs: list | None = None
+) -> list[tuple[str, int, str]]:
+    """Run ``script`` (under the launcher); the (kind, rank, hex value) lines in the order each rank printed them.
+
+    ``outputs``: the run's stdout and stderr are appended to it.
+    """
+    returncode, out, err = _run(nproc, COMMON + case_args.split() + extra, tmp_path, script=script, launcher=launcher)
+    assert returncode == 0, f"exited with {returncode}:\n{(out + err)[-6000:]}"
+    if outputs is not None:
+        outputs += [out, err]
     lines = sorted(_LINE.findall(out), key=lambda t: int(t[1]))  # stable: per rank in print order
     return [(kind, int(rank), value) for kind, rank, value in lines]
 
@@ -91,11 +130,13 @@ def test_pretrain_through_launcher_bit_identical_with_report(case: str, plain_ru
     nproc, case_args, modules = CASES[case]
     report = tmp_path / "report"
     plain = _plain(plain_runs, case, tmp_path)
+    outputs: list[str] = []
     offload = _train(
         nproc,
         case_args,
         ["--chunk-offload-modules", modules, "--chunk-offload-min-offload-bytes", "0", "--chunk-offload-report", str(report)],
         tmp_path,
+        outputs=outputs,
     )
     losses = [line for line in plain if line[0] == "loss"]
     norms = [line for line in plain if line[0] == "grad-norm"]
@@ -115,6 +156,18 @@ def test_pretrain_through_launcher_bit_identical_with_report(case: str, plain_ru
     table = report.with_suffix(".md").read_text()
     if idle:
         assert f"{'rank' if len(idle) == 1 else 'ranks'} {', '.join(map(str, idle))} copied nothing: the plan kept" in table
+    # The launcher's summary on rank 0, after the report: a row per rank with the report's drop and R.
+    out = outputs[0]
+    summary = out[out.index("chunk-offload summary: ") :].splitlines()
+    assert summary[0] == f"chunk-offload summary: --chunk-offload-modules {modules}, the last of 3 training iterations, per rank"
+    rows = {int(cells[0]): cells for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in summary[5 : 5 + nproc])}
+    assert sorted(rows) == list(range(nproc))
+    for r in reports:
+        cells = rows[r["rank"]]
+        assert cells[1] == f"{r['pp_rank']}/2" and cells[2] == str(sum(r["bytes_per_module"].values())) and cells[3] == str(r["peak_with"])
+        assert cells[4] == (str(r["measured_drop"]) if r["rank"] not in idle else "-")
+    assert f"report: {report}.json, {report}.md, {report}.png" in summary
+    assert out.count("chunk-offload summary: ") == 1  # rank 0 only
 
 
 def test_model_provider_and_the_readme_snippet(plain_runs: dict, tmp_path: Path) -> None:
@@ -160,3 +213,46 @@ def test_bad_budget_is_a_usage_error_through_megatrons_parser(flag: str, value: 
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"argument {flag}: {message}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+PROG = "python -m chunk_offload.megatron_lm"
+ONE_STAGE = COMMON[: COMMON.index("--train-iters")] + ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1"] + COMMON[COMMON.index("--lr") :]
+
+
+def test_without_matplotlib_and_with_nothing_offloaded_the_run_succeeds_and_says_why(tmp_path: Path) -> None:
+    """PP=1, the default minimum size (a tiny model saves nothing that large), a module the dense model lacks."""
+    report = tmp_path / "r"
+    ours = ["--chunk-offload-modules", "core_attn,expert_fc1", "--chunk-offload-device-budget", "auto", "--chunk-offload-report", str(report)]
+    returncode, out, err = _run_one_rank(ONE_STAGE + ours, tmp_path, TEST_NO_MATPLOTLIB="1")
+    assert returncode == 0, (out + err)[-6000:]
+    assert "Traceback" not in err
+    # The plot is optional: one warning line, the PNG skipped, the rest written.
+    both = out + err
+    assert both.count("matplotlib is not installed") == 1
+    assert f"chunk_offload: matplotlib is not installed: skipped the plot {report}.png (pip install 'chunk-offload[plot]')" in both
+    assert not report.with_suffix(".png").exists() and report.with_suffix(".json").is_file() and report.with_suffix(".md").is_file()
+    assert f"report: {report}.json, {report}.md (no PNG: see the warning above)" in out.splitlines()
+    # Nothing offloaded: warnings that say why (stderr), after the summary (stdout).
+    assert f"{PROG}: warning: --chunk-offload-modules expert_fc1 matches no submodule on rank 0: nothing of it is offloaded there\n" in err
+    assert (
+        f"{PROG}: warning: nothing was offloaded on rank 0: no saved tensor of core_attn reached --chunk-offload-min-offload-bytes "
+        "1048576 (default 1 MiB); a small model needs a lower threshold, e.g. --chunk-offload-min-offload-bytes 0\n"
+    ) in err
+    # Megatron-LM's argument dump shows what runs; each of our lines appears once.
+    assert re.search(r"^  chunk_offload_iterations \.+ auto$", out, flags=re.MULTILINE), out[:4000]
+    assert re.search(r"^  chunk_offload_device_budget \.+ auto$", out, flags=re.MULTILINE)
+    ours_lines = [line for line in both.splitlines() if "chunk_offload" in line or "chunk-offload" in line]
+    assert len(ours_lines) == len(set(ours_lines)), [line for line in ours_lines if ours_lines.count(line) > 1]
+    assert all("device budget auto (levelled to " in line for line in ours_lines if "device budget" in line)
+
+
+def test_a_report_that_cannot_be_written_at_the_end_still_prints_the_results_and_exits_1(tmp_path: Path) -> None:
+    report = tmp_path / "r"
+    ours = ["--chunk-offload-modules", "core_attn", "--chunk-offload-min-offload-bytes", "0", "--chunk-offload-report", str(report)]
+    returncode, out, err = _run_one_rank(ONE_STAGE + ours, tmp_path, TEST_BLOCK=f"{report}.md")
+    assert returncode == 1, (out + err)[-6000:]
+    assert "Traceback" not in err
+    assert f"{PROG}: error: --chunk-offload-report {report}: could not write the report: " in err
+    summary = out[out.index("chunk-offload summary: ") :]
+    assert "report: not written (see the error below)" in summary
+    assert "the report that could not be written:" in summary and "| rank |  pp | vp | peak without (B) |" in summary

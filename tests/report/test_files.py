@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from chunk_offload.core.errors import ChunkOffloadError
-from chunk_offload.report import format_table, read_json, report_files, write_report
+from chunk_offload.report import format_table, plot_memory, read_json, report_files, write_report
 
 from ._reports import sample_report
 
@@ -31,11 +31,24 @@ def test_write_report_writes_all_three(tmp_path):
     assert files.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_without_plot_or_matplotlib_the_table_and_json_are_still_written(tmp_path, monkeypatch):
+def test_without_plot_the_table_and_json_are_still_written(tmp_path):
     reports = [sample_report(0)]
     files = write_report(reports, tmp_path / "a", plot=False)
-    assert files.json.exists() and files.table.exists() and not files.png.exists()
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ChunkOffloadError, match=r"chunk-offload\[plot\]"):
-        write_report(reports, tmp_path / "b")
-    assert read_json(tmp_path / "b.json") == reports and not (tmp_path / "b.png").exists()
+    assert files.json.exists() and files.table.exists() and files.png is None
+    assert not (tmp_path / "a.png").exists()
+
+
+@pytest.mark.parametrize("blocked", ["matplotlib", "matplotlib.figure"])
+def test_without_matplotlib_the_plot_is_skipped_with_one_warning_line(tmp_path, monkeypatch, caplog, blocked):
+    """The plot is optional: a missing matplotlib is a warning naming it and the PNG skipped, not an error."""
+    reports = [sample_report(0)]
+    monkeypatch.setitem(sys.modules, blocked, None)  # `import matplotlib...` raises ImportError
+    with caplog.at_level("WARNING", logger="chunk_offload.report.files"):
+        files = write_report(reports, tmp_path / "b")
+    assert files.png is None and not (tmp_path / "b.png").exists()
+    assert read_json(files.json) == reports and files.table.read_text() == format_table(reports) + "\n"
+    [record] = caplog.records
+    message = record.getMessage()
+    assert "\n" not in message and "matplotlib is not installed" in message and str(tmp_path / "b.png") in message
+    with pytest.raises(ChunkOffloadError, match=r"chunk-offload\[plot\]"):  # an explicit plot still says what it needs
+        plot_memory(reports, tmp_path / "c.png")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+import torch.distributed as dist
 from torch import nn
 
 from ...core.errors import ChunkOffloadError
@@ -112,11 +113,13 @@ def offload_submodules(engine: OffloadManager, chunks: Sequence[nn.Module], name
             for module in resolve(chunk, name):
                 engine.offload_module(module, name)
                 registered[name] = registered.get(name, 0) + 1
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0  # ranks log alike: say which
     for name in names:
         if name not in registered:
             logger.warning(
-                "chunk_offload: offload module %r matches no submodule on this rank (%s); nothing of it is offloaded here.",
+                "chunk_offload: offload module %r matches no submodule on rank %d (%s); nothing of it is offloaded there.",
                 name,
+                rank,
                 _MISSING_HINTS.get(name, "not present in this model"),
             )
     return registered

@@ -1,0 +1,117 @@
+"""`close_run`: the launcher's last words on rank 0, from the gathered `StageSummary` of every rank.
+
+A table with a row per rank (pipeline stage, bytes offloaded per iteration, device peak, measured
+drop and R where the report has them, compute wait), the reasons of ranks that copied nothing
+(warnings when no rank copied anything), and where the report files are. With
+``--chunk-offload-report`` the report is written here; a failure to write it is an error of the
+run (exit status 1), after the summary and the report's table are printed all the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..core import ChunkOffloadError
+from ..report import MEASURES, ReportFiles, format_table, write_report
+from ..report.render import table_lines
+from .summary import StageSummary, absent_modules, why_nothing
+
+__all__ = ["Closing", "close_run"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Closing:
+    """What the launcher prints at the end of a run (on rank 0) and how it exits."""
+
+    summary: str = ""
+    """The summary, for stdout."""
+    warnings: list[str] = field(default_factory=list)
+    """One line each, for stderr."""
+    error: str | None = None
+    """Why the run failed at its end (exit status 1), e.g. the report could not be written."""
+    files: ReportFiles | None = None
+    """The report files written (``png`` None: not drawn)."""
+
+
+def _drop(s: StageSummary) -> str:
+    return "-" if s.report is None or not s.bytes_offloaded else str(s.report.measured_drop)
+
+
+def _ratio(s: StageSummary) -> str:
+    return "-" if s.report is None or s.report.ratio is None or not s.bytes_offloaded else f"{s.report.ratio:.2%}"
+
+
+_COLUMNS = (
+    ("rank", "r", lambda s: str(s.rank)),
+    ("pp", "r", lambda s: "-" if s.pp_rank is None else f"{s.pp_rank}/{s.pp_size}"),
+    ("offloaded per iteration (B)", "r", lambda s: str(s.bytes_offloaded)),
+    ("device peak (B)", "r", lambda s: "-" if s.peak_bytes is None else str(s.peak_bytes)),
+    ("measured drop (B)", "r", _drop),
+    ("R", "r", _ratio),
+    ("wait ms", "r", lambda s: f"{s.wait_ms:.2f}"),
+    ("offloaded per module (B)", "l", lambda s: ",".join(f"{n}:{b}" for n, b in s.bytes_per_module.items()) or "-"),
+)
+
+
+def close_run(summaries: Sequence[StageSummary] | None, *, report_path: str | None) -> Closing:
+    """The closing of a run: ``summaries`` gathered from every rank (None: ``--chunk-offload-modules`` not given).
+
+    Writes the report (`write_report`) when ``report_path`` is given and every rank has one.
+    """
+    if summaries is None:
+        return Closing(warnings=["nothing was offloaded: no --chunk-offload-modules given"])
+    summaries = sorted(summaries, key=lambda s: (s.pp_rank if s.pp_rank is not None else -1, s.rank))
+    closing = Closing()
+    files_line = _write(summaries, report_path, closing)
+    reasons: dict[str, list[int]] = {}
+    for s in summaries:
+        reason = why_nothing(s)
+        if reason:
+            reasons.setdefault(reason, []).append(s.rank)
+    copied = any(s.bytes_offloaded for s in summaries)
+    lines = [_title(summaries)]
+    measures = dict.fromkeys(s.measure for s in summaries if s.measure)
+    lines += [f"device peak: {MEASURES[m]}" for m in measures]
+    lines += ["", *table_lines(_COLUMNS, summaries), ""]
+    absent = [
+        f"--chunk-offload-modules {name} matches no submodule on {_ranks(ranks)}: nothing of it is offloaded there"
+        for name, ranks in absent_modules(summaries).items()
+    ]
+    if copied:  # notes: the run offloaded, some modules or ranks did not
+        lines += [*absent, *(f"{_ranks(ranks)} copied nothing: {reason}" for reason, ranks in reasons.items())]
+    else:
+        closing.warnings += [*absent, *(f"nothing was offloaded on {_ranks(ranks)}: {reason}" for reason, ranks in reasons.items())]
+    lines.append(files_line)
+    if closing.error is not None and all(s.report is not None for s in summaries):
+        lines += ["", "the report that could not be written:", "", format_table([s.report for s in summaries])]
+    closing.summary = "\n".join(lines)
+    return closing
+
+
+def _write(summaries: list[StageSummary], report_path: str | None, closing: Closing) -> str:
+    """Write the report (if asked for); the line that says where it is, or why it is not."""
+    if not report_path:
+        return "report: none (--chunk-offload-report PATH adds the peak without offload, the measured drop and R)"
+    missing = [s for s in summaries if s.report is None]
+    if missing:
+        closing.error = f"--chunk-offload-report {report_path}: no report: rank {missing[0].rank}: {missing[0].report_error}"
+        return "report: not written (see the error below)"
+    try:
+        closing.files = write_report(sorted((s.report for s in summaries), key=lambda r: r.rank), report_path)
+    except (OSError, ChunkOffloadError) as e:
+        closing.error = f"--chunk-offload-report {report_path}: could not write the report: {e}"
+        return "report: not written (see the error below)"
+    files = closing.files
+    written = ", ".join(str(f) for f in (files.json, files.table, files.png) if f is not None)
+    return f"report: {written}" + ("" if files.png is not None else " (no PNG: see the warning above)")
+
+
+def _title(summaries: list[StageSummary]) -> str:
+    modules = ",".join(summaries[0].requested)
+    calls = max(s.training_calls for s in summaries)
+    return f"chunk-offload summary: --chunk-offload-modules {modules}, the last of {calls} training iterations, per rank"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))

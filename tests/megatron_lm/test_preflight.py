@@ -1,0 +1,125 @@
+"""The launcher's checks before anything runs: usage errors exit 2 with a usage line and no traceback.
+
+In one process (`main` exits through argparse before the script would run) but for one
+spawned launcher, so that the checks need neither Megatron-LM nor megatron.training.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chunk_offload.megatron_lm.preflight import preflight, unwritable
+from chunk_offload.megatron_lm.run import main
+
+REPO = Path(__file__).resolve().parents[2]
+PROG = "python -m chunk_offload.megatron_lm"
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "pretrain_gpt.py"
+    path.write_text("raise SystemExit('the script ran although the command line is refused')\n")
+    return path
+
+
+def _refused(script: Path, capsys: pytest.CaptureFixture, *args: str) -> str:
+    """Run the launcher in this process; it must exit 2 before the script runs. Returns its stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(script), "--num-layers", "2", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.startswith(f"usage: {PROG} "), err
+    assert "Traceback" not in err
+    return err
+
+
+def test_experts_that_expert_parallelism_cannot_divide_fail_up_front_naming_both_flags(script: Path, tmp_path: Path) -> None:
+    """A spawned launcher: exit 2 at once, instead of megatron-core's assertion at model build."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "chunk_offload.megatron_lm", str(script), "--num-experts", "3", "--expert-model-parallel-size", "2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("usage: ")
+    assert (
+        f"{PROG}: error: --num-experts 3 is not divisible by --expert-model-parallel-size 2: each expert-parallel rank holds "
+        "the same number of experts; use a multiple of 2 for --num-experts (2 or 4) or an --expert-model-parallel-size "
+        "that divides 3\n"
+    ) in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--num-experts=4", "--expert-model-parallel-size=2"],
+        ["--num-experts", "6", "--expert-model-parallel-size", "3"],
+        ["--num-experts", "3"],  # expert parallelism 1
+        ["--expert-model-parallel-size", "1"],  # a dense model
+    ],
+)
+def test_experts_that_divide_pass(args: list[str]) -> None:
+    assert preflight(args, prog=PROG).chunk_offload_modules is None
+
+
+def test_expert_parallelism_without_experts_is_refused(script: Path, capsys) -> None:
+    err = _refused(script, capsys, "--expert-model-parallel-size", "2")
+    assert f"{PROG}: error: --expert-model-parallel-size 2 without --num-experts: expert parallelism splits the experts" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", "--chunk-offload-prefetch-bytes", "1"],
+            "--chunk-offload-prefetch-bytes 1 is never used by --chunk-offload-schedule group-start",
+        ),
+        (["--chunk-offload-device-budget", "1MiB"], "--chunk-offload-device-budget 1048576 given without --chunk-offload-modules"),
+        (["--chunk-offload-device-budget", "lots"], "argument --chunk-offload-device-budget: expected 'auto' or a byte count >= 0"),
+        (["--chunk-offload-modules", "core_atn"], "argument --chunk-offload-modules: "),
+    ],
+)
+def test_check_args_usage_errors_apply_under_the_launcher(script: Path, capsys, args: list[str], message: str) -> None:
+    """`check_args` runs on the parsed flags before the script: exit 2 instead of exit 1 after Megatron's set-up."""
+    assert f"{PROG}: error: {message}" in _refused(script, capsys, *args)
+
+
+def test_iterations_wrap_is_refused(script: Path, capsys) -> None:
+    err = _refused(script, capsys, "--chunk-offload-modules", "core_attn", "--chunk-offload-iterations", "wrap")
+    assert f"{PROG}: error: --chunk-offload-iterations wrap: Megatron-LM's train_step calls get_forward_backward_func() itself" in err
+
+
+def test_a_report_without_modules_is_refused(script: Path, capsys, tmp_path: Path) -> None:
+    err = _refused(script, capsys, "--chunk-offload-report", str(tmp_path / "r"))
+    assert f"--chunk-offload-report {tmp_path / 'r'} given without --chunk-offload-modules: nothing is offloaded" in err
+
+
+def test_unwritable_report_paths_are_refused_naming_the_flag_and_the_path(script: Path, capsys, tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    err = _refused(script, capsys, "--chunk-offload-modules", "core_attn", "--chunk-offload-report", str(blocker / "out" / "r"))
+    assert f"{PROG}: error: argument --chunk-offload-report: cannot write '{blocker / 'out' / 'r.json'}': '{blocker}' is not a folder" in err
+    (tmp_path / "r2.png").mkdir()  # the plot's path is a folder
+    err = _refused(script, capsys, "--chunk-offload-modules", "core_attn", "--chunk-offload-report", str(tmp_path / "r2.json"))
+    assert f"argument --chunk-offload-report: '{tmp_path / 'r2.png'}' is a folder; give a file path" in err
+
+
+def test_writable_report_paths_pass_and_missing_folders_are_left_to_the_writer(tmp_path: Path, monkeypatch) -> None:
+    assert unwritable(tmp_path / "new" / "deeper" / "report") is None
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "r.json").write_text("old")  # an existing report is overwritten
+    assert unwritable(tmp_path / "r") is None
+    monkeypatch.setattr("chunk_offload.megatron_lm.preflight._probe", lambda folder: "Read-only file system")
+    assert unwritable(tmp_path / "r") == f"cannot write '{tmp_path / 'r.json'}': folder '{tmp_path}' is not writable (Read-only file system)"
+
+
+def test_only_local_rank_0_prints_the_usage_error(script: Path, capsys, monkeypatch) -> None:
+    """Under torchrun every rank refuses the same command line; one message per node."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(script), "--num-experts", "3", "--expert-model-parallel-size", "2"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ""
