@@ -9,7 +9,8 @@ from torch import nn
 
 from chunk_offload import mark_not_offloadable
 from tests.core._models import Fn
-from tests.core._tensor_policy import F32, H, N, scope
+from tests._driver import chunk_scope, iteration_scope
+from tests.core._edge_cases import F32, H, N
 
 # ----------------------------------------------------------------------------- exclusions
 
@@ -111,8 +112,8 @@ def test_parameter_and_buffer_saved_by_native_ops_are_kept(make_manager):
         for p in module.parameters():
             p.grad = None
         leaf = source.detach().clone().requires_grad_(True)
-        with scope(manager, "iteration"):
-            with scope(manager, "chunk"):
+        with iteration_scope(manager):
+            with chunk_scope(manager):
                 module.marked = mark_not_offloadable(leaf * 5)
                 out = module(leaf * 1)
             out.sum().backward()
