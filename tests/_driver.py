@@ -45,7 +45,7 @@ class Step(NamedTuple):
     """Where the driver is when it calls a hook, a custom forward or a custom backward."""
 
     kind: str
-    """"F", "B" or "FB" (forward, then backward inside the same chunk)."""
+    """"F", "B" or "FB" (forward, then backward inside the same chunk: the last virtual stage only)."""
     iteration: int
     microbatch: int
     vp_stage: int
@@ -142,7 +142,7 @@ def drive(
     """Train ``chunks`` (one per virtual stage, chained in order) for ``iterations`` steps of ``order``.
 
     ``inputs``: microbatch m's input, a sequence (the same every iteration) or ``(iteration, m) ->
-    input``; the driver holds it until the microbatch's first-stage backward. ``forward(chunk, x,
+    input``; the driver holds each stage's input until that stage's backward. ``forward(chunk, x,
     step)`` runs one chunk (default ``chunk(x)``); on the last stage ``loss`` turns its output into
     the loss (default mean square), inside the chunk, so the output itself is not held at the chunk's
     end. A stage v < last takes the detached output of stage v - 1, and its backward is driven by the

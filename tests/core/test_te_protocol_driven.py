@@ -9,6 +9,7 @@ training without it; protocol misuse raises. Transformer Engine itself is never 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator
 
 import pytest
@@ -103,8 +104,7 @@ def train(
         if manager is not None:
             stats.append(manager.stats())
 
-    hooks = hooks or Hooks()
-    hooks.after_iteration = after
+    hooks = dataclasses.replace(hooks or Hooks(), after_iteration=after)
     model = make_stack(LAYERS, seed=0)
     inputs = microbatches(MICROBATCHES)
     result = drive(model, inputs=inputs, manager=manager, order=order, iterations=ITERATIONS, forward=forward, loss=_as_is, hooks=hooks)
