@@ -1,5 +1,9 @@
 """The harness's training loop inside one rank (``tests._megatron``): a plain torch optimizer, or Megatron-LM's
 set-up (``MegatronTraining``: DDP, mixed precision, megatron's optimizer), under Megatron's schedules.
+
+The one place the tests call Megatron's schedules: `train` for whole runs, `megatron_step` for one call of
+a schedule on random token batches (``tests/planner/_measure.py`` measures single steps with it). Loops
+of plain modules go through ``tests/_driver.py``.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tests._driver import snapshot
 from tests._megatron_config import TinyGPTConfig
 
 if TYPE_CHECKING:  # tests._megatron imports this module
@@ -23,7 +28,7 @@ def train(
     ``cfg.megatron_ddp`` the description of megatron's wrappers."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from chunk_offload.devkit.gpt import average_data_parallel_grads, gpt_forward_step, random_token_batches
+    from chunk_offload.devkit.gpt import average_data_parallel_grads
 
     megatron = MegatronTraining(cfg, chunks) if cfg.megatron_ddp else None
     if megatron is None:
@@ -40,18 +45,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
         else:
             megatron.zero_grad()
-        batches = random_token_batches(gpt_shape(cfg), num_microbatches=cfg.num_microbatches, seed=cfg.seed, iteration=iteration)
-        interleaved = len(chunks) > 1
-        store = forward_backward(
-            forward_step_func=gpt_forward_step,
-            # The interleaved schedule takes one iterator per chunk; each chunk reads every microbatch.
-            data_iterator=[iter(batches) for _ in chunks] if interleaved else iter(batches),
-            model=model if interleaved else model[0],
-            num_microbatches=cfg.num_microbatches,
-            seq_length=cfg.seq_length,
-            micro_batch_size=cfg.micro_batch_size,
-            forward_only=False,
-        )
+        store = megatron_step(forward_backward, model, gpt_shape(cfg), num_microbatches=cfg.num_microbatches, seed=cfg.seed, iteration=iteration)
         if store:  # only the last stage computes losses
             losses.append([d["lm loss"] for d in store])
         if megatron is None:
@@ -65,6 +59,28 @@ def train(
             megatron.step()
         steps.append(hooks.after_step(chunks, iteration))
     return losses, grads, steps, before_steps, None if megatron is None else megatron.describe()
+
+
+def megatron_step(
+    forward_backward: Callable[..., Any], model: list[torch.nn.Module], shape: Any, *, num_microbatches: int, seed: int, iteration: int
+) -> Any:
+    """One training call of Megatron's schedule ``forward_backward`` (``get_forward_backward_func()``, maybe
+    wrapped) over the rank's model chunks, on ``random_token_batches(shape, ...)``; what the schedule returns
+    (the losses on the last stage)."""
+    from chunk_offload.devkit.gpt import gpt_forward_step, random_token_batches
+
+    batches = random_token_batches(shape, num_microbatches=num_microbatches, seed=seed, iteration=iteration)
+    interleaved = len(model) > 1
+    return forward_backward(
+        forward_step_func=gpt_forward_step,
+        # The interleaved schedule takes one iterator per chunk; each chunk reads every microbatch.
+        data_iterator=[iter(batches) for _ in model] if interleaved else iter(batches),
+        model=model if interleaved else model[0],
+        num_microbatches=num_microbatches,
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
+        forward_only=False,
+    )
 
 
 class MegatronTraining:
@@ -150,13 +166,13 @@ def _wrapper_chain(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def named(chunks: list[torch.nn.Module], pick: Callable[[torch.nn.Parameter], Any]) -> dict[str, torch.Tensor]:
-    """``{"chunk{i}.{name}": pick(param).detach().clone()}``, skipping ``None``."""
+    """``{"chunk{i}.{name}": snapshot(pick(param))}``, skipping ``None``."""
     out = {}
     for i, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():
             t = pick(param)
             if t is not None:
-                out[f"chunk{i}.{name}"] = t.detach().clone()
+                out[f"chunk{i}.{name}"] = snapshot(t)
     return out
 
 

@@ -1,46 +1,53 @@
-"""Helpers shared by the tests/core/test_edge_cases_*.py files: one computation run with and without
-an `OffloadManager`, and exact comparisons of what the runs produce."""
+"""Helpers shared by the tests/core/test_edge_cases_*.py and test_tensor_filter_*.py files: one function
+run as an (optionally offloaded) module through the shared driver, and exact comparisons of what runs produce."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from chunk_offload import OffloadManager
+from tests._driver import Step, drive
 from tests.core._models import Fn, make_stack, register
 
 
 B, T, H = 2, 8, 32
 N = B * T
 F32 = 4
+SPAN_ALIGN = 16  # the group code aligns a copied span's start down to 16 bytes
 
 
-def _iteration(mgr: OffloadManager | None):
-    return mgr.iteration() if mgr is not None else contextlib.nullcontext()
+def _spread(module: nn.Module, leaves: Sequence[torch.Tensor], step: Step) -> torch.Tensor:
+    return module(*leaves)
 
 
-def _chunk(mgr: OffloadManager | None, microbatch: int = 0, vp_stage: int = 0):
-    return mgr.chunk(microbatch=microbatch, vp_stage=vp_stage) if mgr is not None else contextlib.nullcontext()
+def _as_is(out: torch.Tensor) -> torch.Tensor:
+    return out
 
 
-def _run_fn(fn: Callable, inputs: Sequence[torch.Tensor], mgr: OffloadManager | None, *, seed: int = 0, name: str = "g"):
-    """``fn`` as an (optionally offloaded) module on fresh leaves; output and input grads."""
+def run_fn(
+    fn: Callable, inputs: Sequence[torch.Tensor], mgr: OffloadManager | None, *, seed: int = 0, name: str = "g"
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """``fn`` as an (optionally offloaded) module on fresh leaf copies of ``inputs`` (floating ones
+    require grad), one forward and a backward of a random cotangent seeded ``seed``; its output and
+    the leaves' gradients."""
     module = Fn(fn)
     if mgr is not None:
         mgr.offload_module(module, name)
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    with _iteration(mgr):
-        with _chunk(mgr):
-            out = module(*leaves)
-        cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
-        out.backward(cot)
-    return out.detach(), [x.grad for x in leaves]
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+
+    def backward(step: Step, out: torch.Tensor) -> None:
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype))
+
+    params = [x for x in leaves if x.requires_grad]
+    run = drive(module, inputs=[leaves], manager=mgr, forward=_spread, loss=_as_is, backward=backward, params=params, lr=None)
+    return run.losses[0], run.grads[0]
 
 
-def _assert_same(a, b) -> None:
+def assert_same(a: Any, b: Any) -> None:
+    """Two `run_fn` results: the same output and every gradient present and bit-identical."""
     (out_a, grads_a), (out_b, grads_b) = a, b
     assert torch.equal(out_a, out_b), "outputs differ"
     assert len(grads_a) == len(grads_b)

@@ -1,14 +1,10 @@
-"""A tiny transformer stack and pipeline-like drivers shared by the core tests.
-
-`run_schedule` trains a model for a few iterations with microbatch forwards and backwards
-interleaved in a given order (1F1B, interleaved VPP), with or without an `OffloadManager`,
-and returns every loss and every parameter gradient, so tests compare them with
-`torch.equal`.
+"""A tiny transformer stack shared by the core tests, and `run_schedule`: the shared driver
+(`tests._driver.drive`) training it for a few iterations with microbatch forwards and backwards
+interleaved in a given order (1F1B, interleaved VPP), with or without an `OffloadManager`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import threading
 from dataclasses import dataclass
@@ -20,6 +16,7 @@ from torch import nn
 
 import chunk_offload
 from chunk_offload.core.engine_context import WAIT_NAMES
+from tests._driver import Hooks, RunResult, actions, drive
 
 HIDDEN = 32
 HEADS = 4
@@ -144,17 +141,6 @@ def microbatches(count: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randn(BATCH, SEQ, HIDDEN, generator=g) for _ in range(count)]
 
 
-@dataclass
-class RunResult:
-    losses: list[torch.Tensor]
-    grads: list[list[torch.Tensor]]  # per iteration, every parameter's gradient
-    params: list[torch.Tensor]  # after the last optimizer step
-
-
-def _actions(order: Sequence) -> list[tuple[str, int, int]]:
-    return [(a[0], int(a[1:]), 0) if isinstance(a, str) else tuple(a) for a in order]
-
-
 def run_schedule(
     manager_factory: Callable[[], chunk_offload.OffloadManager | None],
     *,
@@ -166,70 +152,22 @@ def run_schedule(
     seed: int = 0,
     after_iteration: Callable[[chunk_offload.OffloadManager | None, int], None] | None = None,
 ) -> RunResult:
-    """Train ``model_chunks`` stacks (virtual stages chained in order) with ``order`` per iteration.
-
-    Microbatch m's loss is the mean square of the output of the last model chunk; for a
-    chunk v < last, its backward is driven from the gradient of its output, recorded when the
-    next chunk's backward ran (as a pipeline stage would receive it).
-    """
+    """`drive` over ``model_chunks`` stacks (virtual stages chained in order, stack v seeded
+    ``seed + v``) with ``order`` per iteration, on `microbatches`, every block's ``kinds`` offloaded
+    under the manager ``manager_factory`` makes (None: the reference run). Closes that manager, also
+    when the run raises."""
     chunks = [make_stack(layers, seed + v) for v in range(model_chunks)]
-    params = [p for c in chunks for p in c.parameters()]
-    optimizer = torch.optim.SGD(params, lr=0.05)
     manager = manager_factory()
-    if manager is not None:
-        for chunk in chunks:
-            register(manager, chunk, kinds)
-    actions = _actions(order)
-    n_micro = 1 + max(m for _, m, _ in actions)
-    xs = microbatches(n_micro)
-    result = RunResult(losses=[], grads=[], params=[])
-    for it in range(iterations):
-        optimizer.zero_grad(set_to_none=True)
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        out_grads: dict[tuple[int, int], torch.Tensor] = {}
-        scope = manager.iteration() if manager is not None else contextlib.nullcontext()
-        with scope:
-            for kind, m, v in actions:
-                if kind == "F":
-                    x = xs[m] if v == 0 else outputs[(m, v - 1)].detach().requires_grad_(True)
-                    inputs[(m, v)] = x
-                    chunk_scope = manager.chunk(microbatch=m, vp_stage=v) if manager is not None else contextlib.nullcontext()
-                    with chunk_scope:
-                        y = chunks[v](x)
-                        if v == model_chunks - 1:
-                            y = y.pow(2).mean()
-                    outputs[(m, v)] = y
-                else:
-                    y = outputs.pop((m, v))
-                    if v == model_chunks - 1:
-                        result.losses.append(y.detach().clone())
-                        y.backward()
-                    else:
-                        y.backward(out_grads.pop((m, v)))
-                    x = inputs.pop((m, v))
-                    if v > 0:
-                        out_grads[(m, v - 1)] = x.grad
-        result.grads.append([p.grad.detach().clone() for p in params])
-        optimizer.step()
-        if after_iteration is not None:
-            after_iteration(manager, it)
-    result.params = [p.detach().clone() for p in params]
-    if manager is not None:
-        manager.close()
-    return result
-
-
-def assert_identical(a: RunResult, b: RunResult) -> None:
-    """Every loss, every gradient of every iteration and every final parameter bit-identical."""
-    assert len(a.losses) == len(b.losses) and len(a.grads) == len(b.grads)
-    for i, (x, y) in enumerate(zip(a.losses, b.losses)):
-        assert torch.equal(x, y), f"loss {i} differs: {x.item()!r} vs {y.item()!r}"
-    for it, (ga, gb) in enumerate(zip(a.grads, b.grads)):
-        for j, (x, y) in enumerate(zip(ga, gb)):
-            assert torch.equal(x, y), f"iteration {it}: gradient of parameter {j} differs"
-    for j, (x, y) in enumerate(zip(a.params, b.params)):
-        assert torch.equal(x, y), f"parameter {j} differs after training"
+    try:
+        if manager is not None:
+            for chunk in chunks:
+                register(manager, chunk, kinds)
+        xs = microbatches(1 + max(m for _, m, _ in actions(order)))
+        hooks = Hooks(after_iteration=after_iteration)
+        return drive(chunks, inputs=xs, manager=manager, order=order, iterations=iterations, hooks=hooks)
+    finally:
+        if manager is not None:
+            manager.close()
 
 
 @dataclass

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from chunk_offload import OffloadConfig, OffloadManager, OffloadStats
+from tests._driver import drive, no_pipelining
 from tests.core._models import (
     BATCH,
     HIDDEN,
@@ -118,15 +119,7 @@ def _run_variable_lengths(manager: OffloadManager, order, seqs: dict[int, int], 
     register(manager, model, ("mlp_fc1",))
     g = torch.Generator().manual_seed(1)
     xs = {m: torch.randn(BATCH, s, HIDDEN, generator=g) for m, s in seqs.items()}
-    losses = {}
-    with manager.iteration():
-        for action in order:
-            kind, m = action[0], int(action[1:])
-            if kind == "F":
-                with manager.chunk(microbatch=m):
-                    losses[m] = model(xs[m]).pow(2).mean()
-            else:
-                losses.pop(m).backward()
+    drive(model, inputs=xs, manager=manager, order=order, lr=None)
 
 
 def test_peak_drop_equals_host_bytes_at_peak_when_the_peak_chunk_is_unique():
@@ -239,11 +232,7 @@ def test_stats_are_counted_per_group_name():
         blocks = list(model)
         manager.offload_module(blocks[0].attn_proj, "proj_first")  # one name for one module only
         x = torch.randn(BATCH, SEQ, HIDDEN)
-        with manager.iteration():
-            for m in range(3):
-                with manager.chunk(microbatch=m):
-                    loss = model(x).pow(2).mean()
-                loss.backward()
+        drive(model, inputs=[x] * 3, manager=manager, order=no_pipelining(3), lr=None)
         stats = manager.stats()
         assert set(stats.groups) == {"mlp_fc1", "proj_first"}
         assert stats.groups["mlp_fc1"].groups == 3 * 2

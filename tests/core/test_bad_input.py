@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadConfig, OffloadManager
+from tests._driver import RunResult, assert_identical, drive
 from tests.core._bad_input import _forward_in_open_chunk, _offloaded_manager
 from tests.core._models import assert_clean
 
@@ -51,35 +52,28 @@ class DictStack(nn.Module):
         return x
 
 
-def _dict_run(offload: bool):
+def _square_sum(out: torch.Tensor) -> torch.Tensor:
+    return out.square().sum()
+
+
+def _dict_run(offload: bool) -> RunResult:
+    """One forward and backward; the loss and the gradients of the input and of every parameter."""
     model = DictStack()
     manager = OffloadManager(OffloadConfig(min_offload_bytes=1)) if offload else None
     if manager is not None:
         for i, block in enumerate(model.blocks):
             manager.offload_module(block, f"block{i}")
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
-    if manager is None:
-        loss = model(x).square().sum()
-        loss.backward()
-    else:
-        with manager.iteration():
-            with manager.chunk(microbatch=0):
-                loss = model(x).square().sum()
-            loss.backward()
+    result = drive(model, inputs=[x], manager=manager, loss=_square_sum, params=[x, *model.parameters()], lr=None)
+    if manager is not None:
         assert manager.stats().bytes_offloaded > 0  # the groups with dict outputs did move
         assert_clean(manager)
         manager.close()
-    return loss.detach(), x.grad, [p.grad for p in model.parameters()]
+    return result
 
 
 def test_module_returning_a_dict_pytree_is_offloaded_bit_exact():
-    ref_loss, ref_x, ref_params = _dict_run(False)
-    loss, gx, params = _dict_run(True)
-    assert torch.equal(loss, ref_loss)
-    assert torch.equal(gx, ref_x)
-    assert len(params) == len(ref_params)
-    for a, b in zip(params, ref_params):
-        assert torch.equal(a, b)
+    assert_identical(_dict_run(False), _dict_run(True))
 
 
 def test_group_marks_pass_a_dict_through(make_manager):

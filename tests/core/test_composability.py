@@ -17,8 +17,6 @@ the very same code run without a manager.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +24,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from chunk_offload import OffloadConfig, OffloadManager
-from tests.core._models import HIDDEN, MODULE_KINDS, Block, RunResult, assert_identical, microbatches
+from tests._driver import Hooks, RunResult, assert_identical, assert_no_live_chunks, drive
+from tests.core._models import HIDDEN, MODULE_KINDS, Block, microbatches
 
 ORDER = ("F0", "F1", "B0", "B1")
 ITERATIONS = 2
@@ -124,34 +123,11 @@ def train(placement: str, reentrant: bool, manager: OffloadManager | None) -> tu
                 module = getattr(block, kind)
                 module.register_forward_pre_hook(log)  # before the manager's: sees the state it sees
                 manager.offload_module(module, kind)
-    params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.05)
-    xs = microbatches(MICROBATCHES)
-    result = RunResult(losses=[], grads=[], params=[])
-    for _ in range(ITERATIONS):
-        optimizer.zero_grad(set_to_none=True)
-        pending: dict[int, torch.Tensor] = {}
-        with manager.iteration() if manager is not None else contextlib.nullcontext():
-            for action in ORDER:
-                m = int(action[1:])
-                if action[0] == "F":
-                    with manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext():
-                        pending[m] = model(xs[m]).pow(2).mean()
-                else:
-                    loss = pending.pop(m)
-                    result.losses.append(loss.detach().clone())
-                    if log is not None:
-                        log.in_backward = True
-                    try:
-                        loss.backward()
-                    finally:
-                        if log is not None:
-                            log.in_backward = False
-        result.grads.append([p.grad.detach().clone() for p in params])
-        optimizer.step()
-        if manager is not None:
-            assert manager.live_chunks() == []
-    result.params = [p.detach().clone() for p in params]
+    hooks = Hooks(after_iteration=assert_no_live_chunks)
+    if log is not None:
+        hooks.before_backward = lambda step: setattr(log, "in_backward", True)
+        hooks.after_backward = lambda step: setattr(log, "in_backward", False)
+    result = drive(model, inputs=microbatches(MICROBATCHES), manager=manager, order=ORDER, iterations=ITERATIONS, hooks=hooks)
     return result, log
 
 
@@ -205,11 +181,8 @@ def test_checkpoint_inside_offloaded_module_saves_checkpoint_inputs_in_group() -
     manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         manager.offload_module(model[1].mlp, "mlp")
-        x = microbatches(1)[0]
-        with manager.iteration():
-            with manager.chunk(microbatch=0):
-                loss = model(x).pow(2).mean()
-            loss.backward()
+        (x,) = microbatches(1)
+        drive(model, inputs=[x], manager=manager, lr=None)
         stats = manager.stats()
     finally:
         manager.close()

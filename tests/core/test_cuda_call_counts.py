@@ -32,6 +32,8 @@ from torch import nn
 from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.core import Stream, StreamBackend
 
+from tests._driver import Hooks, Step, drive
+
 from ._models import Fn
 
 HIDDEN = 48  # divisible by 3: the three views are equal thirds
@@ -152,32 +154,36 @@ def _run(streams: CountingStreams, groups: int, iterations: int, *, measure_time
         manager.offload_module(layer, f"g{i}")
     x = torch.randn(ROWS, HIDDEN, requires_grad=True)
     phases = []
+    marks = [len(streams.log)]  # before the iteration, then at each hook
+
+    def forward(model: nn.Sequential, x: torch.Tensor, step: Step) -> torch.Tensor:
+        # Outputs keep 1/3 of the hidden size: pad back so the next group sees HIDDEN.
+        y = x
+        for layer in model:
+            y = layer(y).repeat(1, 3)
+        return y
+
+    def mark(*_) -> None:
+        marks.append(len(streams.log))
+
+    def phase(manager: OffloadManager, iteration: int) -> None:
+        mark()
+        log, between = streams.log[marks[0] :], streams.between
+        phases.append(
+            {
+                "forward": between(marks[1], marks[2]),
+                "chunk_end": between(marks[2], marks[3]),
+                "backward": between(marks[3], marks[4]),
+                "iteration": between(marks[0], marks[1]) + between(marks[4], marks[5]),
+                "timed": Counter(op for op, _, timed, _ in log if timed),
+                "copy_bytes": [(stream, n) for op, stream, _, n in log if op == "copy"],
+            }
+        )
+        marks[:] = [len(streams.log)]
+
+    hooks = Hooks(iteration_begun=mark, forwarded=mark, chunk_ended=mark, after_backward=mark, after_iteration=phase)
     try:
-        for _ in range(iterations):
-            marks = [len(streams.log)]
-            with manager.iteration():
-                marks.append(len(streams.log))
-                with manager.chunk(microbatch=0):
-                    # Outputs keep 1/3 of the hidden size: pad back so the next group sees HIDDEN.
-                    y = x
-                    for layer in model:
-                        y = layer(y).repeat(1, 3)
-                    marks.append(len(streams.log))
-                marks.append(len(streams.log))
-                y.sum().backward()
-                marks.append(len(streams.log))
-            marks.append(len(streams.log))
-            log, between = streams.log[marks[0] :], streams.between
-            phases.append(
-                {
-                    "forward": between(marks[1], marks[2]),
-                    "chunk_end": between(marks[2], marks[3]),
-                    "backward": between(marks[3], marks[4]),
-                    "iteration": between(marks[0], marks[1]) + between(marks[4], marks[5]),
-                    "timed": Counter(op for op, _, timed, _ in log if timed),
-                    "copy_bytes": [(stream, n) for op, stream, _, n in log if op == "copy"],
-                }
-            )
+        drive(model, inputs=[x], manager=manager, iterations=iterations, forward=forward, loss=torch.sum, lr=None, hooks=hooks)
         stats = manager.stats()
     finally:
         manager.close()
@@ -237,6 +243,10 @@ class SaveTwoStorages(torch.autograd.Function):
         return grad * (e * s + e * x.cos())
 
 
+def _scaled(model: nn.Module, x: torch.Tensor, step: Step) -> torch.Tensor:
+    return model(x * 1.0)
+
+
 def test_one_launch_per_group_whatever_its_storages_and_no_host_allocation_after_warmup() -> None:
     """NOTE [CUDA host path]: a group's copies go out in one launch per direction (one stream
     switch, one timing); from the second iteration on the pool allocates nothing."""
@@ -248,17 +258,18 @@ def test_one_launch_per_group_whatever_its_storages_and_no_host_allocation_after
         manager.offload_module(layer, f"g{i}")
     x = torch.randn(ROWS, HIDDEN, requires_grad=True)
     allocations = []
+    start = [len(streams.log)]  # where the iteration's operations begin
+
+    def copies_of_the_iteration(manager: OffloadManager, iteration: int) -> None:
+        copies = [(stream, n) for op, stream, _, n in streams.log[start[0] :] if op == "copy"]
+        start[0] = len(streams.log)
+        allocations.append(manager.stats().pool.allocations)
+        # Each group's input (x * 1.0, or the previous group's output) and its two factors: 3 storages, 1 launch.
+        assert copies == [("d2h", 3 * ROWS * HIDDEN * 4)] * layers + [("h2d", 3 * ROWS * HIDDEN * 4)] * layers
+
+    hooks = Hooks(after_iteration=copies_of_the_iteration)
     try:
-        for _ in range(3):
-            start = len(streams.log)
-            with manager.iteration():
-                with manager.chunk(microbatch=0):
-                    loss = model(x * 1.0).sum()
-                loss.backward()
-            copies = [(stream, n) for op, stream, _, n in streams.log[start:] if op == "copy"]
-            allocations.append(manager.stats().pool.allocations)
-            # Each group's input (x * 1.0, or the previous group's output) and its two factors: 3 storages, 1 launch.
-            assert copies == [("d2h", 3 * ROWS * HIDDEN * 4)] * layers + [("h2d", 3 * ROWS * HIDDEN * 4)] * layers
+        drive(model, inputs=[x], manager=manager, iterations=3, forward=_scaled, loss=torch.sum, lr=None, hooks=hooks)
     finally:
         manager.close()
     assert allocations[1] == allocations[2] == allocations[0] > 0

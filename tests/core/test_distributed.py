@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from chunk_offload import OffloadConfig, OffloadManager
+from tests._driver import Hooks, Step, drive, no_pipelining
 from tests._spawn import run_ranks
 from tests.core._models import MODULE_KINDS, make_stack, microbatches, register
 
@@ -61,41 +62,31 @@ def _train(wrapper: str, offload: bool, rank: int) -> dict:
     if offload:
         manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
         register(manager, model)  # after wrapping, as a training script would
-    params = list(wrapped.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.05)
-    xs = _data(rank)
-    losses: list[torch.Tensor] = []
-    grads: list[list[torch.Tensor]] = []
     live: list[list] = []
 
-    def chunk(m: int):
-        return manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext()
+    def accumulating(step: Step):
+        """Gradient accumulation: DDP reduces once, in the last microbatch's backward."""
+        last = wrapper != "ddp" or step.microbatch == MICROBATCHES - 1
+        return contextlib.nullcontext() if last else wrapped.no_sync()
 
-    for _ in range(ITERATIONS):
-        optimizer.zero_grad(set_to_none=True)
-        with manager.iteration() if manager is not None else contextlib.nullcontext():
-            if wrapper == "ddp":
-                # Gradient accumulation: DDP reduces once, in the last microbatch's backward.
-                for m in range(MICROBATCHES):
-                    sync = contextlib.nullcontext() if m == MICROBATCHES - 1 else wrapped.no_sync()
-                    with sync:
-                        with chunk(m):
-                            loss = wrapped(xs[m]).pow(2).mean()
-                        losses.append(loss.detach().clone())
-                        loss.backward()
-            else:
-                pending = {}
-                for m in range(MICROBATCHES):
-                    with chunk(m):
-                        pending[m] = wrapped(xs[m]).pow(2).mean()
-                for m in range(MICROBATCHES):
-                    losses.append(pending[m].detach().clone())
-                    pending.pop(m).backward()
-        grads.append([_full(p.grad) for p in params])
-        optimizer.step()
+    def forward(module: torch.nn.Module, x: torch.Tensor, step: Step) -> torch.Tensor:
+        with accumulating(step):
+            return module(x)
+
+    def backward(step: Step, loss: torch.Tensor) -> None:
+        with accumulating(step):
+            loss.backward()
+
+    def after(manager: OffloadManager | None, iteration: int) -> None:
         if manager is not None:
             live.append(manager.live_chunks())
-    result = {"losses": losses, "grads": grads, "params": [_full(p) for p in params], "live": live}
+
+    order = no_pipelining(MICROBATCHES) if wrapper == "ddp" else ("F0", "F1", "B0", "B1")
+    hooks = Hooks(after_iteration=after)
+    run = drive(
+        wrapped, inputs=_data(rank), manager=manager, order=order, iterations=ITERATIONS, forward=forward, backward=backward, copy=_full, hooks=hooks
+    )
+    result = {"losses": run.losses, "grads": run.grads, "params": run.params, "live": live}
     if manager is not None:
         stats = manager.stats()
         manager.close()

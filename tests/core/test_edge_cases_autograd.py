@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from chunk_offload import OffloadManager
-from tests.core._edge_cases import N, _assert_grads_equal, _chunk, _iteration, _model_and_reference, _randn
+from tests._driver import assert_identical, chunk_scope, drive, iteration_scope
+from tests.core._edge_cases import N, _assert_grads_equal, _model_and_reference, _randn
 from tests.core._models import HIDDEN, assert_clean, make_stack, microbatches, register
 
 
@@ -54,8 +55,8 @@ def _double_backward(mgr: OffloadManager | None, seed: int = 0):
     if mgr is not None:
         mgr.offload_module(model, "mlp")
     x = _randn(N, HIDDEN, seed=seed + 1).requires_grad_(True)
-    with _iteration(mgr):
-        with _chunk(mgr):
+    with iteration_scope(mgr):
+        with chunk_scope(mgr):
             y = model(x)
         (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
         penalty = gx.pow(2).sum()
@@ -86,8 +87,8 @@ def test_create_graph_double_backward_through_transformer_blocks_is_exact(make_m
         if mgr is not None:
             register(mgr, model)
         x = microbatches(1)[0].requires_grad_(True)
-        with _iteration(mgr):
-            with _chunk(mgr):
+        with iteration_scope(mgr):
+            with chunk_scope(mgr):
                 loss = model(x).pow(2).mean()
             (gx,) = torch.autograd.grad(loss, x, create_graph=True)
             gx.pow(2).sum().backward()
@@ -195,14 +196,8 @@ def test_grad_off_forward_inside_a_tracked_chunk_tracks_nothing(make_manager, mo
     assert_clean(mgr)
 
     # And a tracked forward of the same model afterwards is offloaded and exact.
-    with mgr.iteration():
-        with mgr.chunk(microbatch=0):
-            loss = model(x).pow(2).mean()
-        loss.backward()
-    reference(x).pow(2).mean().backward()
-    _assert_grads_equal(model, reference)
+    assert_identical(drive(reference, inputs=[x], lr=None), drive(model, inputs=[x], manager=mgr, lr=None))
     assert mgr.stats().groups["mlp_fc1"].bytes_offloaded > 0
-    del loss
     assert_clean(mgr)
 
 

@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 
+from tests._driver import assert_identical, drive
 from tests.core._edge_cases import _assert_grads_equal, _model_and_reference
 from tests.core._models import Fn, assert_clean, microbatches
 
@@ -44,20 +45,9 @@ def test_exception_mid_forward_then_a_clean_iteration(make_manager, where):
     del loss0
     assert_clean(mgr)
 
-    with mgr.iteration():
-        losses = []
-        for m, x in enumerate(xs):
-            with mgr.chunk(microbatch=m):
-                losses.append(model(x).pow(2).mean())
-        for loss in losses:
-            loss.backward()
-    ref = [reference(x).pow(2).mean() for x in xs]
-    for loss in ref:
-        loss.backward()
-    for a, b in zip(losses, ref):
-        assert torch.equal(a, b)
-    _assert_grads_equal(model, reference)
-    del losses
+    order = ("F0", "F1", "B0", "B1")
+    result = drive(model, inputs=xs, manager=mgr, order=order, lr=None)
+    assert_identical(drive(reference, inputs=xs, order=order, lr=None), result)
     assert_clean(mgr)
 
 
@@ -100,15 +90,7 @@ def test_exception_in_one_chunks_backward_leaves_the_other_chunk_exact(make_mana
     assert_clean(mgr)
 
     # A clean next iteration, exact.
-    model.zero_grad(set_to_none=True)
-    reference.zero_grad(set_to_none=True)
-    with mgr.iteration():
-        with mgr.chunk(microbatch=0):
-            loss = model(xs[1]).pow(2).mean()
-        loss.backward()
-    reference(xs[1]).pow(2).mean().backward()
-    _assert_grads_equal(model, reference)
-    del loss
+    assert_identical(drive(reference, inputs=xs[1:], lr=None), drive(model, inputs=xs[1:], manager=mgr, lr=None))
     assert_clean(mgr)
 
 
@@ -125,12 +107,5 @@ def test_exception_in_backward_inside_the_iteration_then_clean(make_manager):
             loss.backward()
     del loss
     assert_clean(mgr)
-    model.zero_grad(set_to_none=True)
-    with mgr.iteration():
-        with mgr.chunk(microbatch=0):
-            loss = model(x).pow(2).mean()
-        loss.backward()
-    reference(x).pow(2).mean().backward()
-    _assert_grads_equal(model, reference)
-    del loss
+    assert_identical(drive(reference, inputs=[x], lr=None), drive(model, inputs=[x], manager=mgr, lr=None))
     assert_clean(mgr)

@@ -11,49 +11,30 @@ import pytest
 import torch
 
 from chunk_offload import ChunkOffloadError, OffloadManager
-from tests.core._edge_cases import B, T, _assert_grads_equal, _chunk, _iteration, _model_and_reference
+from tests._driver import RunResult, Step, assert_identical, drive
+from tests.core._edge_cases import B, T, _model_and_reference
 from tests.core._models import HIDDEN, Fn, assert_clean, make_stack, microbatches, register
 
 
 # ============================================================================= 3. host pool exhaustion
 
 
-def _train(mgr: OffloadManager | None, iterations: int = 2, seed: int = 0):
-    """A few iterations of 2 microbatches (F0 F1 B0 B1) of a 2-block stack; losses and grads."""
+GPIPE = ("F0", "F1", "B0", "B1")
+
+
+def _train(mgr: OffloadManager | None, iterations: int = 2, seed: int = 0) -> RunResult:
+    """A few iterations of 2 microbatches (F0 F1 B0 B1) of a 2-block stack."""
     model = make_stack(2, seed=seed)
     if mgr is not None:
         register(mgr, model)
-    xs = microbatches(2)
-    losses, grads = [], []
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(iterations):
-        opt.zero_grad(set_to_none=True)
-        with _iteration(mgr):
-            outs = []
-            for m, x in enumerate(xs):
-                with _chunk(mgr, m):
-                    outs.append(model(x).pow(2).mean())
-            for out in outs:
-                out.backward()
-        losses += [o.detach() for o in outs]
-        grads.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
-    return losses, grads
-
-
-def _assert_runs_equal(a, b) -> None:
-    for x, y in zip(a[0], b[0]):
-        assert torch.equal(x, y)
-    for ga, gb in zip(a[1], b[1]):
-        for x, y in zip(ga, gb):
-            assert torch.equal(x, y)
+    return drive(model, inputs=microbatches(2), manager=mgr, order=GPIPE, iterations=iterations)
 
 
 def test_pool_fallback_is_exact_and_warns_once(make_manager):
     plain = _train(None)
     pooled_mgr = make_manager()
     pooled = _train(pooled_mgr)
-    _assert_runs_equal(pooled, plain)
+    assert_identical(plain, pooled)
     full = pooled_mgr.stats().pool.allocated_bytes
     assert full > 0
 
@@ -65,7 +46,7 @@ def test_pool_fallback_is_exact_and_warns_once(make_manager):
     ours = [w for w in caught if "host pool at its cap" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
     assert f"of host_pool_bytes={cap}" in str(ours[0].message)
-    _assert_runs_equal(capped, plain)
+    assert_identical(plain, capped)
     stats = mgr.stats()
     assert stats.pool.fallback_allocations > 0
     assert stats.pool.allocated_bytes <= cap
@@ -95,7 +76,7 @@ def test_pool_error_raises_before_allocating_then_clean(make_manager):
     assert_clean(mgr)
 
     fresh = make_manager()
-    _assert_runs_equal(_train(fresh, iterations=1), plain)
+    assert_identical(plain, _train(fresh, iterations=1))
     assert_clean(fresh)
 
 
@@ -108,30 +89,21 @@ def test_backward_in_another_thread_is_exact(make_manager):
     xs = microbatches(2)
     errors: list[BaseException] = []
 
-    def backward(loss):
-        try:
-            loss.backward()
-        except BaseException as exc:  # surfaced in the main thread
-            errors.append(exc)
+    def backward_in_a_thread(step: Step, loss: torch.Tensor) -> None:
+        def backward() -> None:
+            try:
+                loss.backward()
+            except BaseException as exc:  # surfaced in the main thread
+                errors.append(exc)
 
-    with mgr.iteration():
-        losses = []
-        for m, x in enumerate(xs):
-            with mgr.chunk(microbatch=m):
-                losses.append(model(x).pow(2).mean())
-        for loss in losses:
-            thread = threading.Thread(target=backward, args=(loss,))
-            thread.start()
-            thread.join()
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+
+    result = drive(model, inputs=xs, manager=mgr, order=GPIPE, lr=None, backward=backward_in_a_thread)
     assert errors == []
-    ref = [reference(x).pow(2).mean() for x in xs]
-    for loss in ref:
-        loss.backward()
-    for a, b in zip(losses, ref):
-        assert torch.equal(a, b)
-    _assert_grads_equal(model, reference)
+    assert_identical(drive(reference, inputs=xs, order=GPIPE, lr=None), result)
     assert mgr.stats().groups["mlp_fc1"].bytes_reloaded > 0
-    del losses
     assert_clean(mgr)
 
 

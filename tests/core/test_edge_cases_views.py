@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.core._edge_cases import F32, H, N, _assert_same, _chunk, _iteration, _randn, _run_fn, _span_bytes
+from tests._driver import chunk_scope, iteration_scope
+from tests.core._edge_cases import F32, H, N, _randn, _span_bytes, assert_same, run_fn
 from tests.core._models import Fn, assert_clean
 
 
@@ -19,10 +20,10 @@ def test_overlapping_as_strided_view_round_trips(make_manager):
     size, stride, offset = (N, 16), (8, 1), 5
     fn = lambda x: x.as_strided(size, stride, offset).sin()  # noqa: E731  (sin saves the view)
     x = _randn(N * H, seed=1)
-    ref = _run_fn(fn, [x], None, seed=2)
+    ref = run_fn(fn, [x], None, seed=2)
     mgr = make_manager()
-    got = _run_fn(fn, [x], mgr, seed=2)
-    _assert_same(got, ref)
+    got = run_fn(fn, [x], mgr, seed=2)
+    assert_same(got, ref)
     group = mgr.stats().groups["g"]
     assert group.tensors_offloaded == 1
     assert group.bytes_offloaded == group.bytes_reloaded == _span_bytes(offset, size, stride)
@@ -35,10 +36,10 @@ def test_slice_with_offset_of_an_activation_made_inside_the_module(make_manager)
         return h[3:, 7:].sin() + h[3:, 7:]  # sin saves a view at storage offset 3 * H + 7
 
     x = _randn(N, H, seed=3)
-    ref = _run_fn(fn, [x], None, seed=4)
+    ref = run_fn(fn, [x], None, seed=4)
     mgr = make_manager()
-    got = _run_fn(fn, [x], mgr, seed=4)
-    _assert_same(got, ref)
+    got = run_fn(fn, [x], mgr, seed=4)
+    assert_same(got, ref)
     group = mgr.stats().groups["g"]
     assert group.tensors_offloaded == 1
     assert group.bytes_offloaded == _span_bytes(3 * H + 7, (N - 3, H - 7), (H, 1)) < N * H * F32
@@ -53,10 +54,10 @@ def test_square_transpose_and_its_base_saved_by_one_matmul(make_manager):
         return h.t() @ h
 
     x = _randn(H, H, seed=5)
-    ref = _run_fn(fn, [x], None, seed=6)
+    ref = run_fn(fn, [x], None, seed=6)
     mgr = make_manager()
-    got = _run_fn(fn, [x], mgr, seed=6)
-    _assert_same(got, ref)
+    got = run_fn(fn, [x], mgr, seed=6)
+    assert_same(got, ref)
     group = mgr.stats().groups["g"]
     assert group.tensors_offloaded == 2
     assert group.bytes_offloaded == H * H * F32  # one storage, copied once
@@ -78,10 +79,10 @@ def test_a_view_kept_on_device_keeps_its_whole_storage(make_manager, keep):
         return h * row + other.sin()
 
     x = _randn(N, H, seed=41)
-    ref = _run_fn(fn, [x], None, seed=42)
+    ref = run_fn(fn, [x], None, seed=42)
     mgr = make_manager(min_offload_bytes=H * F32 + 1 if keep == "below_threshold" else 1)
-    got = _run_fn(fn, [x], mgr, seed=42)
-    _assert_same(got, ref)
+    got = run_fn(fn, [x], mgr, seed=42)
+    assert_same(got, ref)
     group = mgr.stats().groups["g"]
     assert group.bytes_offloaded == group.bytes_reloaded == N * H * F32  # `other` only
     assert (group.tensors_offloaded, group.tensors_kept) == (1, 2)
@@ -98,10 +99,10 @@ def test_several_views_of_one_storage_saved_by_different_ops(make_manager):
         return torch.cat([a.flatten(), b.flatten(), c.flatten(), d.flatten()])
 
     x = _randn(N, H, seed=7)
-    ref = _run_fn(fn, [x], None, seed=8)
+    ref = run_fn(fn, [x], None, seed=8)
     mgr = make_manager()
-    got = _run_fn(fn, [x], mgr, seed=8)
-    _assert_same(got, ref)
+    got = run_fn(fn, [x], mgr, seed=8)
+    assert_same(got, ref)
     group = mgr.stats().groups["g"]
     assert group.tensors_offloaded == 5
     assert group.bytes_offloaded == group.bytes_reloaded == N * H * F32
@@ -186,8 +187,8 @@ def test_input_used_twice_in_a_group_and_again_after_it_keeps_exact_grads(make_m
         if mgr is not None:
             mgr.offload_module(model.inner, "g")
         w = _randn(4 * N, H, seed=21).requires_grad_(True)
-        with _iteration(mgr):
-            with _chunk(mgr):
+        with iteration_scope(mgr):
+            with chunk_scope(mgr):
                 y = model(w * 1.0)
             y.pow(2).sum().backward()
         return y.detach(), [w.grad]
@@ -195,6 +196,6 @@ def test_input_used_twice_in_a_group_and_again_after_it_keeps_exact_grads(make_m
     ref = run(None)
     mgr = make_manager()
     got = run(mgr)
-    _assert_same(got, ref)
+    assert_same(got, ref)
     assert mgr.stats().groups["g"].bytes_reloaded > 0
     assert_clean(mgr)

@@ -15,6 +15,7 @@ from torch import nn
 
 from chunk_offload.core.actions import ActionKind
 from chunk_offload.core.group_state import GroupState
+from tests._driver import Hooks, Step, chunk_scope, drive, iteration_scope
 
 H = 16
 
@@ -32,6 +33,8 @@ class ViewOut(nn.Module):
 
 
 def _run(manager, *, inplace_on_view: bool):
+    """One forward and backward of 3 `ViewOut` layers; the gradients, and whether each group began its
+    backward, seen right before and right after the backward."""
     torch.manual_seed(0)
     layers = nn.ModuleList([ViewOut() for _ in range(3)])
     if manager is not None:
@@ -39,28 +42,22 @@ def _run(manager, *, inplace_on_view: bool):
             manager.offload_module(layer, "layer")
     x = torch.randn(4, H, requires_grad=True)
     seen: list[list[bool]] = []
-    iteration = manager.iteration() if manager is not None else None
-    if iteration is not None:
-        iteration.__enter__()
-    chunk = manager.chunk(microbatch=0) if manager is not None else None
-    if chunk is not None:
-        chunk.__enter__()
-    h = x
-    for layer in layers:
-        h = layer(h)
-        if inplace_on_view:
-            h.mul_(1.5)  # in place on the group's output view: torch rebuilds its node, dropping the hook
-        h = h * 1.0
-    if chunk is not None:
-        chunk.__exit__(None, None, None)
-        handler = manager.iteration_handlers[0]
-        seen.append([g.backward_begun for g in handler.groups])
-    h.sum().backward()
-    if manager is not None:
-        seen.append([g.backward_begun for g in handler.groups])
-        iteration.__exit__(None, None, None)
-    grads = [x.grad, *(p.grad for p in layers.parameters())]
-    return grads, seen
+
+    def forward(layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
+        for layer in layers:
+            h = layer(h)
+            if inplace_on_view:
+                h.mul_(1.5)  # in place on the group's output view: torch rebuilds its node, dropping the hook
+            h = h * 1.0
+        return h
+
+    def begun(step: Step) -> None:
+        if step.handler is not None:
+            seen.append([g.backward_begun for g in step.handler.groups])
+
+    hooks = Hooks(before_backward=begun, after_backward=begun)
+    run = drive(layers, inputs=[x], manager=manager, forward=forward, loss=torch.sum, params=[x, *layers.parameters()], lr=None, hooks=hooks)
+    return run.grads[0], seen
 
 
 @pytest.mark.parametrize("inplace_on_view", [False, True], ids=["hook", "hook_dropped"])
@@ -107,8 +104,8 @@ def test_a_group_whose_output_is_its_input_begins_backward_at_its_unpack(make_ma
         if manager is not None:
             manager.offload_module(module, "pass")
         x = torch.randn(4, H, requires_grad=True)
-        with manager.iteration() if manager else _null():
-            with manager.chunk(microbatch=0) if manager else _null():
+        with iteration_scope(manager):
+            with chunk_scope(manager):
                 h = x * 2
                 out = module(h)
                 loss = (out * module.saved).sum()
@@ -120,12 +117,6 @@ def test_a_group_whose_output_is_its_input_begins_backward_at_its_unpack(make_ma
         return x.grad
 
     assert torch.equal(run(make_manager()), run(None))
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("user_hook_first", [False, True], ids=["user_hook_after", "user_hook_before"])

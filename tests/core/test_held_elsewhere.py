@@ -15,8 +15,8 @@ from chunk_offload import OffloadConfig, OffloadManager
 from chunk_offload.core.held_elsewhere import HeldElsewhere
 from chunk_offload.schedule import megatron_plan, simulate
 from chunk_offload.report import stage_report
-
-from ._models import Fn, assert_clean
+from tests._driver import Hooks, RunResult, assert_identical, drive
+from tests.core._models import Fn, assert_clean
 
 ROWS, COLS = 16, 64
 F32 = 4
@@ -26,24 +26,17 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     return (x * 1.0).exp()  # exp saves its output: a fresh storage the group saves
 
 
-def _run(manager: OffloadManager | None, module: Fn, x: torch.Tensor, *, held: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward + backward; with ``held``, an op outside the group saves the group's output too."""
-    x.grad = None
-    with manager.iteration() if manager else _null():
-        with manager.chunk(microbatch=0) if manager else _null():
-            y = module(x)
-            out = (y * y).sum() if held else y.sum()  # mul saves y: held by autograd outside the group
-            del y  # otherwise this frame holds it
-        out.backward()
-    return out.detach(), x.grad.clone()
+def _square_sum(y: torch.Tensor) -> torch.Tensor:
+    return (y * y).sum()  # mul saves y: held by autograd outside the group
 
 
-class _null:
-    def __enter__(self):
-        return None
+def _sum(y: torch.Tensor) -> torch.Tensor:
+    return y.sum()
 
-    def __exit__(self, *exc):
-        return False
+
+def _run(manager: OffloadManager | None, module: Fn, x: torch.Tensor, *, held: bool) -> RunResult:
+    """One forward + backward, ``x``'s gradient; with ``held``, an op outside the group saves the group's output too."""
+    return drive(module, inputs=[x], manager=manager, loss=_square_sum if held else _sum, params=[x], lr=None)
 
 
 NBYTES = ROWS * COLS * F32
@@ -67,8 +60,7 @@ def test_a_storage_held_elsewhere_is_copied_once_then_kept(held: bool, per_itera
     try:
         manager.offload_module(module, "exp")
         for offloaded, copied_for_nothing, kept in per_iteration:
-            got = _run(manager, module, x, held=held)
-            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+            assert_identical(expected, _run(manager, module, x, held=held))
             record = manager.last_iteration
             g = record.groups["exp"]
             assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (offloaded, copied_for_nothing, kept)
@@ -114,18 +106,17 @@ def test_the_report_predicts_the_drop_with_kept_bytes_exactly() -> None:
     try:
         manager.offload_module(module, "exp")
         records = []
-        for offload in (False, True, False, True):
-            with manager.iteration(offload=offload):
-                pending = {}
-                for action in plan.actions:
-                    mb = action.microbatch
-                    if action.kind.value == "F":
-                        with manager.chunk(microbatch=mb):
-                            y = module(inputs[mb])
-                            pending[mb] = (y * y).sum()
-                    else:
-                        pending.pop(mb).backward()
-            records.append(manager.last_iteration)
+        drive(
+            module,
+            inputs=inputs,
+            manager=manager,
+            order=plan.actions,
+            iterations=4,
+            offload=lambda it: (False, True, False, True)[it],
+            loss=_square_sum,
+            lr=None,
+            hooks=Hooks(after_iteration=lambda manager, it: records.append(manager.last_iteration)),
+        )
         baseline, offloaded = records[2], records[3]
         report = stage_report(baseline=baseline, offloaded=offloaded, plan=plan, rank=0)
         assert offloaded.groups["exp"].bytes_offloaded == 0  # all kept once learned

@@ -10,7 +10,6 @@ handed out and not yet released, tracked by wrapping the pool's ``acquire`` and 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunk_offload import OffloadConfig, OffloadManager
+from tests._driver import Hooks, RunResult, Step, assert_identical, drive
 from tests.core._models import BATCH, HIDDEN, ONE_F_ONE_B, Block, assert_clean
 
 ITERATIONS = 200
@@ -111,10 +111,9 @@ def _instrument(manager: OffloadManager, trace: Trace) -> None:
     pool.acquire, pool.release = wrapped_acquire, wrapped_release  # instance attributes: this pool only
 
 
-def _train(manager: OffloadManager | None, shapes: Shapes, trace: Trace | None = None, stats: list | None = None):
+def _train(manager: OffloadManager | None, shapes: Shapes, trace: Trace | None = None, stats: list | None = None) -> RunResult:
     torch.manual_seed(0)
     model = nn.ModuleList([MoeBlock() for _ in range(LAYERS)])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if manager is not None:
         for block in model:
             for kind in KINDS:
@@ -122,32 +121,26 @@ def _train(manager: OffloadManager | None, shapes: Shapes, trace: Trace | None =
             manager.offload_module(block.expert_fc1, "expert_fc1")
         if trace is not None:
             _instrument(manager, trace)
-    losses, grads = [], []
-    for it in range(ITERATIONS):
-        optimizer.zero_grad(set_to_none=True)
-        pending = {}
-        with manager.iteration() if manager is not None else contextlib.nullcontext():
-            for action in ONE_F_ONE_B:
-                kind, m = action[0], int(action[1:])
-                if kind == "F":
-                    with manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext():
-                        x = shapes.inputs[it][m]
-                        for block, routed in zip(model, shapes.routed[it][m]):
-                            x = block(x, routed)
-                        pending[m] = x.pow(2).mean()
-                else:
-                    loss = pending.pop(m)
-                    losses.append(loss.detach().clone())
-                    loss.backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        optimizer.step()
+
+    def batch(it: int, m: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return shapes.inputs[it][m], shapes.routed[it][m]
+
+    def forward(model: nn.ModuleList, batch: tuple, step: Step) -> torch.Tensor:
+        x, routed = batch
+        for block, tokens in zip(model, routed):
+            x = block(x, tokens)
+        return x
+
+    def after(manager: OffloadManager | None, it: int) -> None:
         if manager is not None:
             assert_clean(manager)
             if stats is not None:
                 stats.append(manager.stats().pool)
             if trace is not None:
                 trace.need.append(0)
-    return losses, grads
+
+    hooks = Hooks(after_iteration=after)
+    return drive(model, inputs=batch, manager=manager, order=ONE_F_ONE_B, iterations=ITERATIONS, forward=forward, lr=0.01, hooks=hooks)
 
 
 def _old_pool_bytes(sizes: list[tuple[str, int]]) -> int:
@@ -193,14 +186,9 @@ def _run_uncapped(seed: int, shapes: Shapes) -> tuple:
     return _uncapped[seed]
 
 
-def _assert_exact(result, reference) -> None:
-    (losses, grads), (ref_losses, ref_grads) = result, reference
-    assert len(losses) == len(ref_losses) == ITERATIONS * MICROBATCHES
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert torch.equal(a, b), f"loss {i} differs"
-    for it, (ga, gb) in enumerate(zip(grads, ref_grads)):
-        for j, (a, b) in enumerate(zip(ga, gb)):
-            assert torch.equal(a, b), f"iteration {it}: gradient {j} differs"
+def _assert_exact(result: RunResult, reference: RunResult) -> None:
+    assert len(result.losses) == len(reference.losses) == ITERATIONS * MICROBATCHES
+    assert_identical(reference, result)
 
 
 @pytest.mark.parametrize("seed", [3])

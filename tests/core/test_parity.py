@@ -14,14 +14,8 @@ import pytest
 
 import chunk_offload
 from chunk_offload import OffloadConfig, OffloadManager
-from tests.core._models import (
-    INTERLEAVED,
-    MODULE_KINDS,
-    ONE_F_ONE_B,
-    RunResult,
-    assert_identical,
-    run_schedule,
-)
+from tests._driver import RunResult, assert_identical
+from tests.core._models import INTERLEAVED, MODULE_KINDS, ONE_F_ONE_B, run_schedule
 
 ITERATIONS = 3
 LAYERS = 2

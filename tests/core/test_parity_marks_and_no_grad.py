@@ -4,22 +4,19 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from chunk_offload import OffloadConfig, OffloadManager
+from tests._driver import Hooks, RunResult, Step, assert_identical, assert_no_live_chunks, drive
 from tests.core._models import (
     HEADS,
     HIDDEN,
     MODULE_KINDS,
     ONE_F_ONE_B,
     CoreAttention,
-    RunResult,
-    assert_identical,
     make_stack,
     microbatches,
     register,
@@ -80,29 +77,9 @@ def _train_marked(manager: OffloadManager | None, *, protect: bool) -> RunResult
             block.manager = manager
         if protect:
             manager.protect_module(model)
-    params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.05)
-    xs = microbatches(MICROBATCHES)
-    result = RunResult(losses=[], grads=[], params=[])
-    for _ in range(ITERATIONS):
-        optimizer.zero_grad(set_to_none=True)
-        pending: dict[int, torch.Tensor] = {}
-        with manager.iteration() if manager is not None else contextlib.nullcontext():
-            for action in ONE_F_ONE_B:
-                m = int(action[1:])
-                if action[0] == "F":
-                    with manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext():
-                        pending[m] = model(xs[m]).pow(2).mean()
-                else:
-                    loss = pending.pop(m)
-                    result.losses.append(loss.detach().clone())
-                    loss.backward()
-        result.grads.append([p.grad.detach().clone() for p in params])
-        optimizer.step()
-        if manager is not None:
-            assert manager.live_chunks() == []
-    result.params = [p.detach().clone() for p in params]
-    return result
+    inputs = microbatches(MICROBATCHES)
+    hooks = Hooks(after_iteration=assert_no_live_chunks)
+    return drive(model, inputs=inputs, manager=manager, order=ONE_F_ONE_B, iterations=ITERATIONS, hooks=hooks)
 
 
 @pytest.mark.parametrize("protect", [False, True], ids=["unprotected", "protected"])
@@ -172,14 +149,11 @@ def test_no_grad_forward_in_chunk_tracks_nothing(mode: str) -> None:
         assert manager.live_chunks() == []
 
         # The manager is usable with gradients afterwards: a tracked chunk offloads and is exact.
-        with manager.iteration():
-            with manager.chunk(microbatch=0) as handler:
-                assert handler is not None
-                loss = model(x).pow(2).mean()
-            loss.backward()
-        reference(x).pow(2).mean().backward()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            assert torch.equal(p.grad, q.grad)
+        def tracked(step: Step, loss: torch.Tensor) -> None:
+            assert step.handler is not None
+
+        hooks = Hooks(forwarded=tracked)
+        assert_identical(drive(reference, inputs=[x], lr=None), drive(model, inputs=[x], manager=manager, lr=None, hooks=hooks))
         stats = manager.stats()
         for kind in MODULE_KINDS:
             assert stats.groups[kind].groups == LAYERS
@@ -227,15 +201,13 @@ def test_unregistered_after_remove_runs_without_offload() -> None:
         handles = [manager.offload_module(getattr(model[0], kind), kind) for kind in MODULE_KINDS]
         for handle in handles:
             handle.remove()
-        x = microbatches(1)[0]
-        with manager.iteration():
-            with manager.chunk(microbatch=0) as handler:
-                loss = model(x).pow(2).mean()
-            assert handler.groups == []
-            loss.backward()
-        reference(x).pow(2).mean().backward()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            assert torch.equal(p.grad, q.grad)
+        xs = microbatches(1)
+
+        def nothing_offloaded(step: Step) -> None:
+            assert step.handler.groups == []
+
+        hooks = Hooks(chunk_ended=nothing_offloaded)
+        assert_identical(drive(reference, inputs=xs, lr=None), drive(model, inputs=xs, manager=manager, lr=None, hooks=hooks))
         assert manager.stats().groups == {}
     finally:
         manager.close()

@@ -18,6 +18,7 @@ from torch import nn
 from chunk_offload import ChunkOffloadError, OffloadConfig
 from chunk_offload.core import engine_context as ranges_module
 from chunk_offload.core.schedule_policy import SchedulePolicy
+from tests._driver import drive
 
 LAYERS = 4
 _RANGE = re.compile(r"^chunk_offload::(\w+) (\w+)\[(\d+)\] mb=(\d+) vp=(\d+)$")
@@ -42,14 +43,9 @@ def _run(
     for layer in model:
         manager.offload_module(layer, "layer")
     x = torch.randn(4, 16)
+    order = [("F", mb, 0) for mb in range(microbatches)] + [("B", mb, 0) for mb in reversed(range(microbatches))]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with manager.iteration():
-            losses = []
-            for mb in range(microbatches):
-                with manager.chunk(microbatch=mb):
-                    losses.append(model(x).sum())
-            for loss in reversed(losses):
-                loss.backward()
+        drive(model, inputs=[x] * microbatches, manager=manager, order=order, loss=torch.sum, lr=None)
     ranges: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for event in prof.events():
         if event.name.startswith("chunk_offload::"):

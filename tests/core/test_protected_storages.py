@@ -1,5 +1,5 @@
 """`ProtectedStorages` through `TensorFilter.refresh`: after every kind of change to a protected
-module tree, the policy decides exactly as a fresh policy would, drops the storages the tree no
+module tree, the tensor filter decides exactly as a fresh one would, drops the storages the tree no
 longer has, and leaves no process-wide hook behind (NOTE [Exact refresh])."""
 
 from __future__ import annotations
@@ -70,23 +70,23 @@ def _aliases(module: nn.Module) -> list[torch.Tensor]:
 def test_refresh_decides_as_a_fresh_policy_after_each_kind_of_change(change):
     apply, drops = TREE_CHANGES[change]
     tree = Tree()
-    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
-    policy.protect(tree)
-    policy.protect(tree.seq)  # nested roots, as a model chunk and its offloaded submodules are
-    policy.refresh()
-    policy.refresh()  # the check of an unchanged tree, then the change
+    tensor_filter = TensorFilter(min_offload_bytes=1, device_type="cpu")
+    tensor_filter.protect(tree)
+    tensor_filter.protect(tree.seq)  # nested roots, as a model chunk and its offloaded submodules are
+    tensor_filter.refresh()
+    tensor_filter.refresh()  # the check of an unchanged tree, then the change
     old_storages = [weakref.ref(t.untyped_storage()) for t in (*tree.parameters(), *tree.buffers())]
     probes = _aliases(tree)
     apply(tree)
     probes += _aliases(tree)
-    stale = [policy.should_offload(p) for p in probes]
+    stale = [tensor_filter.should_offload(p) for p in probes]
 
-    policy.refresh()
+    tensor_filter.refresh()
     fresh = TensorFilter(min_offload_bytes=1, device_type="cpu")
     fresh.protect(tree)
     fresh.protect(tree.seq)
     expected = [fresh.should_offload(p) for p in probes]
-    assert [policy.should_offload(p) for p in probes] == expected
+    assert [tensor_filter.should_offload(p) for p in probes] == expected
     assert (stale != expected) == (change != "storage_resized"), "the change must matter to the decisions"
 
     del probes, fresh
@@ -101,14 +101,14 @@ def test_refresh_decides_as_a_fresh_policy_after_each_kind_of_change(change):
 @pytest.mark.parametrize("change", [name for name, (_, drops) in TREE_CHANGES.items() if drops])
 def test_dropped_storages_are_held_until_the_next_refresh(change):
     tree = Tree()
-    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
-    policy.protect(tree)
-    policy.refresh()
+    tensor_filter = TensorFilter(min_offload_bytes=1, device_type="cpu")
+    tensor_filter.protect(tree)
+    tensor_filter.refresh()
     old = [weakref.ref(t.untyped_storage()) for t in (*tree.parameters(), *tree.buffers())]
     TREE_CHANGES[change][0](tree)
     gc.collect()
     assert all(ref() is not None for ref in old), "a listed storage was freed before the next refresh"
-    policy.refresh()
+    tensor_filter.refresh()
     gc.collect()
     now = [t.untyped_storage() for t in (*tree.parameters(), *tree.buffers())]
     survivors = [ref() for ref in old if ref() is not None]
@@ -123,26 +123,26 @@ def test_refresh_sees_the_inner_tensors_of_a_wrapper_subclass_replaced():
 
     module = nn.Module()
     module.register_buffer("pair", TwoTensor(torch.randn(4, 4), torch.randn(4, 4)))
-    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
-    policy.protect(module)
-    policy.refresh()
+    tensor_filter = TensorFilter(min_offload_bytes=1, device_type="cpu")
+    tensor_filter.protect(module)
+    tensor_filter.refresh()
     old_a = module.pair.a.detach()
-    assert policy.should_offload(old_a) is False
+    assert tensor_filter.should_offload(old_a) is False
     module.pair.a = torch.randn(4, 4)
     new_a = module.pair.a.detach()
-    assert policy.should_offload(new_a) is True  # not known yet
+    assert tensor_filter.should_offload(new_a) is True  # not known yet
     old_ref = weakref.ref(old_a.untyped_storage())
-    policy.refresh()
-    assert policy.should_offload(new_a) is False
-    assert policy.should_offload(old_a) is True
-    assert policy.should_offload(module.pair.b.detach()) is False
+    tensor_filter.refresh()
+    assert tensor_filter.should_offload(new_a) is False
+    assert tensor_filter.should_offload(old_a) is True
+    assert tensor_filter.should_offload(module.pair.b.detach()) is False
     del old_a
     gc.collect()
     assert old_ref() is None
 
 
 def test_managers_leave_no_global_module_hooks_behind():
-    """The policy registers nothing process-wide: creating, using and dropping managers leaves
+    """The tensor_filter registers nothing process-wide: creating, using and dropping managers leaves
     torch's global module registration hook dicts as they were, and the managers are collected."""
     from torch.nn.modules import module as torch_module
 
@@ -166,18 +166,18 @@ def test_managers_leave_no_global_module_hooks_behind():
         del manager, lin, out
     gc.collect()
     assert [len(d) for d in hook_dicts] == before
-    assert all(m() is None and p() is None for m, p in refs), "a closed, dropped manager or its policy was kept alive"
+    assert all(m() is None and p() is None for m, p in refs), "a closed, dropped manager or its tensor_filter was kept alive"
 
 
 def test_protect_between_refreshes_adds_at_once_and_keeps_the_rest():
     first, second = nn.Linear(4, 4), nn.Linear(4, 4)
-    policy = TensorFilter(min_offload_bytes=1, device_type="cpu")
-    policy.protect(first)
-    policy.refresh()
-    assert policy.should_offload(second.weight.detach()) is True
-    policy.protect(second)
+    tensor_filter = TensorFilter(min_offload_bytes=1, device_type="cpu")
+    tensor_filter.protect(first)
+    tensor_filter.refresh()
+    assert tensor_filter.should_offload(second.weight.detach()) is True
+    tensor_filter.protect(second)
     probes = [t.detach() for t in (*first.parameters(), *second.parameters())]
-    assert [policy.should_offload(p) for p in probes] == [False] * 4
-    policy.refresh()
-    assert [policy.should_offload(p) for p in probes] == [False] * 4
-    assert policy.should_offload(torch.randn(4, 4)) is True
+    assert [tensor_filter.should_offload(p) for p in probes] == [False] * 4
+    tensor_filter.refresh()
+    assert [tensor_filter.should_offload(p) for p in probes] == [False] * 4
+    assert tensor_filter.should_offload(torch.randn(4, 4)) is True

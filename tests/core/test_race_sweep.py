@@ -33,7 +33,6 @@ when B reused its buffer in ~70% of the seeds.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import pytest
@@ -42,11 +41,10 @@ import torch
 from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.core import GroupState
 from chunk_offload.schedule import Plan, PlanPolicy
+from tests._driver import Hooks, RunResult, Step, assert_identical, assert_no_live_chunks, drive
 from tests.core._models import (
     MODULE_KINDS,
     ONE_F_ONE_B,
-    RunResult,
-    assert_identical,
     assert_reuse_exact,
     make_stack,
     microbatches,
@@ -120,24 +118,15 @@ def test_parity_sweep_plan_policy(side: str, seed: int) -> None:
 
 
 def _sweep(side: str, seed: int, *, schedule_policy: PlanPolicy | None) -> None:
-    managers: list[OffloadManager] = []
-
     def factory() -> OffloadManager:
         streams = CpuStreams(max_delay_s=MAX_DELAY_S, delay_on=(side,), seed=seed)
-        managers.append(OffloadManager(OffloadConfig(min_offload_bytes=1), streams=streams, schedule_policy=schedule_policy))
-        return managers[-1]
+        return OffloadManager(OffloadConfig(min_offload_bytes=1), streams=streams, schedule_policy=schedule_policy)
 
     def check(manager: OffloadManager, it: int) -> None:
         if it == ITERATIONS - 1:
             _assert_clean(manager)
 
-    try:
-        result = run_schedule(
-            factory, order=ONE_F_ONE_B, iterations=ITERATIONS, layers=LAYERS, after_iteration=check
-        )
-    finally:
-        for manager in managers:  # run_schedule closes only on success; close() is idempotent
-            manager.close()
+    result = run_schedule(factory, order=ONE_F_ONE_B, iterations=ITERATIONS, layers=LAYERS, after_iteration=check)
     assert_identical(baseline(), result)
 
 
@@ -166,41 +155,34 @@ def _train_backward_meets_offload(
     model = make_stack(LAYERS, seed=0)
     if manager is not None:
         register(manager, model, MODULE_KINDS)
-    params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.05)
-    xs = microbatches(MICROBATCHES)
-    result = RunResult(losses=[], grads=[], params=[])
-    for _ in range(ITERATIONS):
-        optimizer.zero_grad(set_to_none=True)
-        with manager.iteration() if manager is not None else contextlib.nullcontext():
-            for m, x in enumerate(xs):
-                mode = m % 3
-                with manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext() as handler:
-                    loss = model(x).pow(2).mean()
-                    result.losses.append(loss.detach().clone())
-                    if handler is not None and mode != AFTER:
-                        last = handler.groups[-1]
-                        assert last.state is GroupState.OFFLOADING
-                        assert all(g.state is GroupState.ON_HOST for g in handler.groups[:-1])
-                        if pending is not None:
-                            pending.append(not last._d2h_event.query())
-                        if mode == PREFETCH_IN_FLIGHT:
-                            handler.bulk_reload_group(last.index)
-                            assert last.state is GroupState.RESIDENT  # offload cancelled, originals kept
-                    if mode == INSIDE:
-                        loss.backward()
-                if handler is not None and mode == AFTER:
-                    assert all(g.state is GroupState.ON_HOST for g in handler.groups)
-                if mode != INSIDE:
-                    loss.backward()
-                if handler is not None:
-                    assert handler.released
-        result.grads.append([p.grad.detach().clone() for p in params])
-        optimizer.step()
-        if manager is not None:
-            assert manager.live_chunks() == []
-    result.params = [p.detach().clone() for p in params]
-    return result
+
+    def forwarded(step: Step, loss: torch.Tensor) -> None:
+        if step.handler is None or step.microbatch % 3 == AFTER:
+            return
+        last = step.handler.groups[-1]
+        assert last.state is GroupState.OFFLOADING
+        assert all(g.state is GroupState.ON_HOST for g in step.handler.groups[:-1])
+        if pending is not None:
+            pending.append(not last._d2h_event.query())
+        if step.microbatch % 3 == PREFETCH_IN_FLIGHT:
+            step.handler.bulk_reload_group(last.index)
+            assert last.state is GroupState.RESIDENT  # offload cancelled, originals kept
+
+    def chunk_ended(step: Step) -> None:
+        if step.handler is not None and step.microbatch % 3 == AFTER:
+            assert all(g.state is GroupState.ON_HOST for g in step.handler.groups)
+        if step.handler is not None and step.kind == "FB":
+            assert step.handler.released
+
+    def after_backward(step: Step) -> None:
+        if step.handler is not None and step.kind == "B":
+            assert step.handler.released
+
+    order = []
+    for m in range(MICROBATCHES):
+        order += [("FB", m, 0)] if m % 3 == INSIDE else [("F", m, 0), ("B", m, 0)]
+    hooks = Hooks(forwarded=forwarded, chunk_ended=chunk_ended, after_backward=after_backward, after_iteration=assert_no_live_chunks)
+    return drive(model, inputs=microbatches(MICROBATCHES), manager=manager, order=order, iterations=ITERATIONS, hooks=hooks)
 
 
 _meets_offload_baseline: list[RunResult] = []

@@ -17,7 +17,6 @@ Every comparison is `torch.equal` or an exact integer.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 import pytest
@@ -28,13 +27,12 @@ from chunk_offload import CpuStreams, HappensBeforeError, OffloadConfig, Offload
 from chunk_offload.core import StreamBackend
 from chunk_offload.core import GroupState
 from chunk_offload.core.engine_context import WAIT_NAMES
+from tests._driver import Hooks, RunResult, Step, assert_identical, assert_no_live_chunks, drive
 from tests.core._models import (
     manager_skipping_waits,
     INTERLEAVED,
     MODULE_KINDS,
     ONE_F_ONE_B,
-    RunResult,
-    assert_identical,
     assert_reuse_exact,
     make_stack,
     microbatches,
@@ -64,32 +62,21 @@ def run_offloaded(
     model_chunks: int = 1,
     deterministic_memory: bool = False,
 ) -> tuple[RunResult, chunk_offload.OffloadStats]:
-    """`run_schedule` with every kind offloaded; closes the manager also when the run raises."""
-    managers: list[OffloadManager] = []
+    """`run_schedule` with every kind offloaded; the final stats."""
     final: list[chunk_offload.OffloadStats] = []
-
-    def factory() -> OffloadManager:
-        manager = manager_skipping_waits(skip, streams=streams(), deterministic_memory=deterministic_memory)
-        managers.append(manager)
-        return manager
 
     def after_iteration(manager: OffloadManager, it: int) -> None:
         if it == ITERATIONS - 1:
             final.append(manager.stats())
 
-    try:
-        result = run_schedule(
-            factory,
-            order=order,
-            model_chunks=model_chunks,
-            iterations=ITERATIONS,
-            layers=LAYERS,
-            after_iteration=after_iteration,
-        )
-    except BaseException:
-        for manager in managers:  # run_schedule closes its manager only on success
-            manager.close()
-        raise
+    result = run_schedule(
+        lambda: manager_skipping_waits(skip, streams=streams(), deterministic_memory=deterministic_memory),
+        order=order,
+        model_chunks=model_chunks,
+        iterations=ITERATIONS,
+        layers=LAYERS,
+        after_iteration=after_iteration,
+    )
     return result, final[0]
 
 
@@ -280,27 +267,15 @@ def _train_backward_inside_chunk(manager: OffloadManager | None, iterations: int
     model = make_stack(LAYERS, seed=0)
     if manager is not None:
         register(manager, model, MODULE_KINDS)
-    params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.05)
-    xs = microbatches(4)
-    result = RunResult(losses=[], grads=[], params=[])
-    for _ in range(iterations):
-        optimizer.zero_grad(set_to_none=True)
-        with manager.iteration() if manager is not None else contextlib.nullcontext():
-            for m, x in enumerate(xs):
-                with manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext() as handler:
-                    loss = model(x).pow(2).mean()
-                    if handler is not None:
-                        assert handler.groups[-1].state is GroupState.OFFLOADING
-                        assert all(g.state is GroupState.ON_HOST for g in handler.groups[:-1])
-                    result.losses.append(loss.detach().clone())
-                    loss.backward()
-        result.grads.append([p.grad.detach().clone() for p in params])
-        optimizer.step()
-        if manager is not None:
-            assert manager.live_chunks() == []
-    result.params = [p.detach().clone() for p in params]
-    return result
+
+    def offloading(step: Step, loss: torch.Tensor) -> None:
+        if step.handler is not None:
+            assert step.handler.groups[-1].state is GroupState.OFFLOADING
+            assert all(g.state is GroupState.ON_HOST for g in step.handler.groups[:-1])
+
+    hooks = Hooks(forwarded=offloading, after_iteration=assert_no_live_chunks)
+    order = ("FB0", "FB1", "FB2", "FB3")
+    return drive(model, inputs=microbatches(4), manager=manager, order=order, iterations=iterations, hooks=hooks)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -9,6 +9,7 @@ training without it; protocol misuse raises. Transformer Engine itself is never 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator
 
 import pytest
@@ -19,7 +20,8 @@ import chunk_offload
 from chunk_offload import ChunkOffloadError, CpuStreams, OffloadConfig, OffloadManager
 from chunk_offload.core import ChunkOffloadHandler
 from chunk_offload.core import GroupState
-from tests.core._models import RunResult, assert_identical, make_stack, microbatches
+from tests._driver import Hooks, RunResult, Step, assert_identical, assert_no_live_chunks, drive
+from tests.core._models import make_stack, microbatches
 
 
 # ----------------------------------------------------------------------------- driven as TE drives it
@@ -82,38 +84,35 @@ def te_forward(model: torch.nn.Sequential, x: torch.Tensor, handler: ChunkOffloa
 LAYERS = 3
 MICROBATCHES = 2
 ITERATIONS = 2
+GPIPE = ("F0", "F1", "B0", "B1")  # all forwards, then all backwards
+INSIDE = ("FB0", "FB1")  # each microbatch's backward inside its chunk
 
 
-def train(manager: OffloadManager | None, *, backward_inside_chunk: bool = False) -> tuple[RunResult, list[chunk_offload.OffloadStats]]:
-    """GPipe order per iteration (all forwards, then all backwards), or F/B per microbatch inside its chunk."""
-    model = make_stack(LAYERS, seed=0)
-    params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.05)
-    xs = microbatches(MICROBATCHES)
-    result = RunResult(losses=[], grads=[], params=[])
+def train(
+    manager: OffloadManager | None, *, order=GPIPE, groupid_reset: bool = True, hooks: Hooks | None = None
+) -> tuple[RunResult, list[chunk_offload.OffloadStats]]:
+    """``order`` per iteration, every forward as TE drives it; the manager's stats after each iteration."""
     stats = []
-    for _ in range(ITERATIONS):
-        optimizer.zero_grad(set_to_none=True)
-        losses = []
-        with manager.iteration() if manager is not None else contextlib.nullcontext():
-            for m, x in enumerate(xs):
-                with manager.chunk(microbatch=m) if manager is not None else contextlib.nullcontext() as handler:
-                    if handler is not None:
-                        handler.groupid_reset()  # TE resets its handler before each iteration's forwards
-                    losses.append(te_forward(model, x, handler))
-                    if backward_inside_chunk:
-                        losses[-1].backward()
-            if not backward_inside_chunk:
-                for loss in losses:
-                    loss.backward()
-        result.losses += [loss.detach().clone() for loss in losses]
-        result.grads.append([p.grad.detach().clone() for p in params])
-        optimizer.step()
+
+    def forward(model: torch.nn.Sequential, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if groupid_reset and step.handler is not None:
+            step.handler.groupid_reset()  # TE resets its handler before each iteration's forwards
+        return te_forward(model, x, step.handler)
+
+    def after(manager: OffloadManager | None, iteration: int) -> None:
+        assert_no_live_chunks(manager, iteration)
         if manager is not None:
             stats.append(manager.stats())
-            assert manager.live_chunks() == []
-    result.params = [p.detach().clone() for p in params]
+
+    hooks = dataclasses.replace(hooks or Hooks(), after_iteration=after)
+    model = make_stack(LAYERS, seed=0)
+    inputs = microbatches(MICROBATCHES)
+    result = drive(model, inputs=inputs, manager=manager, order=order, iterations=ITERATIONS, forward=forward, loss=_as_is, hooks=hooks)
     return result, stats
+
+
+def _as_is(loss: torch.Tensor) -> torch.Tensor:
+    return loss  # te_forward returns the loss
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -138,10 +137,10 @@ def test_te_driven_training_is_bit_identical(seed: int) -> None:
 
 def test_te_driven_backward_inside_the_chunk() -> None:
     """``with mgr.iteration(), mgr.chunk(microbatch=0) as handler:`` around forward and backward."""
-    reference, _ = train(None, backward_inside_chunk=True)
+    reference, _ = train(None, order=INSIDE)
     manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
-        result, stats = train(manager, backward_inside_chunk=True)
+        result, stats = train(manager, order=INSIDE)
     finally:
         manager.close()
     assert_identical(reference, result)
@@ -179,30 +178,19 @@ def test_commit_backward_prefetches_the_previous_group() -> None:
 def test_bulk_reload_and_offload_by_group_id() -> None:
     """TE's bulk calls by group id: reload ahead of backward, offload of a committed group is a no-op."""
     reference, _ = train(None)
-    model = make_stack(LAYERS, seed=0)
-    params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.05)
-    result = RunResult(losses=[], grads=[], params=[])
+
+    def reload_ahead(step: Step) -> None:
+        step.handler.bulk_reload_group(LAYERS - 1)
+        step.handler.bulk_reload_group(LAYERS - 1)  # idempotent
+        assert step.handler.groups[LAYERS - 1].state is GroupState.RELOADING
+
+    hooks = Hooks(
+        forwarded=lambda step, loss: step.handler.bulk_offload_group(0),  # already issued at commit: no-op
+        before_backward=reload_ahead,
+    )
     manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
-        for _ in range(ITERATIONS):
-            optimizer.zero_grad(set_to_none=True)
-            with manager.iteration():
-                handlers, losses = [], []
-                for m, x in enumerate(microbatches(MICROBATCHES)):
-                    with manager.chunk(microbatch=m) as handler:
-                        losses.append(te_forward(model, x, handler))
-                        handler.bulk_offload_group(0)  # already issued at commit: no-op
-                    handlers.append(handler)
-                for handler, loss in zip(handlers, losses):
-                    handler.bulk_reload_group(LAYERS - 1)
-                    handler.bulk_reload_group(LAYERS - 1)  # idempotent
-                    assert handler.groups[LAYERS - 1].state is GroupState.RELOADING
-                    loss.backward()
-            result.losses += [loss.detach().clone() for loss in losses]
-            result.grads.append([p.grad.detach().clone() for p in params])
-            optimizer.step()
-        result.params = [p.detach().clone() for p in params]
+        result, _ = train(manager, groupid_reset=False, hooks=hooks)
         stats = manager.stats()
     finally:
         manager.close()

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.core import _models
-from tests.core._models import INTERLEAVED, MODULE_KINDS, ONE_F_ONE_B, CoreAttention, assert_identical, run_schedule
+from tests._driver import assert_identical
+from tests.core._models import INTERLEAVED, MODULE_KINDS, ONE_F_ONE_B, CoreAttention, run_schedule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine: bash bench/gpu_evidence.sh)")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tests._megatron_train import megatron_step
 from tests._spawn import run_ranks
 
 __all__ = ["ByteCase", "CaseBytes", "measure"]
@@ -153,18 +154,8 @@ def _build(case: ByteCase):
 
 
 def _step(case: ByteCase, chunks, forward_backward) -> None:
-    from chunk_offload.devkit.gpt import gpt_forward_step, random_token_batches
-
-    batches = random_token_batches(_shape(case), num_microbatches=1, seed=1234, iteration=0)
-    forward_backward(
-        forward_step_func=gpt_forward_step,
-        data_iterator=iter(batches),
-        model=chunks[0],
-        num_microbatches=1,
-        seq_length=case.seq_length,
-        micro_batch_size=case.micro_batch_size,
-        forward_only=False,
-    )
+    """One training step of one microbatch through Megatron's schedule (no pipelining: one chunk)."""
+    megatron_step(forward_backward, chunks, _shape(case), num_microbatches=1, seed=1234, iteration=0)
 
 
 def _measure_case(case: ByteCase) -> CaseBytes:

@@ -80,33 +80,31 @@ def _plan():
     return Plan.from_order([f"0{a}" for a in ORDER], pp_rank=0, pp_size=4, vp_size=1, source="test 1F1B")
 
 
-def _iterate(manager, model, xs, *, offload: bool):
-    outputs = {}
-    with manager.iteration(offload=offload):
-        for action in ORDER:
-            kind, m = action[0], int(action[1:])
-            if kind == "F":
-                with manager.chunk(microbatch=m, vp_stage=0):
-                    outputs[m] = model(xs[m]).pow(2).mean()
-            else:
-                outputs.pop(m).backward()
-    return manager.last_iteration
-
-
 def _records(batch_sizes=(2, 2)):
     """A baseline and an offload record; ``batch_sizes`` per iteration change the bytes per group."""
     import chunk_offload
+    from tests._driver import Hooks, drive
     from tests.core._models import HIDDEN, SEQ, make_stack, register
 
     model = make_stack(layers=2)
     manager = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, trace=True), streams=chunk_offload.CpuStreams())
     register(manager, model)
+    xs = []
+    for it, batch in enumerate(batch_sizes):
+        g = torch.Generator().manual_seed(it)
+        xs.append([torch.randn(batch, SEQ, HIDDEN, generator=g) for _ in range(4)])
     records = []
     try:
-        for it, (batch, offload) in enumerate(zip(batch_sizes, (False, True))):
-            g = torch.Generator().manual_seed(it)
-            xs = [torch.randn(batch, SEQ, HIDDEN, generator=g) for _ in range(4)]
-            records.append(_iterate(manager, model, xs, offload=offload))
+        drive(
+            model,
+            inputs=lambda it, m: xs[it][m],
+            manager=manager,
+            order=ORDER,
+            iterations=2,
+            offload=lambda it: it == 1,  # a baseline, then the offload run
+            lr=None,
+            hooks=Hooks(after_iteration=lambda manager, it: records.append(manager.last_iteration)),
+        )
     finally:
         manager.close()
     return manager, records

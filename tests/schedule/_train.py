@@ -6,14 +6,10 @@ from typing import Sequence
 
 from chunk_offload import CpuStreams, IterationRecord, OffloadConfig, OffloadManager, SchedulePolicy
 from chunk_offload.schedule import Plan
-from tests.core._models import MODULE_KINDS, RunResult, run_schedule
+from tests._driver import RunResult
+from tests.core._models import MODULE_KINDS, run_schedule
 
-__all__ = ["plan_order", "train_plan"]
-
-
-def plan_order(plan: Plan) -> list[tuple[str, int, int]]:
-    """The plan's actions as `run_schedule` takes them."""
-    return [(a.kind.value, a.microbatch, a.vp_stage) for a in plan.actions]
+__all__ = ["train_plan"]
 
 
 def train_plan(
@@ -41,6 +37,6 @@ def train_plan(
             records.append(manager.last_iteration)
 
     result = run_schedule(
-        factory, order=plan_order(plan), model_chunks=plan.vp_size, iterations=iterations, layers=layers, kinds=kinds, after_iteration=after
+        factory, order=plan.actions, model_chunks=plan.vp_size, iterations=iterations, layers=layers, kinds=kinds, after_iteration=after
     )
     return result, records

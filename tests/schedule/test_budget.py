@@ -24,7 +24,7 @@ from chunk_offload.schedule import (
     megatron_plan,
     simulate,
 )
-from tests.core._models import assert_identical
+from tests._driver import assert_identical
 from tests.schedule._train import train_plan
 
 PIPELINES = {

@@ -8,7 +8,7 @@ import pytest
 from chunk_offload import ChunkOffloadError, CpuStreams, OffloadConfig, OffloadManager, SchedulePolicy
 from chunk_offload.core import ChunkKey
 from chunk_offload.schedule import Plan, PlanPolicy, megatron_plan, simulate
-from tests.core._models import assert_identical
+from tests._driver import assert_identical
 from tests.schedule._train import train_plan
 
 KINDS = ("qkv_linear", "core_attn", "mlp_fc1")  # three groups per layer

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from chunk_offload.schedule import Plan, PlanPolicy, megatron_plan, simulate
-from tests.core._models import MODULE_KINDS, assert_identical
-from tests.schedule._train import plan_order, train_plan
+from tests._driver import actions, assert_identical
+from tests.core._models import MODULE_KINDS
+from tests.schedule._train import train_plan
 
 PLANS = {
     "1f1b_first": dict(pp_size=4, pp_rank=0, num_microbatches=6),
@@ -31,10 +32,6 @@ POLICIES = {
     "plan_reload_ahead": lambda plan: PlanPolicy(plan, reload_ahead_bytes=12_000),
 }
 ITERATIONS = 2
-
-
-def _order(plan: Plan) -> list[tuple[str, int, int]]:
-    return plan_order(plan)
 
 
 def _train(plan: Plan, *, offload: bool | None, policy_name: str = "group_start"):
@@ -66,7 +63,7 @@ def test_prediction_equals_measurement(plan_case, policy_name):
         assert predicted.peak_resident_bytes == measured.peak_resident_bytes, (policy_name, plan.format())
         assert predicted.host_bytes_at_saved_peak == measured.host_bytes_at_saved_peak
         assert predicted.bytes_offloaded == sum(g.bytes_offloaded for g in measured.groups.values())
-        assert measured.order == [(k, m, v) for k, m, v in _order(plan)]
+        assert measured.order == [(k, m, v) for k, m, v in actions(plan.actions)]
 
 
 @pytest.mark.parametrize("plan_kwargs", [dict(pp_size=4, pp_rank=3, num_microbatches=6), dict(pp_size=1, pp_rank=0, num_microbatches=4)], ids=["1f1b_last", "pp1"])

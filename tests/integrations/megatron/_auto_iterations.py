@@ -13,6 +13,7 @@ from torch import nn
 
 from chunk_offload.core.records import IterationRecord
 from chunk_offload.core.stats import GroupStats
+from tests._driver import drive, no_pipelining
 
 
 def comparable(record: IterationRecord) -> dict[str, Any]:
@@ -50,10 +51,8 @@ def microbatch(i: int) -> torch.Tensor:
 
 
 def train_step(chunk: nn.Module, microbatches: int, *, first: int = 0) -> list[torch.Tensor]:
-    """What megatron's no-pipelining schedule does: forward and backward of each microbatch in turn."""
-    losses = []
-    for i in range(first, first + microbatches):
-        loss = chunk(microbatch(i)).sum()
-        loss.backward()
-        losses.append(loss.detach())
-    return losses
+    """What megatron's no-pipelining schedule does: forward and backward of each microbatch in turn, on
+    microbatches ``first``, ``first + 1``, ...; the losses. The attached manager's chunk hooks delimit
+    its chunks (the driver opens no scope); gradients accumulate."""
+    inputs = [microbatch(i) for i in range(first, first + microbatches)]
+    return drive(chunk, inputs=inputs, order=no_pipelining(microbatches), loss=torch.sum, params=[], lr=None).losses

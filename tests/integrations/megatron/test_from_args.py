@@ -16,6 +16,7 @@ from torch import nn
 from chunk_offload import ChunkOffloadError, SchedulePolicy
 from chunk_offload.integrations.megatron import add_arguments, attach_from_args
 from chunk_offload.integrations.megatron import check_args
+from tests._driver import Step, drive, no_pipelining
 from tests.integrations.megatron._args import megatron_like_parser, parser
 
 
@@ -175,6 +176,10 @@ def test_attach_from_args_trains_dense_gpt(baseline: bool) -> None:
                 manager.close()
 
 
+def _float_mean(per_token_loss: torch.Tensor) -> torch.Tensor:
+    return per_token_loss.float().mean()
+
+
 @needs_megatron
 def test_attach_from_args_auto_iterations_on_dense_gpt() -> None:
     """--chunk-offload-iterations auto: no wrap, no iteration(); the count comes from Megatron's calculator."""
@@ -195,9 +200,16 @@ def test_attach_from_args_auto_iterations_on_dense_gpt() -> None:
             assert manager is not None and manager.iterations == "auto"
             gen = torch.Generator().manual_seed(0)
             positions = torch.arange(cfg.seq_length).expand(cfg.micro_batch_size, -1)
-            for _ in range(microbatches):  # megatron's no-pipelining schedule: forward and backward in turn
-                tokens = torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), generator=gen)
-                chunks[0](tokens, positions, None, labels=tokens).float().mean().backward()
+
+            def tokens(iteration: int, microbatch: int) -> torch.Tensor:
+                return torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), generator=gen)
+
+            def forward(chunk: torch.nn.Module, tokens: torch.Tensor, step: Step) -> torch.Tensor:
+                return chunk(tokens, positions, None, labels=tokens)
+
+            # Megatron's no-pipelining schedule: forward and backward in turn; the chunk hooks open the chunks.
+            order = no_pipelining(microbatches)
+            drive(chunks[0], inputs=tokens, order=order, forward=forward, loss=_float_mean, params=[], lr=None)
             assert manager.training_calls == 0  # open until the next forward or end_iteration()
             manager.end_iteration()
             assert manager.training_calls == 1

@@ -23,6 +23,7 @@ import chunk_offload
 from chunk_offload import OffloadConfig
 from chunk_offload.integrations.pipelining import attach
 
+from ..._driver import snapshot
 from ..._spawn import run_ranks
 from ...core._models import BATCH, HIDDEN, SEQ, Block
 
@@ -177,8 +178,8 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
         x, y = _batches(iteration)
         losses: list[torch.Tensor] = []
         schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
-        result.losses[run].append([loss.detach().clone() for loss in losses])
-        result.grads[run].append({n: p.grad.detach().clone() for n, p in params.items()})
+        result.losses[run].append([snapshot(loss) for loss in losses])
+        result.grads[run].append({n: snapshot(p.grad) for n, p in params.items()})
         if manager is not None:
             stats = manager.stats()
             pool = manager.pool.stats()

@@ -9,7 +9,8 @@ from torch import nn
 
 from chunk_offload import mark_not_offloadable
 from tests.core._models import Fn
-from tests.core._tensor_policy import F32, H, N, scope
+from tests._driver import chunk_scope, iteration_scope
+from tests.core._edge_cases import F32, H, N
 
 # ----------------------------------------------------------------------------- exclusions
 
@@ -36,7 +37,7 @@ class SaveAll(torch.autograd.Function):
 
 
 class Exclusions(nn.Module):
-    """Saves one tensor of every kind the policy must keep, plus two eligible activations."""
+    """Saves one tensor of every kind the tensor filter must keep, plus two eligible activations."""
 
     MIN = 256  # bytes; activations are N*H*4 = 2048, weight[0:2] 2*H*4 = 256, the small one N*1*4 = 64
 
@@ -111,8 +112,8 @@ def test_parameter_and_buffer_saved_by_native_ops_are_kept(make_manager):
         for p in module.parameters():
             p.grad = None
         leaf = source.detach().clone().requires_grad_(True)
-        with scope(manager, "iteration"):
-            with scope(manager, "chunk"):
+        with iteration_scope(manager):
+            with chunk_scope(manager):
                 module.marked = mark_not_offloadable(leaf * 5)
                 out = module(leaf * 1)
             out.sum().backward()

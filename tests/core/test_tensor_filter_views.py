@@ -15,7 +15,8 @@ from torch import nn
 
 from chunk_offload import OffloadManager
 from tests.core._models import CoreAttention, Fn
-from tests.core._tensor_policy import B, F32, H, N, SPAN_ALIGN, T, assert_same, grads_of, scope
+from tests._driver import chunk_scope, iteration_scope
+from tests.core._edge_cases import B, F32, H, N, SPAN_ALIGN, T, assert_same, run_fn
 
 # ----------------------------------------------------------------------------- q, k, v views
 
@@ -59,8 +60,8 @@ def _run_qkv(manager: OffloadManager | None):
     if manager is not None:
         manager.offload_module(block.core_attn, "core_attn")
     x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    with scope(manager, "iteration"):
-        with scope(manager, "chunk"):
+    with iteration_scope(manager):
+        with chunk_scope(manager):
             out = block(x)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)))
     grads = [x.grad] + [p.grad for p in block.parameters()]
@@ -104,8 +105,8 @@ def test_qkv_with_the_models_core_attention_keeps_exact_grads(make_manager):
         if manager is not None:
             manager.offload_module(attn, "core_attn")
         x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(5), requires_grad=True)
-        with scope(manager, "iteration"):
-            with scope(manager, "chunk"):
+        with iteration_scope(manager):
+            with chunk_scope(manager):
                 out = attn(*lin(x).chunk(3, dim=-1))
             out.pow(2).sum().backward()
         return [out.detach(), x.grad, lin.weight.grad, lin.bias.grad]
@@ -150,9 +151,9 @@ def test_saved_views_round_trip_exactly(make_manager, case):
     shape, view_fn, expected_bytes = VIEW_CASES[case]
     x = torch.randn(shape, generator=torch.Generator().manual_seed(11))
     fn = _sin_of(view_fn)
-    ref = grads_of(fn, [x], 12, None)
+    ref = run_fn(fn, [x], None, seed=12)
     manager = make_manager(min_offload_bytes=1)
-    got = grads_of(fn, [x], 12, manager)
+    got = run_fn(fn, [x], manager, seed=12)
     assert_same(got, ref)
     stats = manager.stats()
     group = stats.groups["g"]
@@ -165,7 +166,7 @@ def test_saved_views_round_trip_exactly(make_manager, case):
 def test_small_view_copies_only_its_span(make_manager):
     shape, view_fn, expected = VIEW_CASES["small_view_of_large_storage"]
     manager = make_manager(min_offload_bytes=1)
-    grads_of(_sin_of(view_fn), [torch.randn(shape)], 0, manager)
+    run_fn(_sin_of(view_fn), [torch.randn(shape)], manager, seed=0)
     storage_bytes = shape[0] * shape[1] * F32
     assert manager.stats().groups["g"].bytes_offloaded == expected < storage_bytes
 
@@ -187,9 +188,9 @@ def test_square_transpose_comes_back_with_its_strides(make_manager):
 
     x = torch.randn(H, H, generator=torch.Generator().manual_seed(2))
     fn = lambda x: Keep.apply(x.t())  # noqa: E731
-    ref = grads_of(fn, [x], 3, None)
+    ref = run_fn(fn, [x], None, seed=3)
     manager = make_manager(min_offload_bytes=1)
-    got = grads_of(fn, [x], 3, manager)
+    got = run_fn(fn, [x], manager, seed=3)
     assert_same(got, ref)
     back = seen[-1]
     assert back.shape == (H, H) and back.stride() == (1, H)
@@ -222,9 +223,9 @@ class FloatAndBytes(torch.autograd.Function):
 def test_two_dtypes_viewing_one_storage(make_manager):
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(9))
     DTYPE_SEEN.clear()
-    ref = grads_of(FloatAndBytes.apply, [x], 1, None)
+    ref = run_fn(FloatAndBytes.apply, [x], None, seed=1)
     manager = make_manager(min_offload_bytes=1)
-    got = grads_of(FloatAndBytes.apply, [x], 1, manager)
+    got = run_fn(FloatAndBytes.apply, [x], manager, seed=1)
     assert_same(got, ref)
     f, u, f_expected, u_expected = DTYPE_SEEN[-1]
     assert f.dtype == torch.float32 and u.dtype == torch.uint8

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from chunk_offload import OffloadManager
-from tests.core._tensor_policy import H, N, scope
+from tests._driver import chunk_scope, iteration_scope
+from tests.core._edge_cases import H, N
 
 # ----------------------------------------------------------------------------- in-place checks
 
@@ -24,8 +25,8 @@ def _inplace_after_save(manager: OffloadManager | None, *, modify_inside_chunk: 
     if manager is not None:
         manager.offload_module(module, "sin")
     x = torch.randn(shape, requires_grad=True)
-    with scope(manager, "iteration"):
-        with scope(manager, "chunk"):
+    with iteration_scope(manager):
+        with chunk_scope(manager):
             y = x * 2
             out = module(y)
             if modify_inside_chunk:
@@ -48,7 +49,7 @@ def test_inplace_modification_of_an_offloaded_saved_tensor_raises(make_manager, 
 
 
 def test_inplace_modification_of_a_kept_saved_tensor_raises(make_manager):
-    manager = make_manager(min_offload_bytes=1 << 20)  # the default: the saved (N, H) tensor is kept by the policy
+    manager = make_manager(min_offload_bytes=1 << 20)  # the default: the saved (N, H) tensor is kept by the tensor filter
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _inplace_after_save(manager, modify_inside_chunk=False)
     assert manager.stats().groups["sin"].tensors_kept == 1
@@ -67,8 +68,8 @@ def test_inplace_on_an_unsaved_module_output_keeps_exact_grads(make_manager):
         if manager is not None:
             manager.offload_module(lin, "lin")
         x = torch.randn(N, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        with scope(manager, "iteration"):
-            with scope(manager, "chunk"):
+        with iteration_scope(manager):
+            with chunk_scope(manager):
                 out = lin(x * 1)
                 out.add_(1)
                 out = out.tanh()
