@@ -79,17 +79,18 @@ def combination_problem(modules: Sequence[str], recompute_modules: Sequence[str]
     covers ``recompute_modules``, or None when they allow it. The rules of megatron-core 0.19's
     `TransformerConfig` for its own offloading, which hold for ours for the same reasons:
 
-    - ``attn_proj`` needs ``core_attn``: attn_proj saves core attention's output, which core
-      attention's backward needs as well (flash attention saves it), so offloading attn_proj alone
-      moves nothing off the device;
+    - ``attn_proj`` needs ``core_attn`` offloaded or recomputed: attn_proj saves core attention's
+      output, which core attention's backward needs as well (flash attention saves it), so
+      offloading attn_proj alone moves nothing off the device (megatron-core asks for core_attn
+      offloaded; a recomputed core attention saves no output either, so we accept it too);
     - MoE modules are not offloaded while ``moe`` is recomputed: the recompute checkpoints the whole
       MoE forward, so nothing inside it is saved to offload.
     """
-    if "attn_proj" in modules and "core_attn" not in modules:
+    if "attn_proj" in modules and "core_attn" not in modules and "core_attn" not in recompute_modules:
         return (
             "attn_proj is offloaded without core_attn: attn_proj saves core attention's output, which core "
             "attention's backward needs too, so attn_proj alone frees nothing (megatron-core refuses it as well); "
-            "add core_attn or drop attn_proj"
+            "add core_attn (offloaded, or recomputed with --recompute-modules core_attn) or drop attn_proj"
         )
     inside_moe = sorted(MOE_MODULES & set(modules))
     if inside_moe and "moe" in recompute_modules:

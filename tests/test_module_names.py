@@ -24,6 +24,7 @@ from chunk_offload.planner.recommend import recommend
         (["attn_proj"], [], True),
         (["qkv_linear", "attn_proj"], [], True),
         (["core_attn", "attn_proj"], [], False),
+        (["attn_proj"], ["core_attn"], False),
         (["expert_fc1"], ["moe"], True),
         (["moe_act", "core_attn"], ["core_attn", "moe"], True),
         (["expert_fc1"], ["core_attn", "mlp"], False),
