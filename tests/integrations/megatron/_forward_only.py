@@ -123,17 +123,13 @@ class PassHooks(OffloadHooks):
         return train_then_passes
 
     def _run_pass(self, kind: str, function: Any, kwargs: dict[str, Any]) -> None:
-        from chunk_offload.devkit.gpt import random_token_batches
-        from tests._megatron_train import gpt_shape
+        from tests._megatron_train import gpt_shape, megatron_step
 
         count = PASS_MICROBATCHES[len(self.pass_log) % len(PASS_MICROBATCHES)]
+        model = kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]
+        logprobs = {"forward_step_func": logprob_forward_step, "collect_non_loss_data": True} if kind.startswith("logprobs") else {}
         seed, index = self.config.seed + 1, len(self.pass_log)
-        batches = random_token_batches(gpt_shape(self.config), num_microbatches=count, seed=seed, iteration=index)
-        model = kwargs["model"]
-        call = {**kwargs, "num_microbatches": count, "forward_only": True}
-        call["data_iterator"] = [iter(batches) for _ in model] if isinstance(model, list) else iter(batches)
-        if kind.startswith("logprobs"):
-            call.update(forward_step_func=logprob_forward_step, collect_non_loss_data=True)
+        call = dict(num_microbatches=count, seed=seed, iteration=index, forward_only=True, **logprobs)
         context = {
             "evaluate": contextlib.nullcontext,
             "evaluate_no_grad": torch.no_grad,
@@ -144,7 +140,7 @@ class PassHooks(OffloadHooks):
         manager, forwards = self.manager, self.chunk_forwards
         before = (pass_state(manager), manager.training_calls, list(manager.observed_order))
         with context():
-            store = function(**call)
+            store = megatron_step(function, model, gpt_shape(self.config), **call)
         after = (pass_state(manager), manager.training_calls, list(manager.observed_order))
         forwards = self.chunk_forwards - forwards
         self.pass_log.append(
