@@ -62,24 +62,35 @@ def train(
 
 
 def megatron_step(
-    forward_backward: Callable[..., Any], model: list[torch.nn.Module], shape: Any, *, num_microbatches: int, seed: int, iteration: int
+    forward_backward: Callable[..., Any],
+    model: list[torch.nn.Module],
+    shape: Any,
+    *,
+    num_microbatches: int,
+    seed: int,
+    iteration: int,
+    forward_only: bool = False,
+    forward_step_func: Callable[..., Any] | None = None,
+    collect_non_loss_data: bool = False,
 ) -> Any:
-    """One training call of Megatron's schedule ``forward_backward`` (``get_forward_backward_func()``, maybe
-    wrapped) over the rank's model chunks, on ``random_token_batches(shape, ...)``; what the schedule returns
-    (the losses on the last stage)."""
+    """One call of Megatron's schedule ``forward_backward`` (``get_forward_backward_func()``, maybe wrapped)
+    over the rank's model chunks, on ``random_token_batches(shape, ...)``: a training call, or with
+    ``forward_only`` a forward-only pass; what the schedule returns (on the last stage the losses, or with
+    ``collect_non_loss_data`` what ``forward_step_func``'s loss function returns; None: `gpt_forward_step`)."""
     from chunk_offload.devkit.gpt import gpt_forward_step, random_token_batches
 
     batches = random_token_batches(shape, num_microbatches=num_microbatches, seed=seed, iteration=iteration)
     interleaved = len(model) > 1
     return forward_backward(
-        forward_step_func=gpt_forward_step,
+        forward_step_func=gpt_forward_step if forward_step_func is None else forward_step_func,
         # The interleaved schedule takes one iterator per chunk; each chunk reads every microbatch.
         data_iterator=[iter(batches) for _ in model] if interleaved else iter(batches),
         model=model if interleaved else model[0],
         num_microbatches=num_microbatches,
         seq_length=shape.seq_length,
         micro_batch_size=shape.micro_batch_size,
-        forward_only=False,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
     )
 
 

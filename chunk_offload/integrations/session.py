@@ -12,6 +12,21 @@ each complete training iteration it runs the one after-iteration sequence (`afte
    the observed order the plan: NOTE [Observed order wins] in ``pipelining/attach.py``);
 3. agree on the budgets across ranks (`PlanTracking.agree_budgets`, the one collective);
 4. set the schedule policy and the host pool's cap for the next iteration.
+
+NOTE [Forward-only passes]
+A pass trains when its chunk forwards are followed by their backwards: gradients enabled,
+inference mode off, and neither the framework's own flag (Megatron's ``forward_only=True`` call
+through ``wrap``, a pipelining schedule's ``eval()``) nor a `TrainingSession.forward_only` scope
+says otherwise; `TrainingSession.is_training_pass` is that rule, and the adapters ask it alone.
+Any other pass (an evaluation, an RL log-probability pass under ``torch.no_grad()`` or
+``torch.inference_mode()``, with any number of microbatches) is forward-only: it opens no
+iteration and no chunk, so it copies nothing, records no action, is no training call (nor a
+baseline one), and leaves the plan, the groups learned, the budgets and the schedule policy as
+they were: the next training iteration runs as if the pass had not happened. Only its first
+chunk forward may close a complete automatic iteration, as any chunk forward does (NOTE
+[Automatic iterations] in ``megatron/auto.py``). Chunk hooks see no flag of the framework: a
+forward-only pass with gradients enabled that comes neither through ``wrap`` nor inside
+`forward_only` looks like training to them.
 """
 
 from __future__ import annotations
@@ -19,6 +34,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..core import (
@@ -81,6 +97,7 @@ class TrainingSession:
         self._check_order = check_order
         self._baseline_records: list[IterationRecord] = []
         self._last_record: IterationRecord | None = None
+        self._forward_only_scopes = 0  # open `forward_only` scopes
 
     # ------------------------------------------------------------------ plan and results
     @property
@@ -100,6 +117,23 @@ class TrainingSession:
     def next_offload(self) -> bool | None:
         """``offload=`` of the next training iteration: False while baseline iterations remain."""
         return False if self.training_calls < self.baseline_iterations else None
+
+    # ------------------------------------------------------------------ training or not
+    def is_training_pass(self, *, forward_only: bool = False) -> bool:
+        """Whether a pass starting now trains (NOTE [Forward-only passes]): not ``forward_only``
+        (the framework's flag), no `forward_only` scope open, gradients enabled, inference mode off."""
+        if forward_only or self._forward_only_scopes:
+            return False
+        return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+    @contextlib.contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """A forward-only pass (NOTE [Forward-only passes]): no chunk forward inside trains, even with gradients enabled."""
+        self._forward_only_scopes += 1
+        try:
+            yield
+        finally:
+            self._forward_only_scopes -= 1
 
     # ------------------------------------------------------------------ framework events
     def begin_iteration(self) -> None:

@@ -1,4 +1,5 @@
-"""`TrainingSession` in one process: the after-iteration sequence, its records and the run order.
+"""`TrainingSession` in one process: the after-iteration sequence, its records, the run order and
+the rule that tells a training pass from a forward-only one.
 
 The integrations' own tests run it under real schedules; these pin its order of steps.
 """
@@ -103,3 +104,25 @@ def test_a_late_backward_goes_to_its_own_iteration() -> None:
 def test_bad_baseline_iterations_are_refused(value: object) -> None:
     with pytest.raises(ChunkOffloadError, match=rf"baseline_iterations must be an int >= 0, got {value!r}"):
         _session([], baseline_iterations=value)
+
+
+def test_the_rule_of_forward_only_passes() -> None:
+    """NOTE [Forward-only passes]: a pass trains only with gradients, outside inference mode, without
+    the framework's flag and outside every `forward_only` scope (restored on an exception)."""
+    session = _session([])
+    try:
+        assert session.is_training_pass()
+        assert not session.is_training_pass(forward_only=True)
+        with torch.no_grad():
+            assert not session.is_training_pass()
+        with torch.inference_mode():
+            assert not session.is_training_pass()
+        with pytest.raises(RuntimeError, match="raised inside"):
+            with session.forward_only():
+                with session.forward_only():
+                    assert not session.is_training_pass()
+                assert not session.is_training_pass()
+                raise RuntimeError("raised inside")
+        assert session.is_training_pass()
+    finally:
+        session.engine.close()

@@ -6,10 +6,13 @@ Nothing in Megatron is patched. Module hooks do all the work:
 - each model chunk's forward opens the chunk handler for (microbatch, vp_stage) (`chunk_hooks.py`):
   Megatron's schedules run the forwards of one model chunk in microbatch order, so the microbatch
   is the number of forwards that chunk already ran in this iteration;
-- `MegatronOffloadManager.wrap(forward_backward_func)` makes each call one iteration, and runs a
-  ``forward_only=True`` call (evaluation) without offload, leaving the training state untouched;
+- `MegatronOffloadManager.wrap(forward_backward_func)` makes each training call one iteration;
 - or, with ``iterations="auto"`` (for loops that call ``get_forward_backward_func()`` themselves,
   like Megatron-LM's ``pretrain``), the chunk hooks open and close the iterations (`auto.py`).
+
+A forward-only pass (a ``forward_only=True`` call, or any forward under ``torch.no_grad()`` or
+inference mode, or inside `MegatronOffloadManager.forward_only`) offloads nothing and leaves the
+training state untouched (NOTE [Forward-only passes] in ``session.py``).
 
 A training forward (gradients enabled) outside any iteration offloads nothing; the hooks then
 warn once, naming both ways to open iterations.
@@ -149,12 +152,9 @@ class MegatronOffloadManager(AttachedManager):
             )
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("forward_only", False):
-                previous, self._hooks.forward_only = self._hooks.forward_only, True
-                try:
+            if not self.session.is_training_pass(forward_only=kwargs.get("forward_only", False)):
+                with self.session.forward_only():  # NOTE [Forward-only passes]
                     return forward_backward_func(*args, **kwargs)
-                finally:
-                    self._hooks.forward_only = previous
             self.prepare_plan(kwargs.get("num_microbatches"))
             with self.session.training_iteration():
                 self._hooks.new_iteration()
@@ -162,6 +162,16 @@ class MegatronOffloadManager(AttachedManager):
 
         wrapped.__wrapped__ = forward_backward_func
         return wrapped
+
+    def forward_only(self) -> contextlib.AbstractContextManager[None]:
+        """A forward-only pass, even with gradients enabled: its chunk forwards offload nothing and
+        leave the training state untouched (NOTE [Forward-only passes] in ``session.py``).
+
+        Needed only for a ``forward_only=True`` call with gradients enabled that does not go
+        through `wrap` (with ``iterations="auto"`` it would look like training); ``torch.no_grad()``
+        and inference mode need no scope.
+        """
+        return self.session.forward_only()
 
     def end_iteration(self, *, discard: bool = False) -> None:
         """Close the iteration that ``iterations="auto"`` opened, now instead of at the next chunk forward.

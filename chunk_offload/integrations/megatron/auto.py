@@ -5,21 +5,23 @@ Used by `MegatronOffloadManager` with ``iterations="auto"`` (for training loops 
 
 NOTE [Automatic iterations]
 With ``iterations="auto"`` no wrap is needed. The first training chunk forward (gradients
-enabled, not inference mode) while no iteration is open opens one, for N microbatches: the
-``num_microbatches`` int, the callable's value, or by default Megatron's
-``get_num_microbatches()`` (Megatron-LM's ``initialize_megatron`` sets that calculator up; the
-count is read again for every iteration, so batch-size ramp-up is followed). The iteration is
-complete when every model chunk of the rank ran N training forwards, the gradient of every chunk
-output reached it (each chunk's backward began) and every chunk handler released its saved
-tensors. A complete iteration is closed lazily, never from inside autograd's backward: by the
-next chunk forward of any kind (a training forward then opens the next iteration; an evaluation
-forward under ``torch.no_grad()`` opens nothing and offloads nothing), by `end_iteration`,
-`report`, `detach` or `close`. Closing does what `wrap` does after a call: count the training
-call, keep its record, check the plan. A chunk forward that raises discards the open iteration
-at once (its chunks' saved tensors are freed; the next training forward opens a fresh one); an
-exception in backward leaves it open, and `end_iteration(discard=True)` or `close` frees it. A training forward of a chunk that already ran N forwards
-in an incomplete iteration cannot belong to that iteration nor start the next one: it raises,
-with the counts. `wrap` and `iteration` are refused in this mode (one owner of the iterations).
+enabled, not inference mode, not inside ``manager.forward_only()``) while no iteration is open
+opens one, for N microbatches: the ``num_microbatches`` int, the callable's value, or by default
+Megatron's ``get_num_microbatches()`` (Megatron-LM's ``initialize_megatron`` sets that
+calculator up; the count is read again for every iteration, so batch-size ramp-up is followed).
+The iteration is complete when every model chunk of the rank ran N training forwards, the
+gradient of every chunk output reached it (each chunk's backward began) and every chunk handler
+released its saved tensors. A complete iteration is closed lazily, never from inside autograd's
+backward: by the next chunk forward of any kind (a training forward then opens the next
+iteration; a forward-only pass opens nothing and offloads nothing, NOTE [Forward-only passes] in
+``session.py``), by `end_iteration`, `report`, `detach` or `close`. Closing does what `wrap`
+does after a call: count the training call, keep its record, check the plan. A chunk forward
+that raises discards the open iteration at once (its chunks' saved tensors are freed; the next
+training forward opens a fresh one); an exception in backward leaves it open, and
+`end_iteration(discard=True)` or `close` frees it. A training forward of a chunk that already
+ran N forwards in an incomplete iteration cannot belong to that iteration nor start the next
+one: it raises, with the counts. `wrap` and `iteration` are refused in this mode (one owner of
+the iterations).
 """
 
 from __future__ import annotations
@@ -89,8 +91,9 @@ class AutoIterations:
                     f"{forwards}), but that iteration is not complete ({self.missing()}). Set "
                     "attach(..., num_microbatches=...) to the number of microbatches of each forward_backward_func "
                     "call (an int, or a callable returning the current count); run "
-                    "evaluation under torch.no_grad() (a forward_only=True call with gradients enabled looks like "
-                    "training); after a step that failed part-way, call manager.end_iteration(discard=True)."
+                    "evaluation under torch.no_grad() or inside manager.forward_only() (a forward_only=True call "
+                    "with gradients enabled looks like training); after a step that failed part-way, call "
+                    "manager.end_iteration(discard=True)."
                 )
         if training and self._open is None:
             num_microbatches = self._current_num_microbatches()

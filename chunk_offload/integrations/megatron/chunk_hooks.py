@@ -7,8 +7,10 @@ its forward hook that it ended; the session records the order the chunks really 
 each forward, a B when the gradient of the chunk's output arrives). With ``iterations="auto"``
 the hooks give `auto.AutoIterations` its cues (NOTE [Automatic iterations]).
 
-A training forward (gradients enabled) outside any iteration offloads nothing; the hooks then
-warn once, naming both ways to open iterations.
+Whether a chunk forward trains is the session's rule (`TrainingSession.is_training_pass`, NOTE
+[Forward-only passes] in ``session.py``); any other forward is left alone (in auto mode it may
+only close a complete iteration). A training forward outside any iteration offloads nothing; the
+hooks then warn once, naming both ways to open iterations.
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ class ChunkHooks:
         self._auto = auto
         self.forwards = [0] * len(chunks)
         """Training forwards each model chunk ran in the open iteration (the next one's microbatch)."""
-        self.forward_only = False
-        """True during an evaluation call (``forward_only=True``): the hooks do nothing."""
         self._open_chunks: list[bool] = []  # per chunk forward whose pre-hook ran: did it begin a chunk scope?
         self._warned_outside_iteration = False
         self._handles: list[RemovableHandle] = []
@@ -64,16 +64,13 @@ class ChunkHooks:
 
     def _make_pre(self, vp_stage: int) -> Callable:
         def pre(module: nn.Module, args: tuple) -> None:
-            if self.forward_only:
-                return
-            training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            training = self._session.is_training_pass()  # NOTE [Forward-only passes]
             if self._auto is not None:
-                self._auto.before_forward(vp_stage, training)
-                if not training:
-                    return
-            elif not self._session.engine.in_iteration:
-                if training:
-                    self._warn_outside_iteration(vp_stage)
+                self._auto.before_forward(vp_stage, training)  # opens the iteration of a training forward
+            elif training and not self._session.engine.in_iteration:
+                self._warn_outside_iteration(vp_stage)
+                return
+            if not training:
                 return
             microbatch = self.forwards[vp_stage]
             self.forwards[vp_stage] += 1
@@ -120,7 +117,8 @@ class ChunkHooks:
             "iteration, so nothing it saves is offloaded. Run training through "
             "manager.wrap(get_forward_backward_func()), or, when the training loop calls get_forward_backward_func() "
             "itself (Megatron-LM's pretrain), attach with iterations='auto' (--chunk-offload-iterations auto). "
-            "Shown once per manager.",
+            "A forward-only pass (forward_only=True, evaluation) is not training: run it under torch.no_grad(), "
+            "through the wrapped function or inside manager.forward_only(). Shown once per manager.",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -2,8 +2,9 @@
 
 Nothing in torch is edited. The attachment wraps methods on the *instances* it is given:
 
-- ``schedule.step``: each training call is one `OffloadManager.iteration`; ``eval()`` (and a
-  schedule without a loss) runs without offload;
+- ``schedule.step``: each training call is one `OffloadManager.iteration`; ``eval()`` and the
+  steps of a schedule without a loss are forward-only passes, which copy nothing and leave the
+  training state untouched (NOTE [Forward-only passes] in ``session.py``);
 - each stage's ``forward_one_chunk(fwd_chunk_id, ...)``: the chunk scope of (microbatch
   ``fwd_chunk_id``, virtual stage = the stage's position among this rank's stages);
 - each stage's ``backward_one_chunk`` / ``backward_weight_one_chunk``: record ``B`` / ``W``.
@@ -140,8 +141,11 @@ class PipelineOffloadManager(AttachedManager):
 
     def _wrap_step(self, step: Callable) -> Callable:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if self.engine.in_iteration or not order.schedule_has_backward(self.schedule):
-                return step(*args, **kwargs)  # eval(): forward only, nothing to offload
+            if self.engine.in_iteration:
+                return step(*args, **kwargs)
+            if not self.session.is_training_pass(forward_only=not order.schedule_has_backward(self.schedule)):
+                with self.session.forward_only():  # NOTE [Forward-only passes]
+                    return step(*args, **kwargs)
             with self.session.training_iteration():
                 return step(*args, **kwargs)
 

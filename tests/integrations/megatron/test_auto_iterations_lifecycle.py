@@ -155,8 +155,8 @@ def test_a_forward_too_many_names_the_counts(managed):
         "per model chunk so far: [2]), but that iteration is not complete (2 chunk backward(s) not begun; 2 chunk(s) "
         "still holding saved tensors). Set attach(..., num_microbatches=...) to the number of microbatches of each "
         "forward_backward_func call (an int, or a callable returning the current count); run evaluation under "
-        "torch.no_grad() (a forward_only=True call with gradients enabled looks like training); after a step that "
-        "failed part-way, call manager.end_iteration(discard=True)."
+        "torch.no_grad() or inside manager.forward_only() (a forward_only=True call with gradients enabled looks like "
+        "training); after a step that failed part-way, call manager.end_iteration(discard=True)."
     )
     with pytest.raises(ChunkOffloadError, match="^" + re.escape(message) + "$"):
         chunk(microbatch(2))
@@ -268,7 +268,9 @@ def test_explicit_mode_warns_once_about_a_training_forward_outside_any_iteration
         "chunk_offload: a training forward (gradients enabled) of model chunk 0 ran outside any offload iteration, so "
         "nothing it saves is offloaded. Run training through manager.wrap(get_forward_backward_func()), or, when the "
         "training loop calls get_forward_backward_func() itself (Megatron-LM's pretrain), attach with "
-        "iterations='auto' (--chunk-offload-iterations auto). Shown once per manager."
+        "iterations='auto' (--chunk-offload-iterations auto). A forward-only pass (forward_only=True, evaluation) is "
+        "not training: run it under torch.no_grad(), through the wrapped function or inside manager.forward_only(). "
+        "Shown once per manager."
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -53,6 +53,8 @@ class Case:
     """Seeds the delays."""
     eval_after: bool = False
     """Call ``schedule.eval`` after training (torch 2.13's V schedules fail in eval on their own)."""
+    passes_between: bool = False
+    """Offload run: after each optimizer step, forward-only passes (`_forward_only_passes`)."""
     device_budget_bytes: int | str | None = None
     """`attach`'s ``device_budget_bytes`` for the offload run."""
     host_budget_bytes: int | None = None
@@ -95,6 +97,8 @@ class CaseResult:
     saved tensors were all released right after it."""
     eval_unchanged: bool = False
     """``schedule.eval`` after training left the offload counters and live chunks untouched."""
+    passes_unchanged: list[bool] = field(default_factory=list)
+    """With ``passes_between``, after each step: the passes left the manager as it was (`_forward_only_passes`)."""
     budgets: dict[str, object] = field(default_factory=dict)
     """After the offload run: what its budgets decided (levelled budget, the choice's peaks, host caps)."""
     seconds: float = 0.0
@@ -207,6 +211,8 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
                 )
             )
         optimizer.step()
+        if manager is not None and case.passes_between:
+            result.passes_unchanged.append(_forward_only_passes(schedule, stages, manager, x, y, first, last))
     if manager is not None:
         if case.eval_after:
             before = manager.stats().groups
@@ -234,6 +240,24 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
         result.plan_mismatch = manager.plan_mismatch
         manager.detach()
         manager.close()
+
+
+def _forward_only_passes(schedule, stages, manager, x, y, first: bool, last: bool) -> bool:
+    """``schedule.eval`` (gradients enabled) and a ``torch.no_grad()`` forward of each stage (a
+    log-probability pass): whether the counters, live chunks, training calls, order, plan, record
+    and policy stayed as they were (NOTE [Forward-only passes])."""
+
+    def state():
+        return (manager.stats(), manager.live_chunks(), manager.training_calls, list(manager.observed_order), manager.plan,
+                manager.last_iteration, manager.schedule_policy, manager.engine.in_iteration)
+
+    before = state()
+    schedule.eval(*((x,) if first else ()), target=y if last else None)
+    with torch.no_grad():
+        for stage in stages:
+            stage.submod(x[:BATCH])
+    after = state()
+    return all(a is b or a == b for a, b in zip(before, after, strict=True))
 
 
 def _record_release(method, manager, vp_stage: int, name: str, result: CaseResult):
