@@ -29,10 +29,11 @@ from ..core.option_table import option
 from ..option_flags import argparse_keywords
 from .estimate import GB, POLICY_SCHEDULES, Hardware, PipelineConfig, StageEstimate, StagePlanner
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules, check_combination
-from .dims import ATTENTION_KERNELS, ATTENTIONS, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
+from .dims import ATTENTION_KERNELS, ATTENTIONS, RECOMPUTE_MODULES, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
 from .group_choice import GroupChoice, choose_groups
 from .cli_checks import check_args, given_flags, name_flags
-from .cli_text import byte_model, format_plan
+from .cli_text import byte_model, format_co_plan, format_plan
+from .coplan import co_plan
 from .recommend import recommend
 
 __all__ = ["build_parser", "main"]
@@ -126,8 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument(
         "--policy", choices=sorted(POLICY_SCHEDULES), default=None, help="deprecated: use --schedule (all is group-start)"
     )
+    off.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        choices=list(RECOMPUTE_MODULES),
+        default=None,
+        help="megatron's selective recompute of these modules (--recompute-granularity selective), for the estimate",
+    )
+    off.add_argument(
+        "--co-plan",
+        action="store_true",
+        help="with --budget-gb: choose per stage and module keep, offload or recompute (the recompute one setting "
+        "for the whole model) at the least predicted extra time; the launcher's --chunk-offload-plan auto",
+    )
     hw = plan.add_argument_group("hardware")
     hw.add_argument("--host-bandwidth-gbs", type=float, default=25.0, help="device-host GB/s per direction (default 25)")
+    hw.add_argument("--d2h-gbps", type=float, default=None, help="device-to-host (offload) GB/s; default --host-bandwidth-gbs")
+    hw.add_argument("--h2d-gbps", type=float, default=None, help="host-to-device (reload) GB/s; default --host-bandwidth-gbs")
     hw.add_argument(
         "--device-tflops", type=float, default=400.0, help="sustained TFLOP/s (default 400, ~40%% of an H100's dense BF16 peak)"
     )
@@ -207,6 +223,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         attention=args.attention,
         attention_kernel=args.attention_kernel,
         transformer_impl=args.transformer_impl,
+        recompute_modules=tuple(args.recompute_modules or ()),
     )
     pipeline = PipelineConfig(
         pipeline_parallel=args.pp,
@@ -214,7 +231,9 @@ def _plan(args: argparse.Namespace) -> _Result:
         num_microbatches=args.num_microbatches,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
     )
-    hardware = Hardware(host_bandwidth_gbs=args.host_bandwidth_gbs, device_tflops=args.device_tflops)
+    hardware = Hardware(
+        host_bandwidth_gbs=args.host_bandwidth_gbs, device_tflops=args.device_tflops, d2h_gbps=args.d2h_gbps, h2d_gbps=args.h2d_gbps
+    )
     planner = StagePlanner(
         dims,
         pipeline,
@@ -233,11 +252,15 @@ def _plan(args: argparse.Namespace) -> _Result:
         if missing:
             raise ChunkOffloadError(f"module(s) {missing} not in this model; it has {present}")
     stages = planner.estimate(modules)
-    recommendations = group_choices = None
+    recommendations = group_choices = plan = None
     if args.budget_gb is not None:
         recommendations = recommend(planner, budget_bytes=round(args.budget_gb * GB), candidates=modules)
         group_choices = choose_groups(planner, stages, budget_bytes=round(args.budget_gb * GB))
+    if args.co_plan:
+        plan = co_plan(planner, budget_bytes=round(args.budget_gb * GB), offload_candidates=modules)
     text = format_plan(dims, pipeline, hardware, planner, modules, stages, recommendations, group_choices)
+    if plan is not None:
+        text += format_co_plan(plan)
     data = {
         "model": asdict(dims),
         "byte_model": byte_model(dims),
@@ -250,6 +273,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         "stages": [_stage_dict(s, group_choices) for s in stages],
         "recommendations": None if recommendations is None else [r.to_dict() for r in recommendations],
         "group_choices": None if group_choices is None else [c.to_dict() for c in group_choices],
+        "co_plan": None if plan is None else plan.to_dict(),
     }
     return _Result(text, data)
 

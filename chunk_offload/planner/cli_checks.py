@@ -29,7 +29,7 @@ _FIELD_DESTS = {
     "bias_swiglu_fusion": "bias_swiglu_fusion",
 }
 """Library field -> the parser's destination, where the two names differ."""
-_FIELD = re.compile(r"(?<![\w-])([a-z]+(?:_[a-z0-9]+)+)(?![\w-])")
+_FIELD = re.compile(r"(?<![\w-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w-])")
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
@@ -68,6 +68,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given:
         ("--budget-gb", args.budget_gb),
         ("--other-activation-gb", args.other_activation_gb),
         ("--host-bandwidth-gbs", args.host_bandwidth_gbs),
+        ("--d2h-gbps", args.d2h_gbps),
+        ("--h2d-gbps", args.h2d_gbps),
         ("--device-tflops", args.device_tflops),
     ):
         if value is not None and not math.isfinite(value):
@@ -129,6 +131,10 @@ def _check_contradictions(parser: argparse.ArgumentParser, args: argparse.Namesp
         both("rope", f"{given['position_embedding_type']} {args.position_embedding_type}", "they set different position embeddings; keep one")
     if "bias_swiglu_fusion" in given and not args.swiglu:
         needs("bias_swiglu_fusion", "--swiglu", "the SwiGLU fusion exists only in a SwiGLU MLP; add --swiglu or drop it")
+    if args.co_plan and args.budget_gb is None:
+        needs("co_plan", "--budget-gb", "the co-plan chooses keep, offload and recompute to fit a budget; add --budget-gb GB")
+    if args.co_plan and args.recompute_modules:
+        both("co_plan", given["recompute_modules"], "the co-plan chooses the recompute modules itself; drop one of them")
     if "microbatch_group_size_per_vp_stage" in given and args.vpp is None:
         needs("microbatch_group_size_per_vp_stage", "--vpp", "it sizes the groups of the interleaved schedule; add --vpp N or drop it")
     for dest in ("moe_router_topk", "moe_layer_freq"):

@@ -3,6 +3,7 @@ estimate (with the budget's verdict per stage when ``--budget-gb`` is given), th
 
 from __future__ import annotations
 
+from .coplan import CoPlan
 from .dims import GPTDims
 from .estimate import Hardware, PipelineConfig, StageEstimate, StagePlanner
 from .group_choice import GroupChoice
@@ -57,7 +58,8 @@ def format_plan(
         f"TP={dims.tensor_parallel}{' with sequence parallel' if dims.sequence_parallel else ''} (bytes and FLOPs per TP rank)",
         f"schedule: {planner.plans[0].source}, PP={pipeline.pipeline_parallel} VPP={pipeline.vp_size}, "
         f"{pipeline.num_microbatches} microbatches; schedule policy {planner.schedule}; tensors < {planner.min_offload_bytes} B stay",
-        f"offload: {', '.join(modules)}; host link {hardware.host_bandwidth_gbs:g} GB/s, device {hardware.device_tflops:g} TFLOP/s",
+        f"offload: {', '.join(modules)}; host link {_link(hardware)}, device {hardware.device_tflops:g} TFLOP/s"
+        + (f"; recompute {', '.join(dims.recompute_modules)}" if dims.recompute_modules else ""),
         f"byte model: {byte_model(dims)}",
         "",
         "saved bytes per layer and per chunk (MB, one microbatch):",
@@ -115,4 +117,29 @@ def format_plan(
     if group_choices is not None:
         lines += ["", "per group, as a device budget chooses at run time (offload groups of single chunks):"]
         lines += [f"  {c.describe()}" for c in group_choices]
+    return "\n".join(lines) + "\n"
+
+
+def _link(hardware: Hardware) -> str:
+    if hardware.offload_gbps == hardware.reload_gbps:
+        return f"{hardware.offload_gbps:g} GB/s"
+    return f"{hardware.offload_gbps:g} GB/s to host, {hardware.reload_gbps:g} GB/s back"
+
+
+def format_co_plan(plan: CoPlan) -> str:
+    """The keep / offload / recompute choice per stage (`co_plan`), with the flags that apply it."""
+    recompute = ", ".join(plan.recompute_modules) or "nothing"
+    lines = [
+        "",
+        f"co-plan for a budget of {_mb(plan.budget_bytes)} MB per stage: recompute {recompute} (one setting for the model)"
+        + ("" if plan.fits else "; DOES NOT FIT"),
+    ]
+    rows = [
+        [str(s.pp_rank), ",".join(s.offload_modules) or "-", "yes" if s.fits else "NO", _mb(s.predicted_peak_bytes), f"{s.predicted_extra_time_ms:.3f}"]
+        for s in plan.stages
+    ]
+    lines += _table(["stage", "offload", "fits", "peak MB", "extra ms/iter"], rows)
+    if plan.megatron_args():
+        lines.append("Megatron flags: " + " ".join(plan.megatron_args()))
+    lines.append("why: see co_plan.stages[i].reasons in the JSON (--json)")
     return "\n".join(lines) + "\n"

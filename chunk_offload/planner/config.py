@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from ..core.errors import ChunkOffloadError
@@ -71,23 +73,49 @@ class PipelineConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Hardware:
-    """The device and its host link, for copy time against compute time."""
+    """The device and its host link, for copy time against compute time.
+
+    The link may differ by direction (GH200-class hosts): ``d2h_gbps`` rates the offload copies,
+    which run under the forward, ``h2d_gbps`` the reloads, which run under the backward; each
+    defaults to ``host_bandwidth_gbs``.
+    """
 
     host_bandwidth_gbs: float = 25.0
-    """Device-to-host copy bandwidth per direction in GB/s (1e9 bytes): about 25 for PCIe 4 x16
+    """Device-host copy bandwidth per direction in GB/s (1e9 bytes): about 25 for PCIe 4 x16
     as achieved with pinned memory, about 50 for PCIe 5 x16."""
     device_tflops: float = 400.0
     """Sustained dense matmul throughput in TFLOP/s. The default 400 is about 40% of an H100
     SXM's 989 dense BF16 peak, a typical achieved model-FLOP utilisation; pass your own."""
+    d2h_gbps: float | None = None
+    """Device-to-host (offload) GB/s; None: ``host_bandwidth_gbs``."""
+    h2d_gbps: float | None = None
+    """Host-to-device (reload) GB/s; None: ``host_bandwidth_gbs``."""
 
     def __post_init__(self) -> None:
-        for label in ("host_bandwidth_gbs", "device_tflops"):
+        for label in ("host_bandwidth_gbs", "device_tflops", "d2h_gbps", "h2d_gbps"):
             value = getattr(self, label)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ChunkOffloadError(f"{label} must be a number > 0, got {value!r}")
+            if value is None and label.endswith("gbps"):
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not value > 0:
+                raise ChunkOffloadError(f"{label} must be a finite number > 0, got {value!r}")
+
+    @property
+    def offload_gbps(self) -> float:
+        """The device-to-host rate in use."""
+        return self.d2h_gbps if self.d2h_gbps is not None else self.host_bandwidth_gbs
+
+    @property
+    def reload_gbps(self) -> float:
+        """The host-to-device rate in use."""
+        return self.h2d_gbps if self.h2d_gbps is not None else self.host_bandwidth_gbs
 
     def copy_seconds(self, nbytes: int) -> float:
-        return nbytes / (self.host_bandwidth_gbs * GB)
+        """Seconds to offload ``nbytes`` (device to host)."""
+        return nbytes / (self.offload_gbps * GB)
+
+    def reload_seconds(self, nbytes: int) -> float:
+        """Seconds to reload ``nbytes`` (host to device)."""
+        return nbytes / (self.reload_gbps * GB)
 
     def compute_seconds(self, flops: int) -> float:
         return flops / (self.device_tflops * 1e12)

@@ -14,6 +14,7 @@ from typing import Literal
 from ..core.errors import ChunkOffloadError
 
 __all__ = [
+    "RECOMPUTE_MODULES",
     "ATTENTIONS",
     "DTYPE_BYTES",
     "NORMALIZATIONS",
@@ -32,6 +33,8 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 """megatron's ``position_embedding_type`` values the planner models."""
 
+RECOMPUTE_MODULES = ("core_attn", "moe")
+"""megatron's selective recompute modules the byte model knows (measured on CPU, NOTE [Byte model])."""
 ATTENTIONS = ("sdpa", "local")
 """Core attentions of the local layer spec: ``"sdpa"`` (torch's scaled_dot_product_attention,
 `chunk_offload.devkit.attention.SDPAttention`) or ``"local"`` (megatron's DotProductAttention,
@@ -99,6 +102,9 @@ class GPTDims:
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """megatron's ``transformer_impl``, one of `TRANSFORMER_IMPLS` (Transformer Engine: modelled from
     its source, unmeasured; FP8 activations are not modelled)."""
+    recompute_modules: tuple[str, ...] = ()
+    """megatron's selective recompute (``--recompute-granularity selective --recompute-modules``),
+    of `RECOMPUTE_MODULES`: a recomputed module's forward runs without saving, its inputs are saved."""
 
     def __post_init__(self) -> None:
         for label in (
@@ -148,6 +154,7 @@ class GPTDims:
                 f"unknown attention_kernel {self.attention_kernel!r} for transformer_impl {self.transformer_impl!r}; valid: {list(kernels)}"
             )
         self._check_tensor_parallel()
+        self._check_recompute()
         if self.num_experts is not None:
             if self.num_experts % self.expert_parallel:
                 raise ChunkOffloadError(
@@ -163,6 +170,27 @@ class GPTDims:
                 raise ChunkOffloadError(f"moe_layer_freq {freq} must hold one 0 or 1 per layer ({self.num_layers})")
         elif not isinstance(freq, int) or freq < 1:
             raise ChunkOffloadError(f"moe_layer_freq must be an int >= 1 or a tuple of 0/1 per layer, got {freq!r}")
+
+    def _check_recompute(self) -> None:
+        modules = self.recompute_modules
+        if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+            raise ChunkOffloadError(f"recompute_modules must be a tuple of names of {RECOMPUTE_MODULES}, got {modules!r}")
+        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ChunkOffloadError(
+                f"recompute_modules {unknown} not modelled; the planner knows {list(RECOMPUTE_MODULES)} (megatron's "
+                "layernorm recompute needs Transformer Engine, mlp and the others are not measured)"
+            )
+        if "moe" in modules and self.num_experts is None:
+            raise ChunkOffloadError("recompute_modules 'moe' needs num_experts: the model has no MoE layer")
+        object.__setattr__(self, "recompute_modules", tuple(modules))
+
+    def recomputed(self, layer: int, name: str) -> bool:
+        """Whether offload module ``name`` of layer ``layer`` runs inside a recomputed region (it saves
+        nothing and opens no offload group): ``core_attn`` under ``core_attn``, the experts under ``moe``."""
+        if name == "core_attn":
+            return "core_attn" in self.recompute_modules
+        return name in ("expert_fc1", "moe_act") and "moe" in self.recompute_modules and self.is_moe(layer)
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel

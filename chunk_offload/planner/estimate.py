@@ -86,6 +86,8 @@ class StageEstimate:
     backward_compute_seconds_per_layer: float
     """Backward compute time of that layer (the reloads run under it; flash-style attention
     counted with its recompute)."""
+    reload_seconds_per_layer: float = 0.0
+    """Reload copy time of that layer (`Hardware.reload_seconds`: the host-to-device rate)."""
     worst_layer: int | None
     """Global index of that layer (None when the stage has no layer offloading anything)."""
 
@@ -111,8 +113,12 @@ class StageEstimate:
 
     @property
     def hides(self) -> bool:
-        """Whether every layer's copies take no longer than its forward compute."""
-        return self.copy_seconds_per_layer <= self.compute_seconds_per_layer
+        """Whether the worst layer's offload copies take no longer than its forward compute and its
+        reloads no longer than its backward compute."""
+        return (
+            self.copy_seconds_per_layer <= self.compute_seconds_per_layer
+            and self.reload_seconds_per_layer <= self.backward_compute_seconds_per_layer
+        )
 
     @property
     def peak_with_offload_bytes(self) -> int:
@@ -150,6 +156,7 @@ class StageEstimate:
             "copy_seconds_per_layer": self.copy_seconds_per_layer,
             "compute_seconds_per_layer": self.compute_seconds_per_layer,
             "backward_compute_seconds_per_layer": self.backward_compute_seconds_per_layer,
+            "reload_seconds_per_layer": self.reload_seconds_per_layer,
             "worst_layer": self.worst_layer,
             "hides": self.hides,
         }
@@ -275,13 +282,13 @@ class StagePlanner:
         group_bytes = {v: [g.nbytes for g in gs] for v, gs in groups.items()}
         kept_bytes = {v: [g.kept_bytes for g in gs] for v, gs in groups.items()}
         module_bytes_per_layer: dict[str, int] = {}
-        worst, copy_s, compute_s = None, 0.0, 0.0
+        worst, copy_s, compute_s, reload_s = None, 0.0, 0.0, 0.0
         for layer, layer_groups_ in (entry for chunk in per_layer.values() for entry in chunk):
             module_bytes_per_layer.update(_per_name(layer_groups_))
             offloaded = sum(g.nbytes - g.kept_bytes for g in layer_groups_)  # what its copies move
             c, f = hardware.copy_seconds(offloaded), hardware.compute_seconds(layer_forward_flops(dims, layer))
             if offloaded and (worst is None or c / f > copy_s / compute_s):
-                worst, copy_s, compute_s = layer, c, f
+                worst, copy_s, compute_s, reload_s = layer, c, f, hardware.reload_seconds(offloaded)
         if worst is None:  # nothing offloaded: report the first layer's compute
             compute_s = hardware.compute_seconds(layer_forward_flops(dims, layers[0][0]))
         policy = PlanPolicy(plan, group_bytes=group_bytes) if self.schedule == "plan" else None
@@ -306,6 +313,7 @@ class StagePlanner:
             backward_compute_seconds_per_layer=hardware.compute_seconds(
                 layer_backward_flops(dims, worst if worst is not None else layers[0][0])
             ),
+            reload_seconds_per_layer=reload_s,
             worst_layer=worst,
         )
 

@@ -75,9 +75,16 @@ Transformer Engine by ``qkv_linear``, from source), but not by the CPU RMSNorm i
 which saves an fp32 copy. No other module's storage (mlp_norm, mlp_fc1, qkv_linear, expert_fc1)
 is held elsewhere.
 
+Selective recompute (``GPTDims.recompute_modules``, megatron's reentrant ``tensor_parallel.checkpoint``):
+the recomputed forward runs without saving and opens no offload group; the checkpoint saves its
+tensor inputs. ``core_attn``: query, key and value as passed (`qkv_saved`) and the mask type, an
+int32 [1] made on the host; the output is then attn_proj's alone. ``moe``: the MoE layer's input
+[T, h] only. Measured equal on CPU (``tests/planner/test_model.py``, the ``recompute_*`` cases).
+
 Not modelled: FP8 activations (Transformer Engine), Apex's memory-efficient norms (they save the
 output), context parallelism, MoE under tensor parallelism (refused), rotary_percent < 1,
-dropout > 0, recomputation.
+dropout > 0, full recompute, selective recompute of ``layernorm`` (it needs Transformer Engine),
+``mlp`` and the other modules.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ from typing import NamedTuple, Sequence
 from ..core.errors import ChunkOffloadError
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, TE_FUSED_INTO, canonical_modules
 from .attention import core_attention_flops, core_attn_saved
+from .qkv import qkv_saved
 from .dims import GPTDims
 from .saved import SavedTensor, group_bytes, storage_bytes, whole
 from .te import te_saved
@@ -99,11 +107,13 @@ __all__ = [
     "layer_forward_flops",
     "layer_groups",
     "layer_offload_groups",
+    "layer_recompute_flops",
     "layer_saved_bytes",
     "saved_tensors",
 ]
 
 _FP32 = 4
+_INT32 = 4
 
 
 def expert_tokens(dims: GPTDims) -> list[int]:
@@ -203,10 +213,10 @@ def layer_offload_groups(
     calls: list[tuple[str, int]] = []
     per_expert = [n for n in ("expert_fc1", "moe_act") if n in chosen]
     for name in dims.modules_of(layer):
-        if name in chosen and name not in per_expert:
+        if name in chosen and name not in per_expert and not dims.recomputed(layer, name):
             calls.append((name, 0))
     if dims.is_moe(layer):
-        calls += [(name, e) for e in range(dims.local_experts) for name in per_expert]
+        calls += [(name, e) for e in range(dims.local_experts) for name in per_expert if not dims.recomputed(layer, name)]
     out = []
     for name, expert in calls:
         spans = storage_bytes(saved_tensors(dims, name, expert=expert), min_offload_bytes=min_offload_bytes)
@@ -227,12 +237,19 @@ def layer_saved_bytes(dims: GPTDims, layer: int) -> int:
     routing metadata left out for MoE layers.
     """
     t, h, d = dims.tokens, dims.hidden_size, dims.dtype_bytes
-    attention = [n for n in ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm") if n in dims.modules_of(layer)]
+    names = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+    attention = [n for n in names if n in dims.modules_of(layer) and not dims.recomputed(layer, n)]
     total = sum(group_bytes(saved_tensors(dims, n), min_offload_bytes=0) for n in attention)
     if dims.rope:
         total += 4 * dims.seq_length * dims.head_dim * d  # cos and sin, for query and for key
-    if _attention_output_is_proj_input(dims):
+    if dims.recomputed(layer, "core_attn"):
+        # The checkpoint saves its inputs: query, key, value and the mask type, an int32 [1] made
+        # on the host (on the device only on CPU). No output is saved: attn_proj's input is its own.
+        total += group_bytes(qkv_saved(dims), min_offload_bytes=0) + (_INT32 if dims.device == "cpu" else 0)
+    elif _attention_output_is_proj_input(dims):
         total -= t * dims.local_heads * dims.head_dim * d  # one storage, saved by both
+    if dims.recomputed(layer, "expert_fc1"):
+        return total + t * h * d  # the checkpointed MoE layer saves its input only
     if not dims.is_moe(layer):
         return total + group_bytes(saved_tensors(dims, "mlp_fc1"), min_offload_bytes=0) + _mlp_saved_bytes(dims, t)
     # Router input; permuted tokens (the expert fc1 views); per expert the activation and the fc2
@@ -287,6 +304,16 @@ def layer_backward_flops(dims: GPTDims, layer: int) -> int:
     flash-style kernels do (`core_attention_flops`).
     """
     return 2 * _linear_flops(dims, layer) + core_attention_flops(dims).backward
+
+
+def layer_recompute_flops(dims: GPTDims, layer: int) -> int:
+    """Forward FLOPs one layer runs again in backward under selective recompute (``dims.recompute_modules``):
+    the core attention's forward for ``core_attn``; the router's and the experts' for ``moe``."""
+    flops = core_attention_flops(dims).forward if dims.recomputed(layer, "core_attn") else 0
+    if dims.recomputed(layer, "expert_fc1"):
+        t, h = dims.tokens, dims.hidden_size
+        flops += 2 * t * h * dims.num_experts + t * dims.moe_router_topk * 2 * h * (dims.fc1_width + dims.local_ffn)
+    return flops
 
 
 def _linear_flops(dims: GPTDims, layer: int) -> int:

@@ -58,6 +58,8 @@ class ByteCase:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     attention: str = "local"
+    recompute_modules: tuple[str, ...] = ()
+    """megatron's selective recompute modules (empty: no recompute)."""
     min_offload_bytes: int = 1
 
 
@@ -131,6 +133,7 @@ def _shape(case: ByteCase):
         bias_activation_fusion=case.bias_activation_fusion,
         position_embedding_type=case.position_embedding_type,
         attention=case.attention,
+        **({"recompute_granularity": "selective", "recompute_modules": case.recompute_modules} if case.recompute_modules else {}),
     )
 
 
@@ -165,12 +168,15 @@ def _measure_case(case: ByteCase) -> CaseBytes:
     from chunk_offload.core import OffloadConfig, OffloadManager
     from chunk_offload.integrations.megatron import OFFLOAD_MODULE_NAMES, attach
     from chunk_offload.integrations.megatron.modules import resolve, transformer_layers
+    from chunk_offload.module_names import MOE_MODULES
 
     result = CaseBytes()
     # Run 1: every module name the model has, one group per call.
     chunks = _build(case)
     try:
         names = [n for n in OFFLOAD_MODULE_NAMES if resolve(chunks[0], n)]
+        if "moe" in case.recompute_modules:  # megatron's rule (module_names.combination_problem): not both
+            names = [n for n in names if n not in MOE_MODULES]
         # schedule_policy=None: offload every chunk (the plan policy keeps a chunk whose backward
         # follows at once, as here with one microbatch).
         manager = attach(chunks, names, config=OffloadConfig(min_offload_bytes=case.min_offload_bytes), schedule_policy=None)
@@ -182,7 +188,8 @@ def _measure_case(case: ByteCase) -> CaseBytes:
 
         def record(name):
             def hook(module, args):
-                if torch.is_grad_enabled():
+                # In a chunk's forward only: a recomputed module runs again in backward, outside any chunk.
+                if torch.is_grad_enabled() and manager.engine.current_handler is not None:
                     called.append((layer_now[0], name))
 
             return hook

@@ -116,7 +116,7 @@ def test_budget_nothing_fits(capsys):
         (["--num-experts", "3", "--expert-model-parallel-size", "2"], "--num-experts 3 must be divisible by --expert-model-parallel-size 2"),
         (["--num-experts", "4", "--moe-layer-freq", "1,x"], r"--moe-layer-freq takes an int or comma-separated 0/1 per layer, got '1,x'"),
         (["--budget-gb", "-1"], "--budget-gb must be >= 0, got -1.0"),
-        (["--host-bandwidth-gbs", "0"], "--host-bandwidth-gbs must be a number > 0, got 0.0"),
+        (["--host-bandwidth-gbs", "0"], "--host-bandwidth-gbs must be a finite number > 0, got 0.0"),
         (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size >= 2, got --tensor-model-parallel-size 1"),
         (["--tp", "3"], "--num-attention-heads 4 must be divisible by --tp 3"),
         (["--tp", "4"], "--num-query-groups 2 must be divisible by --tp 4"),

@@ -267,5 +267,22 @@ def test_layers_must_split_evenly():
 
 
 def test_invalid_hardware():
-    with pytest.raises(ChunkOffloadError, match="host_bandwidth_gbs must be a number > 0, got 0"):
+    with pytest.raises(ChunkOffloadError, match="host_bandwidth_gbs must be a finite number > 0, got 0"):
         Hardware(host_bandwidth_gbs=0)
+    with pytest.raises(ChunkOffloadError, match="h2d_gbps must be a finite number > 0, got inf"):
+        Hardware(h2d_gbps=float("inf"))
+
+
+def test_each_direction_of_the_link_rates_its_copies():
+    hardware = Hardware(host_bandwidth_gbs=10.0, d2h_gbps=50.0)
+    assert (hardware.copy_seconds(10**9), hardware.reload_seconds(10**9)) == (1 / 50, 1 / 10)
+    assert Hardware(host_bandwidth_gbs=10.0).copy_seconds(10**9) == Hardware(host_bandwidth_gbs=10.0).reload_seconds(10**9) == 0.1
+
+
+def test_a_slow_reload_link_does_not_hide_what_a_fast_offload_link_does():
+    dims = GPTDims(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, micro_batch_size=1)
+    pipeline = PipelineConfig(pipeline_parallel=1, num_microbatches=2)
+    fast = StagePlanner(dims, pipeline, hardware=Hardware(host_bandwidth_gbs=1000.0), min_offload_bytes=1).estimate(["mlp_fc1"])[0]
+    slow = StagePlanner(dims, pipeline, hardware=Hardware(host_bandwidth_gbs=1000.0, h2d_gbps=1e-3), min_offload_bytes=1).estimate(["mlp_fc1"])[0]
+    assert fast.hides and fast.copy_seconds_per_layer == slow.copy_seconds_per_layer
+    assert not slow.hides and slow.reload_seconds_per_layer == 1000 * 1000 * fast.reload_seconds_per_layer

@@ -87,6 +87,14 @@ _CASES = {
     "sdpa_threshold": ByteCase(attention="sdpa", num_query_groups=2, min_offload_bytes=300),
     "sdpa_tp2_rope": ByteCase(attention="sdpa", tensor_parallel=2, position_embedding_type="rope"),
     "sdpa_tp2_gqa": ByteCase(attention="sdpa", tensor_parallel=2, num_query_groups=2),
+    # Selective recompute: the checkpointed module opens no group; its inputs are saved instead.
+    "recompute_core_attn": ByteCase(recompute_modules=("core_attn",)),
+    "recompute_core_attn_gqa_rope": ByteCase(num_query_groups=2, position_embedding_type="rope", recompute_modules=("core_attn",)),
+    "sdpa_recompute_core_attn_one_sequence": ByteCase(attention="sdpa", micro_batch_size=1, recompute_modules=("core_attn",)),
+    "recompute_moe": ByteCase(num_experts=4, moe_router_topk=2, add_bias_linear=False, recompute_modules=("moe",)),
+    "sdpa_recompute_both_mixed_moe": ByteCase(
+        attention="sdpa", num_experts=2, moe_router_topk=2, moe_layer_freq=(0, 1), add_bias_linear=False, recompute_modules=("core_attn", "moe")
+    ),
 }
 # The same Llama-style bf16 cases (fused SwiGLU, GQA; RoPE, or TP=2 with SP) with SDPA.
 _CASES.update({f"sdpa_{n}": dataclasses.replace(_CASES[n], attention="sdpa") for n in ("llama_fused_gqa_bf16", "tp2_sp_llama_gqa_bf16")})
@@ -113,6 +121,7 @@ def _dims(case: ByteCase) -> GPTDims:
         tensor_parallel=case.tensor_parallel,
         sequence_parallel=case.sequence_parallel,
         attention=case.attention,
+        recompute_modules=case.recompute_modules,
     )
 
 
@@ -175,7 +184,8 @@ def test_every_group_in_order(measured: dict[str, CaseBytes], name: str):
         measured_experts = [b for l, g, b in got.calls if l == layer and g == "expert_fc1"]
         predicted_experts = [b for l, g, b in predicted if l == layer and g == "expert_fc1"]
         assert sum(measured_experts) == sum(predicted_experts), (name, layer)
-        assert len(measured_experts) == len(predicted_experts) == (dims.local_experts if dims.is_moe(layer) else 0)
+        experts = dims.local_experts if dims.is_moe(layer) and not dims.recomputed(layer, "expert_fc1") else 0
+        assert len(measured_experts) == len(predicted_experts) == experts
     # The per-name totals of the manager's statistics, one microbatch.
     totals: dict[str, int] = {}
     for _, g, b in predicted:
@@ -189,7 +199,7 @@ def test_whole_layer_bytes(measured: dict[str, CaseBytes], name: str):
     dims = _dims(_CASES[name])
     for layer, got in enumerate(measured[name].layer_bytes):
         model = layer_saved_bytes(dims, layer)
-        if not dims.is_moe(layer):
+        if not dims.is_moe(layer) or dims.recomputed(layer, "expert_fc1"):  # a recomputed MoE saves no routing
             assert got == model, (name, layer)
         else:
             # Routing metadata: indices (int64), probabilities, maps; at most 8 tensors of
