@@ -83,21 +83,29 @@ def prefetch_selection(groups: Sequence[tuple[GroupState, int]], budget_bytes: i
     return chosen
 
 
-def kept_tail(group_bytes: Sequence[int], *, bytes_per_s: float | None = None, compute_s: Sequence[float] | None = None) -> int:
+def kept_tail(
+    group_bytes: Sequence[int],
+    *,
+    bytes_per_s: float | None = None,
+    compute_s: Sequence[float] | None = None,
+    reload_bytes_per_s: float | None = None,
+) -> int:
     """How many last groups of a chunk whose backward follows its forward at once stay on device.
 
     ``group_bytes``: the chunk's saved bytes per group, in forward order; ``bytes_per_s``: the
-    link's copy rate; ``compute_s``: each group's forward plus backward compute seconds. Without
-    both: 1 (the last group). See NOTE [Kept tail].
+    link's copy rate to host; ``reload_bytes_per_s``: back to the device, where it differs (None:
+    ``bytes_per_s``); ``compute_s``: each group's forward plus backward compute seconds. Without
+    a rate and the compute: 1 (the last group). See NOTE [Kept tail].
     """
     n = len(group_bytes)
     if n == 0:
         return 0
     if bytes_per_s is None or compute_s is None:
         return 1
+    back = bytes_per_s if reload_bytes_per_s is None else reload_bytes_per_s
     kept, after = 1, float(compute_s[-1])
     for g in reversed(range(n - 1)):
-        if 2 * group_bytes[g] / bytes_per_s <= after:
+        if group_bytes[g] / bytes_per_s + group_bytes[g] / back <= after:
             break
         kept += 1
         after += float(compute_s[g])

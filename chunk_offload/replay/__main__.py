@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--modules", required=True, help="comma-separated offload module names, e.g. core_attn,qkv_linear")
     g.add_argument("--min-offload-bytes", **argparse_keywords(option("min-offload-bytes"), dest="min_offload_bytes"))
     g.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link, GB/s (copy time = bytes / rate)")
+    g.add_argument("--d2h-gbps", type=float, default=None, help="CPU only: the simulated link to host, GB/s (default --link-gbps)")
+    g.add_argument("--h2d-gbps", type=float, default=None, help="CPU only: the simulated link back, GB/s (default --link-gbps)")
     g = p.add_argument_group("run")
     g.add_argument("--iterations", type=int, default=3, help="measured iterations per mode")
     g.add_argument("--warmup", type=int, default=1, help="warm-up iterations per mode")
@@ -93,8 +95,9 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"{flag} must be an integer >= 1, got {value}")
     if args.warmup < 0:
         p.error(f"--warmup must be an integer >= 0, got {args.warmup}")
-    if args.link_gbps is not None and not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
-        p.error(f"--link-gbps must be a finite number > 0 (GB/s), got {args.link_gbps}")
+    for flag, rate in (("--link-gbps", args.link_gbps), ("--d2h-gbps", args.d2h_gbps), ("--h2d-gbps", args.h2d_gbps)):
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            p.error(f"{flag} must be a finite number > 0 (GB/s), got {rate}")
     if not 0 <= args.stage < args.pp:
         p.error(f"--stage must be in 0..{args.pp - 1} (--pp {args.pp}), got {args.stage}")
     layers = args.layers if args.layers is not None else 2 * args.pp * args.vpp
@@ -134,11 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         attention=args.attention,
     )
     streams = None
-    if args.link_gbps is not None:
+    to_host = args.d2h_gbps if args.d2h_gbps is not None else args.link_gbps
+    back = args.h2d_gbps if args.h2d_gbps is not None else args.link_gbps
+    if to_host is not None or back is not None:
         if cuda:
-            logger.warning("--link-gbps simulates a link on CPU copy streams; ignored on CUDA")
+            logger.warning("--link-gbps, --d2h-gbps and --h2d-gbps simulate a link on CPU copy streams; ignored on CUDA")
         else:
-            streams = CpuStreams(link_bytes_per_s=args.link_gbps * 1e9)
+            rates = [None if r is None else r * 1e9 for r in (to_host, back)]
+            streams = CpuStreams(link_bytes_per_s=rates[0], reload_link_bytes_per_s=rates[1])
     common = dict(
         modules=args.modules,
         num_microbatches=args.microbatches,

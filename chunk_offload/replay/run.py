@@ -138,6 +138,13 @@ class ReplayResult:
         return self.offload.bytes_offloaded / seconds if seconds > 0 else math.nan
 
     @property
+    def reload_bandwidth_bytes_per_s(self) -> float:
+        """Bytes reloaded / time their host-to-device copies took (NaN without reloads)."""
+        groups = self.offload.last.groups.values()
+        seconds = sum(g.reload_time_s for g in groups)
+        return sum(g.bytes_reloaded for g in groups) / seconds if seconds > 0 else math.nan
+
+    @property
     def kept_held_elsewhere_bytes(self) -> int:
         """Bytes per iteration the offload kept on device because another reference holds them
         (a copy would free nothing: NOTE [Storages held elsewhere]), from the last measured iteration."""
@@ -178,6 +185,7 @@ class ReplayResult:
             "offload_time_s": self.offload.offload_time_s,
             "wait_time_s": self.offload.wait_time_s,
             "host_bandwidth_bytes_per_s": self.host_bandwidth_bytes_per_s,
+            "reload_bandwidth_bytes_per_s": self.reload_bandwidth_bytes_per_s,
         }
 
     def format(self) -> str:
@@ -200,7 +208,8 @@ class ReplayResult:
             f"measured - theoretical drop: {self.unexplained_drop / _MIB:.2f} MiB (device memory outside the saved-bytes "
             "accounting at the two peaks: temporaries, allocator rounding; docs/report.md)",
             f"offloaded {o.bytes_offloaded / _MIB:.2f} MiB per iteration in {o.offload_time_s * 1e3:.2f} ms of copies "
-            f"({self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s); compute waited {o.wait_time_s * 1e3:.2f} ms",
+            f"({self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s to host, {self.reload_bandwidth_bytes_per_s / 1e9:.2f} GB/s back); "
+            f"compute waited {o.wait_time_s * 1e3:.2f} ms",
         ]
         return "\n".join(rows)
 

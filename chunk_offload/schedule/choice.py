@@ -22,6 +22,9 @@ class CopyTiming:
 
     bytes_per_s: float
     """Device-to-host copy rate: bytes copied / seconds the copies took on their stream."""
+    reload_bytes_per_s: float | None = None
+    """Host-to-device rate, measured the same way from the reloads (None: none timed; the
+    offload rate stands in). Links may differ by direction."""
     action_starts_s: Sequence[float]
     """For each action of the plan, seconds from the iteration's start at which it began."""
     iteration_s: float
@@ -42,7 +45,15 @@ class CopyTiming:
         starts, recorded = [], iter(record.action_starts_s)
         for action in plan.actions:
             starts.append(starts[-1] if action.kind is ActionKind.WEIGHT and starts else next(recorded, 0.0))
-        return cls(bytes_per_s=copied / seconds, action_starts_s=tuple(starts), iteration_s=record.wall_time_s)
+        reloaded = sum(g.bytes_reloaded for g in record.groups.values())
+        reload_s = sum(g.reload_time_s for g in record.groups.values())
+        back = reloaded / reload_s if reloaded > 0 and reload_s > 0 else None
+        return cls(bytes_per_s=copied / seconds, reload_bytes_per_s=back, action_starts_s=tuple(starts), iteration_s=record.wall_time_s)
+
+    def round_trip_s(self, nbytes: int) -> float:
+        """Seconds to copy ``nbytes`` to host and back, each direction at its own rate."""
+        back = self.bytes_per_s if self.reload_bytes_per_s is None else self.reload_bytes_per_s
+        return nbytes / self.bytes_per_s + nbytes / back
 
     def hides(self, plan: Plan, chunk: tuple[int, int], nbytes: int) -> float:
         """Seconds of compute left after a copy of ``nbytes`` out and back in chunk ``chunk``'s
@@ -52,7 +63,7 @@ class CopyTiming:
     def slack_s(self, forward: int, backward: int, nbytes: int) -> float:
         """`hides` for a chunk whose forward and backward are actions ``forward`` and ``backward`` of the plan."""
         window = self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
-        return window - 2 * nbytes / self.bytes_per_s
+        return window - self.round_trip_s(nbytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

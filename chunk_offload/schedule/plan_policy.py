@@ -147,16 +147,16 @@ def _copied_heads(plan: Plan, chunks: list[tuple[int, int]], group_bytes: GroupB
     heads = {}
     for chunk in chunks:
         sizes = lookup(*chunk)
-        rate = compute = None
+        rate = back = compute = None
         if timing is not None and sizes:
-            rate = timing.bytes_per_s
+            rate, back = timing.bytes_per_s, timing.reload_bytes_per_s
             starts = timing.action_starts_s
             backward = plan.index(ActionKind.BACKWARD, *chunk)
             end = starts[backward + 1] if backward + 1 < len(starts) else timing.iteration_s
             window = max(0.0, end - starts[plan.index(ActionKind.FORWARD, *chunk)])
             total = sum(sizes)
             compute = [window * b / total if total else window / len(sizes) for b in sizes]
-        heads[chunk] = len(sizes) - kept_tail(sizes, bytes_per_s=rate, compute_s=compute)
+        heads[chunk] = len(sizes) - kept_tail(sizes, bytes_per_s=rate, compute_s=compute, reload_bytes_per_s=back)
     return heads
 
 

@@ -42,3 +42,8 @@ def test_kept_tail_keeps_the_groups_whose_copy_cannot_hide():
     assert kept_tail([10, 20, 30], bytes_per_s=10.0, compute_s=[1.0, 1.0, 1.0]) == 2  # 20 B: 4 s > 1 s; 10 B: 2 s <= 2 s
     assert kept_tail([10, 20, 30], bytes_per_s=10.0, compute_s=[1.0, 1.0, 5.0]) == 1  # 20 B: 4 s <= 5 s
     assert kept_tail([50, 20, 30], bytes_per_s=10.0, compute_s=[1.0, 1.0, 1.0]) == 3  # nothing hides
+    # Links that differ by direction: 10 B out at 10 B/s (1 s) and back at 40 B/s (0.25 s) fit 2 s;
+    # back at 5 B/s (2 s) they do not.
+    assert kept_tail([10, 20, 30], bytes_per_s=10.0, reload_bytes_per_s=40.0, compute_s=[1.0, 1.0, 1.0]) == 2
+    assert kept_tail([10, 20, 30], bytes_per_s=10.0, reload_bytes_per_s=5.0, compute_s=[1.0, 1.0, 1.0]) == 3
+    assert kept_tail([10, 20, 30], bytes_per_s=10.0, reload_bytes_per_s=10.0, compute_s=[1.0, 1.0, 5.0]) == 1

@@ -206,6 +206,7 @@ _CLI = ["--pp", "2", "--stage", "0", "--modules", "core_attn"]
         (["--microbatches", "0"], "--microbatches must be an integer >= 1, got 0"),
         (["--link-gbps", "0"], "--link-gbps must be a finite number > 0 (GB/s), got 0.0"),
         (["--link-gbps", "nan"], "--link-gbps must be a finite number > 0 (GB/s), got nan"),
+        (["--h2d-gbps", "-1"], "--h2d-gbps must be a finite number > 0 (GB/s), got -1.0"),
         (["--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
         (["--seq", "0"], "--seq must be an integer >= 1, got 0"),
         (["--hidden", "0"], "--hidden must be an integer >= 1, got 0"),
@@ -265,3 +266,11 @@ def test_bad_replay_arguments() -> None:
     # Everything the stage set up is torn down again.
     assert not parallel_state.model_parallel_is_initialized()
     assert not dist.is_initialized()
+
+
+def test_links_that_differ_by_direction(capsys, tmp_path) -> None:
+    """--d2h-gbps and --h2d-gbps simulate each direction on the CPU copy streams; the replay measures each."""
+    out, data = run_cli(capsys, tmp_path / "r.json", "--pp", "2", "--stage", "0", "--d2h-gbps", "0.01", "--h2d-gbps", "0.001")
+    to_host, back = data["host_bandwidth_bytes_per_s"], data["reload_bandwidth_bytes_per_s"]
+    assert 0.005e9 < to_host <= 0.01e9 and 0.0005e9 < back <= 0.001e9, (to_host, back)
+    assert f"({to_host / 1e9:.2f} GB/s to host, {back / 1e9:.2f} GB/s back)" in out

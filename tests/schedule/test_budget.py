@@ -87,6 +87,9 @@ def test_reload_budgets_and_measured_timing(pipeline):
     _, offloaded = train_plan(plan, PlanPolicy(plan, min_lifespan=0), iterations=1)
     timing = CopyTiming.from_record(offloaded[0], plan)
     assert timing is not None and timing.bytes_per_s > 0 and len(timing.action_starts_s) == len(plan.actions)
+    groups = offloaded[0].groups.values()  # each direction's rate from its own copies
+    assert timing.bytes_per_s == sum(g.bytes_offloaded for g in groups) / sum(g.offload_time_s for g in groups)
+    assert timing.reload_bytes_per_s == sum(g.bytes_reloaded for g in groups) / sum(g.reload_time_s for g in groups)
     assert CopyTiming.from_record(baseline, plan) is None  # a baseline copies nothing
     budgets = dict(prefetch_bytes=20_000, reload_ahead_bytes=12_000)
     choice = choose_offload(plan, baseline.group_bytes, budget, timing=timing, kept_bytes=kept, **budgets)

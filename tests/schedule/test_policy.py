@@ -49,3 +49,7 @@ def test_chunks_whose_backward_follows_copy_all_but_their_last_group():
     assert PlanPolicy(plan, group_bytes={0: [100] * 4}, timing=timing).copied_head == {(0, 0): 3, (1, 0): 3}
     slow = CopyTiming(bytes_per_s=250.0, action_starts_s=[0.0, 1.0, 2.0, 3.0], iteration_s=4.0)  # 0.8 s: hides behind 2 groups
     assert PlanPolicy(plan, group_bytes={0: [100] * 4}, timing=slow).copied_head == {(0, 0): 2, (1, 0): 2}
+    # The same offload rate with reloads at 125 bytes/s: 0.1 + 0.8 s out and back, hidden behind 2 groups only.
+    slow_back = CopyTiming(bytes_per_s=1000.0, reload_bytes_per_s=125.0, action_starts_s=[0.0, 1.0, 2.0, 3.0], iteration_s=4.0)
+    assert slow_back.round_trip_s(100) == 0.1 + 0.8
+    assert PlanPolicy(plan, group_bytes={0: [100] * 4}, timing=slow_back).copied_head == {(0, 0): 2, (1, 0): 2}

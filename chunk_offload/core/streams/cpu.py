@@ -283,6 +283,8 @@ class CpuStreams(StreamBackend):
         check_order: check the rules of NOTE [Happens-before rules].
         link_bytes_per_s: simulate a host link of this bandwidth: each copy also takes
             ``bytes / link_bytes_per_s`` seconds on its stream (None: copies take what memcpy takes).
+        reload_link_bytes_per_s: the host-to-device rate where the link differs by direction
+            (None: ``link_bytes_per_s`` both ways).
     """
 
     _STREAM_NAMES = ("compute", "d2h", "h2d")
@@ -295,14 +297,17 @@ class CpuStreams(StreamBackend):
         seed: int = 0,
         check_order: bool = True,
         link_bytes_per_s: float | None = None,
+        reload_link_bytes_per_s: float | None = None,
     ) -> None:
         unknown = sorted(set(delay_on) - set(self._STREAM_NAMES))
         if unknown:
             raise ChunkOffloadError(f"delay_on names unknown streams {unknown}; valid: {list(self._STREAM_NAMES)}")
         if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, (int, float)) or not 0 <= max_delay_s < math.inf:
             raise ChunkOffloadError(f"CpuStreams(max_delay_s=...) takes a finite number of seconds >= 0, got {max_delay_s!r}")
-        if link_bytes_per_s is not None and not link_bytes_per_s > 0:
-            raise ChunkOffloadError(f"link_bytes_per_s must be > 0 or None, got {link_bytes_per_s}")
+        for label, rate in (("link_bytes_per_s", link_bytes_per_s), ("reload_link_bytes_per_s", reload_link_bytes_per_s)):
+            if rate is not None and not rate > 0:
+                raise ChunkOffloadError(f"{label} must be > 0 or None, got {rate}")
+        reload_rate = link_bytes_per_s if reload_link_bytes_per_s is None else reload_link_bytes_per_s
         self.device = torch.device("cpu")
         self.pin_memory = False
         self.copies_hold_sources = True
@@ -313,7 +318,7 @@ class CpuStreams(StreamBackend):
 
         self.compute = _CpuComputeStream("compute", self._clocks, delay("compute", 0))
         self.d2h = _CpuCopyStream("d2h", self._clocks, delay("d2h", 1), link_bytes_per_s)
-        self.h2d = _CpuCopyStream("h2d", self._clocks, delay("h2d", 2), link_bytes_per_s)
+        self.h2d = _CpuCopyStream("h2d", self._clocks, delay("h2d", 2), reload_rate)
         self._finalizer = weakref.finalize(self, _stop_workers, self.d2h, self.h2d)
 
     def close(self) -> None:
