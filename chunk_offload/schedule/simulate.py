@@ -17,7 +17,10 @@ measured peaks to the byte:
   group's bytes;
 - zero-bubble plans (``W`` actions): a chunk's ``B`` reloads its groups and its ``W`` frees
   them (torch's input-gradient step runs with ``retain_graph=True``, so saved tensors live until
-  the weight step; an approximation where the input-gradient step frees some of them).
+  the weight step; an approximation where the input-gradient step frees some of them). A chunk
+  without ``W`` frees group by group at its ``B``: on torch's first stage the input-gradient
+  step computes nothing and the weight step is the whole backward, so the plan has that chunk's
+  ``B`` at the weight step and no ``W`` (NOTE [Zero-bubble weight steps]).
 
 A chunk or group the policy keeps on device is saved and freed in backward, never moving.
 """

@@ -4,8 +4,9 @@
     schedule.step(x, target=y, losses=losses)   # each training step is one offload iteration
     manager.plan                                # this rank's order, checked against what ran
 
-Covers `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`,
-`ScheduleZBVZeroBubble`, `ScheduleDualPipeV` (and other schedules built from `PipelineStage`s).
+Covers `Schedule1F1B`, `ScheduleGPipe`, `ScheduleInterleaved1F1B`, `ScheduleLoopedBFS`,
+`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`, `ScheduleDualPipeV` (and other
+schedules built from `PipelineStage`s).
 `order` is the only module that reads torch's private schedule names.
 """
 

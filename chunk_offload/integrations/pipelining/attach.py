@@ -7,7 +7,9 @@ Nothing in torch is edited. The attachment wraps methods on the *instances* it i
   training state untouched (NOTE [Forward-only passes] in ``session.py``);
 - each stage's ``forward_one_chunk(fwd_chunk_id, ...)``: the chunk scope of (microbatch
   ``fwd_chunk_id``, virtual stage = the stage's position among this rank's stages);
-- each stage's ``backward_one_chunk`` / ``backward_weight_one_chunk``: record ``B`` / ``W``.
+- each stage's ``backward_one_chunk`` / ``backward_weight_one_chunk``: record the plan's action
+  of that call, ``B`` or ``W`` (`order.backward_call_kind`, NOTE [Zero-bubble weight steps] in
+  ``order.py``: on the first stage the input-gradient call is none and the weight call is ``B``).
 
 The offloaded submodules get the core's module hooks (`OffloadManager.offload_module`). The
 wrappers only translate these events into `TrainingSession` calls; what runs between iterations
@@ -20,14 +22,6 @@ for the last rank names forwards 1..m instead of 0..m-1. So the first training i
 records the order the stage methods were really called in; if it differs from the listed plan
 (or the list is not a valid plan), a warning shows the difference and the observed order
 becomes `PipelineOffloadManager.plan`.
-
-NOTE [Zero-bubble weight steps]
-Zero-bubble schedules split a chunk's backward into ``I`` (input gradients, run with
-``retain_graph=True``) and ``W`` (weight gradients from the intermediates ``I`` kept). The
-saved tensors a ``W`` step unpacks stay referenced by autograd until it ran, and a group frees
-a storage only when autograd drops its last reference, so nothing is released before ``W``.
-A group reloaded in ``I`` stays resident for ``W``; one that ``I`` did not touch (torch runs the
-first stage's whole backward in ``W``) is reloaded on demand there. In the plan ``I`` is ``B``.
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 from torch import nn
 
-from ...core import Action, ActionKind, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend, diff_actions
+from ...core import Action, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend, diff_actions
 from ...schedule import Plan
 from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
@@ -128,8 +122,8 @@ class PipelineOffloadManager(AttachedManager):
                 for _, module in matches[vp_stage][name]:
                     self.engine.offload_module(module, name)
             self._patch(stage, "forward_one_chunk", self._wrap_forward(stage.forward_one_chunk, vp_stage))
-            for method, kind in (("backward_one_chunk", ActionKind.BACKWARD), ("backward_weight_one_chunk", ActionKind.WEIGHT)):
-                self._patch(stage, method, self._wrap_record(getattr(stage, method), kind, vp_stage))
+            for method in ("backward_one_chunk", "backward_weight_one_chunk"):
+                self._patch(stage, method, self._wrap_record(stage, method, vp_stage))
         self._patch(schedule, "step", self._wrap_step(schedule.step))
         self.session.use_plan(listed)
 
@@ -163,9 +157,13 @@ class PipelineOffloadManager(AttachedManager):
         wrapped.__wrapped__ = forward_one_chunk
         return wrapped
 
-    def _wrap_record(self, method: Callable, kind: ActionKind, vp_stage: int) -> Callable:
+    def _wrap_record(self, stage: Any, name: str, vp_stage: int) -> Callable:
+        method = getattr(stage, name)
+
         def wrapped(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            self.session.chunk_backward_started(microbatch=bwd_chunk_id, vp_stage=vp_stage, kind=kind)
+            kind = order.backward_call_kind(stage, name, args, kwargs)  # See NOTE [Zero-bubble weight steps]
+            if kind is not None:
+                self.session.chunk_backward_started(microbatch=bwd_chunk_id, vp_stage=vp_stage, kind=kind)
             return method(bwd_chunk_id, *args, **kwargs)
 
         wrapped.__wrapped__ = method

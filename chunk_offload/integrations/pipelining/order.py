@@ -4,7 +4,9 @@ A torch schedule keeps its order per rank as ``_Action(stage_index, computation_
 microbatch_index, sub_actions)`` lists: ``pipeline_order_with_comms`` (what
 ``_PipelineScheduleRuntime`` executes) or ``pipeline_order``. Here they become our `Plan`:
 
-- ``FORWARD`` -> ``F``; ``FULL_BACKWARD`` and ``BACKWARD_INPUT`` -> ``B``; ``BACKWARD_WEIGHT`` -> ``W``;
+- ``FORWARD`` -> ``F``; ``FULL_BACKWARD`` and ``BACKWARD_INPUT`` -> ``B``; ``BACKWARD_WEIGHT`` -> ``W``,
+  except on the first stage, whose ``BACKWARD_INPUT`` is no action and whose ``BACKWARD_WEIGHT``
+  is its ``B`` (`plan_kind`, NOTE [Zero-bubble weight steps]);
 - ``OVERLAP_F_B`` is replaced by its sub-actions, in the order the runtime runs them;
 - communication, FSDP (un)shard and ``REDUCE_GRAD`` actions are dropped;
 - the stage index becomes the virtual stage: the stage's position among this rank's stages in
@@ -13,6 +15,25 @@ microbatch_index, sub_actions)`` lists: ``pipeline_order_with_comms`` (what
 Every other module of chunk_offload reaches torch's private schedule attributes (``_stage``,
 ``_stages``, ``_has_backward``, ``pipeline_order*``) only through the functions here, so a
 torch release that renames them breaks one file.
+
+NOTE [Zero-bubble weight steps]
+Zero-bubble schedules split a chunk's backward into ``I`` (``BACKWARD_INPUT``: input gradients,
+run with ``retain_graph=True``) and ``W`` (``BACKWARD_WEIGHT``: weight gradients from the
+intermediates ``I`` kept). The saved tensors a ``W`` step unpacks stay referenced by autograd
+until it ran, and a group frees a storage only when autograd drops its last reference, so
+nothing is released before ``W``: a group reloaded in ``I`` stays resident for ``W``. In the plan
+``I`` is ``B`` and ``W`` is ``W``; `simulate` reloads at ``B`` and frees at ``W``.
+The first stage (stage index 0) is the exception: its inputs need no gradient, so torch's
+``backward_one_chunk(full_backward=False)`` computes nothing there and touches no saved tensor,
+and ``backward_weight_one_chunk`` runs the chunk's whole backward (``retain_graph=False``),
+reloading and freeing group by group like a full backward. So on the first stage ``I`` is no
+action of the plan and ``W`` is the chunk's ``B``. Read as ``B`` then ``W``, `simulate` had the
+whole chunk back on device from ``I`` to the end of ``W``, a peak the device never reached
+(issue 23: ScheduleDualPipeV's last steps on rank 0 over-predicted; every zero-bubble schedule
+once the first stage is the heaviest). `plan_kind` alone decides this: the listed plan
+(`to_action`) and the observed order (`attach`'s wrappers, `backward_call_kind`) both ask it.
+Not modelled: a stage built with ``dw_builder`` (its ``I`` runs the full backward, its ``W`` the
+user's function).
 """
 
 from __future__ import annotations
@@ -33,22 +54,47 @@ except ImportError as e:  # torch built without distributed support
     ) from e
 
 __all__ = [
+    "backward_call_kind",
     "is_schedule",
     "listed_actions",
     "listed_plan",
+    "plan_kind",
     "schedule_has_backward",
     "schedule_rank",
     "schedule_stages",
     "to_action",
 ]
 
+_FULL, _INPUT, _WEIGHT = _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
 _KINDS = {
     _ComputationType.FORWARD: ActionKind.FORWARD,
-    _ComputationType.FULL_BACKWARD: ActionKind.BACKWARD,
-    _ComputationType.BACKWARD_INPUT: ActionKind.BACKWARD,
-    _ComputationType.BACKWARD_WEIGHT: ActionKind.WEIGHT,
+    _FULL: ActionKind.BACKWARD,
+    _INPUT: ActionKind.BACKWARD,
+    _WEIGHT: ActionKind.WEIGHT,
 }
 _OVERLAP = _ComputationType.OVERLAP_F_B
+
+
+def plan_kind(stage_index: int, computation: Any) -> ActionKind | None:
+    """The plan's kind of torch's compute ``computation`` (a `_ComputationType`) on stage ``stage_index``.
+
+    ``F`` for a forward, ``B`` for a full backward; for a split one ``B`` (``I``) and ``W`` (``W``),
+    except on the first stage: no action (None, ``I``) and ``B`` (``W``), as NOTE [Zero-bubble
+    weight steps] explains.
+    """
+    if stage_index == 0 and computation in (_INPUT, _WEIGHT):  # See NOTE [Zero-bubble weight steps]
+        return None if computation is _INPUT else ActionKind.BACKWARD
+    return _KINDS[computation]
+
+
+def backward_call_kind(stage: Any, method: str, args: tuple, kwargs: dict) -> ActionKind | None:
+    """`plan_kind` of one call ``stage.<method>(bwd_chunk_id, *args, **kwargs)``, ``method`` being
+    ``backward_one_chunk`` (its ``full_backward`` says full or ``I``) or ``backward_weight_one_chunk``."""
+    if method == "backward_weight_one_chunk":
+        return plan_kind(stage.stage_index, _WEIGHT)
+    # backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False)
+    full = kwargs["full_backward"] if "full_backward" in kwargs else (args[1] if len(args) > 1 else True)
+    return plan_kind(stage.stage_index, _FULL if full else _INPUT)
 
 
 def is_schedule(obj: Any) -> bool:
@@ -83,8 +129,8 @@ def schedule_has_backward(schedule: Any) -> bool:
 def to_action(action: Any, vp_of_stage: dict[int, int]) -> list[Action]:
     """Our actions for one torch ``_Action`` or its string (``"1F0"``, ``"(0F3;3B1)OVERLAP_F_B"``).
 
-    Empty for communication and bookkeeping actions. ``vp_of_stage`` maps this rank's stage
-    indices to virtual stages.
+    Empty for communication and bookkeeping actions and for the first stage's ``I`` (`plan_kind`).
+    ``vp_of_stage`` maps this rank's stage indices to virtual stages.
     """
     if isinstance(action, str):  # rows loaded from CSV, tests
         action = _Action.from_str(action)
@@ -92,15 +138,15 @@ def to_action(action: Any, vp_of_stage: dict[int, int]) -> list[Action]:
         return []
     if action.computation_type is _OVERLAP:
         return [a for sub in action.sub_actions or () for a in to_action(sub, vp_of_stage)]
-    kind = _KINDS.get(action.computation_type)
-    if kind is None:
+    if action.computation_type not in _KINDS:
         return []
     if action.stage_index not in vp_of_stage:
         raise ChunkOffloadError(
             f"the schedule lists {action} for stage {action.stage_index}, which is not on this rank "
             f"(its stages: {sorted(vp_of_stage)})"
         )
-    return [Action(kind, int(action.microbatch_index), vp_of_stage[action.stage_index])]
+    kind = plan_kind(action.stage_index, action.computation_type)
+    return [] if kind is None else [Action(kind, int(action.microbatch_index), vp_of_stage[action.stage_index])]
 
 
 def listed_actions(schedule: Any) -> list[Action] | None:

@@ -59,6 +59,9 @@ class Case:
     """`attach`'s ``device_budget_bytes`` for the offload run."""
     host_budget_bytes: int | None = None
     """`attach`'s ``host_budget_bytes`` for the offload run."""
+    first_stage_blocks: int = 0
+    """Blocks added to stage 0 after its share of `LAYERS` (a first stage heavier than the
+    others, as an embedding makes it)."""
 
 
 @dataclass(kw_only=True)
@@ -92,9 +95,10 @@ class CaseResult:
     copied, and the `SchedulePolicy` the step ran under."""
     registered_per_stage: dict[str, list[int]] = field(default_factory=dict)
     """Per offload-module name: submodules registered on each of this rank's stages (vp order)."""
-    released_after: list[tuple[str, bool]] = field(default_factory=list)
-    """Offload run, first iteration: per backward action (``"1B0"``, ``"1W0"``), whether its chunk's
-    saved tensors were all released right after it."""
+    released_after: list[tuple[str, bool, int]] = field(default_factory=list)
+    """Offload run, first iteration: per backward call of a stage, as torch's action (``"1B0"``
+    full, ``"1I0"`` input gradients, ``"1W0"`` weights, with the virtual stage), whether its
+    chunk's saved tensors were all released right after it, and the bytes reloaded during it."""
     eval_unchanged: bool = False
     """``schedule.eval`` after training left the offload counters and live chunks untouched."""
     passes_unchanged: list[bool] = field(default_factory=list)
@@ -133,17 +137,19 @@ def _batches(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def _build(schedule_name: str, rank: int, world_size: int):
+def _build(schedule_name: str, rank: int, world_size: int, first_stage_blocks: int = 0):
     """The schedule over this rank's stages of a freshly seeded model (same on every rank)."""
     from torch.distributed import pipelining
 
     indices = stage_indices(schedule_name, rank, world_size)
     num_stages = world_size * (1 if schedule_name in ("Schedule1F1B", "ScheduleGPipe") else 2)
     torch.manual_seed(0)
-    blocks = [Block() for _ in range(LAYERS)]
+    blocks = [Block() for _ in range(LAYERS + first_stage_blocks)]
     per_stage = LAYERS // num_stages
+    sizes = [per_stage + (first_stage_blocks if i == 0 else 0) for i in range(num_stages)]
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
     stages = [
-        pipelining.PipelineStage(nn.Sequential(*blocks[i * per_stage : (i + 1) * per_stage]), i, num_stages, torch.device("cpu"))
+        pipelining.PipelineStage(nn.Sequential(*blocks[starts[i] : starts[i] + sizes[i]]), i, num_stages, torch.device("cpu"))
         for i in indices
     ]
     cls = getattr(pipelining, schedule_name)
@@ -153,7 +159,7 @@ def _build(schedule_name: str, rank: int, world_size: int):
 
 
 def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseResult) -> None:
-    schedule, stages, num_stages = _build(case.schedule, rank, world_size)
+    schedule, stages, num_stages = _build(case.schedule, rank, world_size, case.first_stage_blocks)
     manager = None
     run = "offload" if offload else "baseline"
     if offload:
@@ -261,17 +267,25 @@ def _forward_only_passes(schedule, stages, manager, x, y, first: bool, last: boo
 
 
 def _record_release(method, manager, vp_stage: int, name: str, result: CaseResult):
-    """Wrap a stage's backward method to record whether its chunk was released right after it."""
-    kind = "W" if name == "backward_weight_one_chunk" else "B"
+    """Wrap a stage's backward method to record whether its chunk was released right after it
+    and the bytes reloaded during it."""
 
     def wrapped(bwd_chunk_id: int, *args, **kwargs):
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        kind = "W" if name == "backward_weight_one_chunk" else "B" if full else "I"
+        before = _bytes_reloaded(manager)
         out = method(bwd_chunk_id, *args, **kwargs)
         if not result.observed:  # first iteration only
             live = {(key.microbatch, key.vp_stage) for key in manager.live_chunks()}
-            result.released_after.append((f"{vp_stage}{kind}{bwd_chunk_id}", (bwd_chunk_id, vp_stage) not in live))
+            released = (bwd_chunk_id, vp_stage) not in live
+            result.released_after.append((f"{vp_stage}{kind}{bwd_chunk_id}", released, _bytes_reloaded(manager) - before))
         return out
 
     return wrapped
+
+
+def _bytes_reloaded(manager) -> int:
+    return sum(g.bytes_reloaded for g in manager.stats().groups.values())
 
 
 def _run_case(case: Case, rank: int, world_size: int) -> CaseResult:

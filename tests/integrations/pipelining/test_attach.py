@@ -1,13 +1,17 @@
 """`chunk_offload.pipelining.attach` under torch.distributed.pipelining schedules, 2 gloo ranks.
 
-All schedules run in one spawn (module fixture): per schedule a baseline and an offloaded run of
-`_pipe.ITERATIONS` optimizer steps from the same seed. The tests then check, per rank: losses and
-every gradient bit-identical, bytes moved, nothing leaked, the plan against the observed order
-(and torch 2.13's wrong `Schedule1F1B` list for its last rank), and that a zero-bubble chunk's
-saved tensors outlive its input-gradient step until its weight-gradient step.
+All seven schedules run in one spawn (module fixture): per schedule a baseline and an offloaded
+run of `_pipe.ITERATIONS` optimizer steps from the same seed, with a first stage heavier than the
+others (`FIRST_STAGE_BLOCKS`). The tests then check, per rank: losses and every gradient
+bit-identical, bytes moved, nothing leaked, the plan against the observed order (and torch 2.13's
+wrong `Schedule1F1B` list for its last rank), that a zero-bubble chunk's saved tensors outlive its
+input-gradient step until its weight-gradient step (on the first stage the weight step is the
+whole backward), and that `simulate` predicts the measured peaks.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -22,20 +26,26 @@ from ._pipe import ITERATIONS, MICROBATCHES, Case, CaseResult, spawn_cases
 
 SCHEDULES = (
     "Schedule1F1B",
+    "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleLoopedBFS",
     "ScheduleInterleavedZeroBubble",
     "ScheduleZBVZeroBubble",
     "ScheduleDualPipeV",
 )
 ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 WORLD_SIZE = 2
+# Stage 0 gets two blocks more than the others (as an embedding makes it heavier): its backward
+# then sets rank 0's peak, which zero-bubble schedules run in W (NOTE [Zero-bubble weight steps]).
+FIRST_STAGE_BLOCKS = 2
+_CALL = re.compile(r"(\d+)([BIW])(\d+)")
 
 
 def _case(name: str) -> Case:
     # Random copy-stream delays where backward is split (I/W): the reload/release order matters most there.
     delay = 0.002 if name in ZERO_BUBBLE else 0.0
     eval_after = name in ("Schedule1F1B", "ScheduleInterleaved1F1B")  # torch 2.13's V schedules fail in eval()
-    return Case(schedule=name, max_delay_s=delay, seed=SCHEDULES.index(name), eval_after=eval_after)
+    return Case(schedule=name, max_delay_s=delay, seed=SCHEDULES.index(name), eval_after=eval_after, first_stage_blocks=FIRST_STAGE_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -136,16 +146,25 @@ def test_schedule_1f1b_lists_a_wrong_order_for_its_last_rank(results):
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_saved_tensors_live_until_the_weight_step(results, name):
-    """A chunk whose backward is split keeps its saved tensors after I (B here) and frees them after W."""
+    """A chunk whose backward is split (I, then W) keeps its saved tensors after I and frees them
+    after W. On the first stage I reloads nothing and W is the whole backward: the plan has the
+    chunk's B there and no W (NOTE [Zero-bubble weight steps])."""
     for r in _ranks(results, name):
-        ran = [Action.parse(a) for a in r.observed[0]]
-        split = {a.chunk for a in ran if a.kind is ActionKind.WEIGHT}
-        assert [a for a, _ in r.released_after] == [str(a) for a in ran if a.kind is not ActionKind.FORWARD]
-        for text, released in r.released_after:
-            action = Action.parse(text)
-            expected = action.kind is ActionKind.WEIGHT or action.chunk not in split
-            assert released == expected, f"rank {r.rank}: after {text} released={released}, expected {expected}"
-        assert bool(split) == (name in ZERO_BUBBLE), f"rank {r.rank}: weight steps {sorted(split)}"
+        expected_plan, first_stage_inputs = [], 0
+        for text, released, reloaded in r.released_after:
+            vp, kind, mb = _CALL.fullmatch(text).groups()
+            first = r.stage_indices[int(vp)] == 0
+            assert released == (kind != "I"), f"rank {r.rank}: after {text} released={released}"
+            if kind == "I" and first:
+                assert reloaded == 0, f"rank {r.rank}: the first stage's {text} reloaded {reloaded} bytes"
+                first_stage_inputs += 1
+                continue
+            expected_plan.append(f"{vp}{'B' if kind == 'I' or first else kind}{mb}")
+        assert [a for a in r.observed[0] if Action.parse(a).kind is not ActionKind.FORWARD] == expected_plan, f"rank {r.rank}"
+        split = [text for text, _, _ in r.released_after if "I" in text]
+        assert bool(split) == (name in ZERO_BUBBLE), f"rank {r.rank}: input-gradient steps {split}"
+        # Every zero-bubble schedule splits some first-stage backward on rank 0.
+        assert (first_stage_inputs > 0) == (name in ZERO_BUBBLE and 0 in r.stage_indices), f"rank {r.rank}"
 
 
 @pytest.mark.parametrize("name", ["Schedule1F1B", "ScheduleInterleaved1F1B"])
@@ -157,12 +176,15 @@ def test_eval_runs_without_offload(results, name):
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_plan_predicts_the_measured_peaks(results, name):
     """From the second step on (the plan policy has the checked plan), `simulate` predicts the
-    peaks under the policy the step ran (from the third step, chunks whose backward follows at
-    once copy all but their last groups).
+    peaks without offload (``peak_saved_bytes``) and with it (``peak_resident_bytes``) and the
+    bytes copied under the policy the step ran (from the third step, chunks whose backward
+    follows at once copy all but their last groups): to the byte, for every schedule (issue 23
+    asked for 5 %).
 
-    Exact for every schedule without weight steps; for zero-bubble schedules `simulate` frees a
-    chunk's bytes at its ``W`` (an approximation, see chunk_offload/schedule/simulate.py), which
-    this test shows to be exact here too.
+    Zero-bubble schedules: `simulate` frees a chunk's bytes at its ``W``; the first stage's ``W``
+    is its ``B`` (NOTE [Zero-bubble weight steps]). Read as ``B`` then ``W``, the heavy first stage
+    here had rank 0's second step predicted at 52160 bytes under ScheduleDualPipeV for 22848
+    measured (56256 under the other two).
     """
     for r in _ranks(results, name):
         per_stage = r.registered_per_stage["mlp_fc1"]

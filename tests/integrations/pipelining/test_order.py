@@ -92,12 +92,53 @@ def test_actions_map_to_plan_kinds():
     assert order.to_action("3F2", vp_of_stage) == [Action(F, 2, 1)]
     assert order.to_action("3B2", vp_of_stage) == [Action(B, 2, 1)]
     assert order.to_action("3I2", vp_of_stage) == [Action(B, 2, 1)]
-    assert order.to_action("0W1", vp_of_stage) == [Action(W, 1, 0)]
+    assert order.to_action("3W1", vp_of_stage) == [Action(W, 1, 1)]
+    # The first stage: I computes nothing, W is the whole backward (NOTE [Zero-bubble weight steps]).
+    assert order.to_action("0B1", vp_of_stage) == [Action(B, 1, 0)]
+    assert order.to_action("0I1", vp_of_stage) == []
+    assert order.to_action("0W1", vp_of_stage) == [Action(B, 1, 0)]
     assert order.to_action("(0F3;3B1)OVERLAP_F_B", vp_of_stage) == [Action(F, 3, 0), Action(B, 1, 1)]
     for bookkeeping in ("0SEND_F1", "3RECV_B0", "0UNSHARD", "3RESHARD", "0REDUCE_GRAD", ""):
         assert order.to_action(bookkeeping, vp_of_stage) == []
     with pytest.raises(ChunkOffloadError, match=r"lists 1F0 for stage 1, which is not on this rank \(its stages: \[0, 3\]\)"):
         order.to_action("1F0", vp_of_stage)
+
+
+@pytest.mark.parametrize("name", ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"))
+def test_first_stage_weight_steps_are_its_backward(name):
+    """Rank 0 holds stage 0 (virtual stage 0): where torch lists its chunks' I the plan has
+    nothing, where it lists their W the plan has their B; the other virtual stage keeps I as B
+    and W as W."""
+    schedule = _schedule(name, 0)
+    vp_of_stage = {s.stage_index: vp for vp, s in enumerate(order.schedule_stages(schedule))}
+    kinds = {"FORWARD": F, "FULL_BACKWARD": B, "BACKWARD_INPUT": B, "BACKWARD_WEIGHT": W}
+    first = {"FORWARD": F, "FULL_BACKWARD": B, "BACKWARD_INPUT": None, "BACKWARD_WEIGHT": B}
+    listed = [a for row in schedule.pipeline_order_with_comms[0] if row is not None for a in row.sub_actions or (row,)]
+    assert any((a.stage_index, a.computation_type.name) == (0, "BACKWARD_INPUT") for a in listed)
+    expected = []
+    for a in listed:
+        kind = (first if a.stage_index == 0 else kinds).get(a.computation_type.name)
+        if kind is not None:
+            expected.append(Action(kind, a.microbatch_index, vp_of_stage[a.stage_index]))
+    plan = listed_plan(schedule)
+    assert list(plan.actions) == expected
+    assert not any(a.kind is W and a.vp_stage == 0 for a in plan.actions)
+    assert any(a.kind is W and a.vp_stage == 1 for a in plan.actions)
+
+
+@pytest.mark.parametrize(
+    "method, args, kwargs, stage_index, expected",
+    [
+        ("backward_one_chunk", (), {}, 0, B),  # Schedule1F1B's call: full by default
+        ("backward_one_chunk", (None,), {"full_backward": False}, 0, None),
+        ("backward_one_chunk", (None, False), {}, 1, B),
+        ("backward_weight_one_chunk", (), {"last_backward": True}, 0, B),
+        ("backward_weight_one_chunk", (), {}, 3, W),
+    ],
+)
+def test_backward_calls_map_to_plan_kinds(method, args, kwargs, stage_index, expected):
+    stage = mock.Mock(stage_index=stage_index)
+    assert order.backward_call_kind(stage, method, args, kwargs) is expected
 
 
 def test_dual_pipe_v_overlap_actions_are_flattened_in_place():
