@@ -11,7 +11,13 @@ subpackage, each with its own ``__all__``:
 - ``chunk_offload.replay``: one pipeline stage of a large job on one device;
 - ``chunk_offload.integrations.megatron`` and ``chunk_offload.integrations.pipelining``: the integrations;
 - ``chunk_offload.devkit``: CPU-development infrastructure (not part of the product).
+
+`verify_bit_identity` (with `TrainingJob`, `BitIdentityResult`, `Mismatch`, `all_gather_results`)
+lives in ``chunk_offload.bit_identity``, whose other names (`StepRecord`, `compare_records`, ...)
+serve the launcher's ``--chunk-offload-verify``; import those five from here.
 """
+
+from .bit_identity import BitIdentityResult, Mismatch, TrainingJob, all_gather_results, verify_bit_identity
 
 from .core import (
     ChunkOffloadError,
@@ -33,6 +39,7 @@ from .core import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BitIdentityResult",
     "ChunkOffloadError",
     "CpuStreams",
     "CudaStreams",
@@ -40,11 +47,15 @@ __all__ = [
     "HappensBeforeError",
     "HostPoolStats",
     "IterationRecord",
+    "Mismatch",
     "OffloadConfig",
     "OffloadManager",
     "OffloadStats",
     "SchedulePolicy",
     "StreamBackend",
+    "TrainingJob",
+    "all_gather_results",
     "default_streams",
     "mark_not_offloadable",
+    "verify_bit_identity",
 ]

@@ -36,6 +36,17 @@ def _device_budget(text: str) -> int | str:
         ) from None
 
 
+def _count(text: str) -> int:
+    """argparse ``type``: a count >= 1 (``--chunk-offload-verify 3``)."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 such as 2, got {text!r}")
+    return value
+
+
 class _ModulesAction(argparse.Action):
     """Join the comma- or space-separated names, resolve aliases and reject unknown names at parse time."""
 
@@ -69,4 +80,6 @@ def argparse_keywords(row: Option, *, dest: str | None = None, help: str | None 
         return {**keywords, "type": _device_budget}
     if row.kind in ("bytes", "bytes_or_none"):
         return {**keywords, "type": _byte_count}
+    if row.kind == "count":
+        return {**keywords, "type": _count}
     return keywords  # a path

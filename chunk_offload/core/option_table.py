@@ -20,7 +20,7 @@ from .errors import ChunkOffloadError
 
 __all__ = ["OPTIONS", "Option", "check_value", "config_default", "option", "parse_bytes"]
 
-Kind = Literal["bytes", "bytes_or_none", "bytes_or_auto", "choice", "switch", "module_names", "path"]
+Kind = Literal["bytes", "bytes_or_none", "bytes_or_auto", "count", "choice", "switch", "module_names", "path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +199,15 @@ OPTIONS: tuple[Option, ...] = (
         ),
         metavar="PATH",
     ),
+    Option(
+        "verify", "count", None, None,
+        help=(
+            "Launcher only: run the job's first N training iterations twice from the same seed, without "
+            "chunk-offload and with it, compare every loss, gradient and parameter bit for bit, and print PASS "
+            "or the first mismatch (exit status 1 on a mismatch). Library: chunk_offload.verify_bit_identity."
+        ),
+        metavar="N",
+    ),
 )
 """Every option, in the order the launcher lists its flags."""
 
@@ -231,8 +240,9 @@ def check_value(row: Option, value: Any, *, name: str | None = None) -> Any:
     field's name), the value and what is accepted.
 
     Kinds: ``bytes`` an int >= 0 (bool, float, nan and inf refused), ``bytes_or_none`` also None,
-    ``bytes_or_auto`` also None and ``"auto"``; ``choice`` one of ``row.choices``; ``switch`` True
-    or False; ``path`` a str or None; ``module_names`` is checked by `chunk_offload.module_names`.
+    ``bytes_or_auto`` also None and ``"auto"``; ``count`` an int >= 1 (bool refused) or None;
+    ``choice`` one of ``row.choices``; ``switch`` True or False; ``path`` a str or None;
+    ``module_names`` is checked by `chunk_offload.module_names`.
     """
     label = name or row.field_name
     kind = row.kind
@@ -247,6 +257,10 @@ def check_value(row: Option, value: Any, *, name: str | None = None) -> Any:
                 accepted += " (not nan or inf)"
             raise ChunkOffloadError(f"{label} must be {accepted}, got {value!r}; pass e.g. 64 << 30 for 64 GiB")
         return int(value)
+    if kind == "count":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ChunkOffloadError(f"{label} must be an int count >= 1 or None, got {value!r}")
+        return None if value is None else int(value)
     if kind == "choice":
         if not isinstance(value, str) or value not in row.choices:
             raise ChunkOffloadError(f"{label}={value!r} is not valid; choose one of {row.choices}")

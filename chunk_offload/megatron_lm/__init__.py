@@ -16,6 +16,10 @@ and prints a summary per rank; the manager is closed.
 Nothing in Megatron-LM is edited. Without CUDA, `chunk_offload.devkit.cpu_compat` and
 `chunk_offload.devkit.megatron_training_cpu` make megatron-core and megatron.training run on gloo.
 
+With ``--chunk-offload-verify N`` each rank runs the script twice instead, without and with
+offload, as child runs that record their first N iterations, and the records are compared bit
+for bit (`verify`, NOTE [Verify runs]).
+
 Before anything runs the command line is checked (`preflight`: usage errors exit with status 2)
 and so are Megatron's dataset helpers (compiled, or buildable by Megatron's ``make``:
 `chunk_offload.devkit.megatron_dataset_helpers`).

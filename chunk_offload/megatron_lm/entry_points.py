@@ -15,7 +15,8 @@ it up: ``megatron.training``, ``megatron.training.training``, ``.arguments``, ``
   hook that attaches to the bare chunks before Megatron-LM wraps them in DDP / Float16Module.
   After ``pretrain`` returns, every rank's `StageSummary` is gathered to rank 0 (a collective),
   where `close_run` writes the report (``--chunk-offload-report``) and prepares the closing
-  summary (``closing``, printed by the launcher); in any case the manager is closed.
+  summary (``closing``, printed by the launcher); in any case the manager is closed. With
+  ``summary_on_exit`` also when Megatron-LM ends the run early with ``sys.exit(0)``.
 
 Our flags' defaults are Megatron-LM's parser's too, but for ``--chunk-offload-iterations``, whose
 default there is ``auto``: what runs (Megatron-LM prints every argument at start-up).
@@ -74,7 +75,10 @@ class EntryPoints:
     `chunk_offload.devkit.megatron_training_cpu` first (`run_script` does).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, summary_on_exit: bool = False) -> None:
+        self.summary_on_exit = summary_on_exit
+        """Also gather the summaries when Megatron-LM ends training with ``sys.exit(0)`` (its
+        ``--exit-interval``): the child runs of ``--chunk-offload-verify`` end so (NOTE [Verify runs])."""
         self.manager: MegatronOffloadManager | None = None
         self._patches: list[_Patch] = []
         self._pending: list[nn.Module] = []
@@ -147,7 +151,12 @@ class EntryPoints:
             if isinstance(hooks, list):
                 hooks.append(self._pre_wrap_hook)
             try:
-                result = original(*bound.args, **bound.kwargs)
+                try:
+                    result = original(*bound.args, **bound.kwargs)
+                except SystemExit as e:  # Megatron-LM's early exit (--exit-interval), on every rank at once
+                    if self.summary_on_exit and e.code in (0, None):
+                        self._after_training()
+                    raise
                 self._after_training()
                 return result
             finally:

@@ -12,6 +12,8 @@ needs of the script's arguments first and refuses those with the flags as typed:
 * ``--chunk-offload-iterations wrap``, which Megatron-LM's ``pretrain`` cannot use (its
   ``train_step`` calls ``get_forward_backward_func()`` itself: the launcher delimits iterations,
   ``auto``); ``--chunk-offload-report`` without ``--chunk-offload-modules`` (nothing to report);
+* ``--chunk-offload-verify N`` without ``--chunk-offload-modules`` or with ``--chunk-offload-baseline``
+  (the run "with offload" would copy nothing); N < 1 is refused by the flag's parser;
 * Megatron's ``--num-experts`` not divisible by ``--expert-model-parallel-size`` (or absent);
 * a ``--chunk-offload-report`` path whose JSON, Markdown or PNG file cannot be written.
 """
@@ -72,6 +74,13 @@ def preflight(script_args: Sequence[str], *, prog: str) -> argparse.Namespace:
             f"--chunk-offload-report {report} given without --chunk-offload-modules: nothing is offloaded, so there is "
             "nothing to report; add --chunk-offload-modules NAMES or drop it"
         )
+    verify = args.chunk_offload_verify
+    if verify is not None and (not args.chunk_offload_modules or args.chunk_offload_baseline):
+        if args.chunk_offload_modules:
+            why, fix = "--chunk-offload-baseline copies nothing", "drop --chunk-offload-baseline"
+        else:
+            why, fix = "without --chunk-offload-modules nothing is offloaded", "add --chunk-offload-modules NAMES"
+        parser.error(f"--chunk-offload-verify {verify} compares a run without offload with one with offload, but {why}; {fix}")
     _check_experts(script_args, parser)
     if report:
         problem = unwritable(report)

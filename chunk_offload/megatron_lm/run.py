@@ -2,7 +2,9 @@
 
 Exit status: 2 for a usage error, found before anything runs (`preflight`); 1 when the run cannot
 start (no ``megatron.training``, dataset helpers that cannot be built) or fails at its end (the
-report cannot be written: the summary is printed first); 0 otherwise.
+report cannot be written: the summary is printed first); 0 otherwise. With
+``--chunk-offload-verify N`` (`verify.run_verify`): 0 when the runs without and with offload are
+bit-identical, 1 on a mismatch or when a run fails.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from ..devkit import megatron_dataset_helpers
 from .closing import Closing
 from .entry_points import EntryPoints
 from .preflight import USAGE, LauncherParser, preflight
+from .recording import Recorder
+from .verify import die_with_parent, run_verify
 
 __all__ = ["main", "run_script"]
 
@@ -32,7 +36,9 @@ _DESCRIPTION = (
     "one in the same style) with chunk-offload: the script's own arguments plus the --chunk-offload-* "
     "flags (e.g. --chunk-offload-modules core_attn,qkv_linear --chunk-offload-report out/report). "
     "Iterations are delimited automatically. Without CUDA, megatron-core and megatron.training run on "
-    "CPU with gloo (pass --distributed-backend gloo). At the end rank 0 prints a summary per rank."
+    "CPU with gloo (pass --distributed-backend gloo). At the end rank 0 prints a summary per rank. "
+    "--chunk-offload-verify N runs the job's first N iterations without and with offload instead and "
+    "compares losses, gradients and parameters bit for bit (exit status 1 on a mismatch)."
 )
 
 
@@ -63,12 +69,16 @@ def _as_main_argv(script: Path, script_args: Sequence[str]) -> Iterator[None]:
         sys.path[:] = path
 
 
-def run_script(script: str | os.PathLike, script_args: Sequence[str]) -> EntryPoints:
+def run_script(
+    script: str | os.PathLike, script_args: Sequence[str], *, record: tuple[str | os.PathLike, int] | None = None
+) -> EntryPoints:
     """Run ``script`` as ``__main__`` with ``script_args``, Megatron-LM's entry points wrapped.
 
     Returns the `EntryPoints` of the run (its ``manager``, ``report_files`` and ``closing``). The
     wraps, the CPU rules, ``sys.argv`` and ``sys.path`` are restored afterwards, also when the
-    script raises. Raises `ChunkOffloadError` before the script runs when megatron.training is
+    script raises. ``record=(folder, n)``: a child run of ``--chunk-offload-verify n``, which
+    records n training iterations into ``folder`` and ends there (NOTE [Verify runs] in
+    ``verify.py``). Raises `ChunkOffloadError` before the script runs when megatron.training is
     missing or Megatron's dataset helpers are neither compiled nor buildable here.
     """
     script = Path(script)
@@ -78,8 +88,16 @@ def run_script(script: str | os.PathLike, script_args: Sequence[str]) -> EntryPo
         megatron_dataset_helpers.check_helpers()
         with _megatron_layers():  # megatron.training imported under megatron-core's CPU rules, as before
             _import_megatron_training()
-            with EntryPoints() as entry_points:
-                runpy.run_path(str(script), run_name="__main__")
+            with EntryPoints(summary_on_exit=record is not None) as entry_points:
+                if record is None:
+                    runpy.run_path(str(script), run_name="__main__")
+                    return entry_points
+                with Recorder(record[0], record[1], lambda: entry_points.manager):
+                    try:
+                        runpy.run_path(str(script), run_name="__main__")
+                    except SystemExit as e:  # the Recorder's end of training
+                        if e.code not in (0, None):
+                            raise
     return entry_points
 
 
@@ -121,14 +139,22 @@ def _close(closing: Closing | None, prog: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m chunk_offload.megatron_lm``; exit status 2 on a usage error."""
     parser = LauncherParser(prog="python -m chunk_offload.megatron_lm", usage=USAGE, description=_DESCRIPTION, allow_abbrev=False)
+    parser.add_argument("--verify-record", metavar="DIR", help=argparse.SUPPRESS)  # a child run of --chunk-offload-verify
+    parser.add_argument("--verify-iterations", metavar="N", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("script", help="the Megatron-LM training script, e.g. pretrain_gpt.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, ours included")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not Path(args.script).is_file():
         parser.error(f"script {args.script!r} is not a file; pass the path of a training script such as pretrain_gpt.py")
-    preflight(args.script_args, prog=parser.prog)
+    ours = preflight(args.script_args, prog=parser.prog)
+    if ours.chunk_offload_verify is not None:
+        return run_verify(args.script, args.script_args, ours.chunk_offload_verify, prog=parser.prog)
+    record = None
+    if args.verify_record:
+        die_with_parent()
+        record = (args.verify_record, args.verify_iterations)
     try:
-        entry_points = run_script(args.script, args.script_args)
+        entry_points = run_script(args.script, args.script_args, record=record)
     except ChunkOffloadError as e:  # a run-time error, not a usage error: exit 1, on every rank
         print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -62,6 +62,8 @@ def test_the_planner_reads_the_same_rows() -> None:
         ("on-exhausted", "wait", r"on_exhausted='wait' is not valid; choose one of \('fallback', 'error'\)"),
         ("profile-ranges", "yes", r"profile_ranges must be True or False, got 'yes'"),
         ("report", 3, r"chunk_offload_report must be a path \(str\) or None, got 3"),
+        ("verify", 0, r"chunk_offload_verify must be an int count >= 1 or None, got 0"),
+        ("verify", True, r"chunk_offload_verify must be an int count >= 1 or None, got True"),
     ],
 )
 def test_each_kind_refuses_with_the_field_the_value_and_what_is_accepted(name: str, value: object, message: str) -> None:
@@ -69,7 +71,7 @@ def test_each_kind_refuses_with_the_field_the_value_and_what_is_accepted(name: s
         check_value(option(name), value)
 
 
-@pytest.mark.parametrize(("name", "value"), [("host-pool-bytes", None), ("device-budget", "auto"), ("prefetch-bytes", 0), ("schedule", "group-start")])
+@pytest.mark.parametrize(("name", "value"), [("host-pool-bytes", None), ("device-budget", "auto"), ("prefetch-bytes", 0), ("schedule", "group-start"), ("verify", 2), ("verify", None)])
 def test_accepted_values_pass_through(name: str, value: object) -> None:
     assert check_value(option(name), value) == value
 

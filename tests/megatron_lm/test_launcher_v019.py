@@ -87,12 +87,29 @@ def _run_one_rank(args: list[str], tmp_path: Path, **env_vars: str) -> tuple[int
     return proc.returncode, proc.stdout, proc.stderr
 
 
-# Runs SCRIPT after the launcher's checks passed: without matplotlib, or with a folder where a report file goes.
+# Runs SCRIPT after the launcher's checks passed: without matplotlib, with a folder where a report file
+# goes, or (in the run with offload of --chunk-offload-verify, the one with our flags) with every
+# parameter nudged after the first training step.
 _WRAPPER = """import os, runpy, sys
 if os.environ.get("TEST_NO_MATPLOTLIB"):
     sys.modules["matplotlib"] = None  # import matplotlib fails
 if os.environ.get("TEST_BLOCK"):
     os.makedirs(os.environ["TEST_BLOCK"])  # writing this report file will fail at the end
+if os.environ.get("TEST_NUDGE") and "--chunk-offload-modules" in sys.argv:
+    import torch
+    import megatron.training.training as training
+    train_step = training.train_step
+
+    def nudged(*args, **kwargs):
+        result = train_step(*args, **kwargs)
+        if training.get_args().curr_iteration == 0:
+            with torch.no_grad():
+                for chunk in args[2]:
+                    for p in chunk.parameters():
+                        p.add_(1e-3)
+        return result
+
+    training.train_step = nudged
 runpy.run_path(os.environ["TEST_SCRIPT"], run_name="__main__")
 """
 
@@ -256,3 +273,25 @@ def test_a_report_that_cannot_be_written_at_the_end_still_prints_the_results_and
     summary = out[out.index("chunk-offload summary: ") :]
     assert "report: not written (see the error below)" in summary
     assert "the report that could not be written:" in summary and "| rank |  pp | vp | peak without (B) |" in summary
+
+
+def test_verify_passes_through_torchrun(tmp_path: Path) -> None:
+    """Two launchers, each running the job twice as child runs (a fresh rendezvous each time)."""
+    nproc, case_args, modules = CASES["pp2_vpp2"]
+    ours = ["--chunk-offload-modules", modules, "--chunk-offload-min-offload-bytes", "0", "--chunk-offload-verify", "2"]
+    returncode, out, err = _run(nproc, COMMON + case_args.split() + ours, tmp_path)
+    assert returncode == 0, (out + err)[-6000:]
+    runs = [line for line in out.splitlines() if line.startswith("chunk-offload verify: ")]
+    assert runs[:2] == [f"chunk-offload verify: run {k} of 2, with{'out' if k == 1 else ''} offload, 2 training iterations" for k in (1, 2)]
+    assert re.fullmatch(r"chunk-offload verify: PASS \(2 iterations, 2 ranks, \d+ parameters compared, [1-9]\d* bytes offloaded\)", runs[2]), runs
+    assert len(runs) == 3 and out.count("chunk-offload summary: ") == 1  # the run with offload's, by rank 0
+    assert len([line for line in _LINE.findall(out) if line[0] == "grad-norm"]) == 2 * 2 * nproc  # 2 runs, 2 steps, every rank
+
+
+def test_verify_reports_the_first_mismatch_and_exits_1(tmp_path: Path) -> None:
+    ours = ["--chunk-offload-modules", "core_attn", "--chunk-offload-min-offload-bytes", "0", "--chunk-offload-verify", "2"]
+    returncode, out, err = _run_one_rank(ONE_STAGE + ours, tmp_path, TEST_NUDGE="1")
+    assert returncode == 1, (out + err)[-6000:]
+    assert "Traceback" not in err
+    last = [line for line in out.splitlines() if line.startswith("chunk-offload verify: ")][-1]
+    assert re.fullmatch(r"chunk-offload verify: MISMATCH at iteration 2, rank 0, loss loss\[0\]\['lm loss'\]: max abs difference \d\S*", last), last

@@ -87,6 +87,22 @@ def test_check_args_usage_errors_apply_under_the_launcher(script: Path, capsys, 
     assert f"{PROG}: error: {message}" in _refused(script, capsys, *args)
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--chunk-offload-modules", "core_attn", "--chunk-offload-verify", "0"], "argument --chunk-offload-verify: expected a whole number >= 1 such as 2, got '0'"),
+        (["--chunk-offload-verify", "2"], "--chunk-offload-verify 2 compares a run without offload with one with offload, but without --chunk-offload-modules"),
+        (
+            ["--chunk-offload-modules", "core_attn", "--chunk-offload-baseline", "--chunk-offload-verify", "2"],
+            "--chunk-offload-verify 2 compares a run without offload with one with offload, but --chunk-offload-baseline copies "
+            "nothing; drop --chunk-offload-baseline",
+        ),
+    ],
+)
+def test_verify_usage_errors(script: Path, capsys, args: list[str], message: str) -> None:
+    assert f"{PROG}: error: {message}" in _refused(script, capsys, *args)
+
+
 def test_iterations_wrap_is_refused(script: Path, capsys) -> None:
     err = _refused(script, capsys, "--chunk-offload-modules", "core_attn", "--chunk-offload-iterations", "wrap")
     assert f"{PROG}: error: --chunk-offload-iterations wrap: Megatron-LM's train_step calls get_forward_backward_func() itself" in err

@@ -33,6 +33,9 @@ which also holds their defaults, help and the config field each sets); every val
   (``attach(..., iterations="auto")``, NOTE [Automatic iterations] in ``attach.py``).
 * ``--chunk-offload-deterministic-memory``: compute waits on each group's copy before its
   device originals are released (``OffloadConfig.deterministic_memory``).
+* ``--chunk-offload-verify N``: the launcher's (``python -m chunk_offload.megatron_lm``): the job's
+  first N iterations without and with offload, compared bit for bit; `attach_from_args` refuses
+  it (a script of its own calls ``chunk_offload.verify_bit_identity``).
 * ``--chunk-offload-report PATH``: produce the per-stage memory report. `attach_from_args` then
   runs the first training iteration as a baseline without copies (``baseline_iterations=1``)
   and traces memory (``trace=True``), so ``manager.report()`` can compare the baseline with the

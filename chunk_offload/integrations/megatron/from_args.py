@@ -129,7 +129,8 @@ def attach_from_args(
         baseline_iterations, trace, measure_time, iterations: applied over what ``args`` sets
             (None: from ``args``); the launcher passes ``iterations="auto"``.
 
-    Raises `ChunkOffloadError` when ``args`` was not parsed with `add_arguments`, when it also
+    Raises `ChunkOffloadError` when ``args`` was not parsed with `add_arguments`, when it has
+    ``--chunk-offload-verify`` (the launcher's: it runs the job twice), when it also
     asks for Megatron-LM's own activation offloading (NOTE [Flag names]), or when its flags
     contradict each other (`check_args`, which also warns about flags that would do nothing).
     """
@@ -138,6 +139,12 @@ def attach_from_args(
         raise ChunkOffloadError(
             f"args has no {missing}; parse the command line with chunk_offload.integrations.megatron.add_arguments "
             "(Megatron-LM: extra_args_provider=add_arguments)."
+        )
+    verify = getattr(args, DESTS["verify"])
+    if verify is not None:
+        raise ChunkOffloadError(
+            f"{LONG_PREFIX}verify {verify} is the launcher's: python -m chunk_offload.megatron_lm SCRIPT ... runs the job "
+            "twice and compares; in a training loop of your own call chunk_offload.verify_bit_identity, and drop the flag"
         )
     modules = getattr(args, DESTS["modules"])
     _check_megatron_offloading(args, modules)

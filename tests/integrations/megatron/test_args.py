@@ -238,3 +238,14 @@ def test_adding_twice_is_an_error() -> None:
 def test_add_arguments_rejects_non_parsers() -> None:
     with pytest.raises(ChunkOffloadError, match="argparse.ArgumentParser"):
         add_arguments(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "two", ""])
+def test_bad_verify_count_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(parser(), ["--chunk-offload-verify", value], capsys)
+    assert "--chunk-offload-verify" in err and "expected a whole number >= 1" in err and repr(value) in err
+
+
+def test_verify_count() -> None:
+    assert parser().parse_args(["--chunk-offload-verify", "3"]).chunk_offload_verify == 3
+    assert parser().parse_args([]).chunk_offload_verify is None

@@ -37,6 +37,12 @@ def test_attach_from_args_needs_our_arguments() -> None:
         attach_from_args(nn.Linear(2, 2), args)
 
 
+def test_verify_is_the_launchers() -> None:
+    args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-verify", "2"])
+    with pytest.raises(ChunkOffloadError, match=r"--chunk-offload-verify 2 is the launcher's: .*chunk_offload.verify_bit_identity"):
+        attach_from_args(nn.Linear(2, 2), args)
+
+
 def test_megatron_offload_modules_alone_is_a_mixup() -> None:
     """``--offload-modules`` under Megatron-LM is Megatron's flag; without its switch it would do nothing."""
     args = add_arguments(megatron_like_parser()).parse_args(["--offload-modules", "core_attn"])
