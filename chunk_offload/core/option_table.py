@@ -208,6 +208,17 @@ OPTIONS: tuple[Option, ...] = (
         ),
         metavar="N",
     ),
+    Option(
+        "plan", "path", None, None,
+        help=(
+            "Launcher only: 'auto' chooses per stage which modules to offload and, for the whole model, which to "
+            "recompute (Megatron's --recompute-granularity selective --recompute-modules), so that every stage fits "
+            "--chunk-offload-device-budget BYTES at the least predicted extra time; or a FILE written by "
+            "chunk-offload plan ... --co-plan --json FILE. Applied before the model is built; replaces "
+            "--chunk-offload-modules."
+        ),
+        metavar="auto|FILE",
+    ),
 )
 """Every option, in the order the launcher lists its flags."""
 

@@ -83,8 +83,8 @@ def close_run(summaries: Sequence[StageSummary] | None, *, report_path: str | No
     else:
         closing.warnings += [*absent, *(f"nothing was offloaded on {_ranks(ranks)}: {reason}" for reason, ranks in reasons.items())]
     lines.append(files_line)
-    if closing.error is not None and all(s.report is not None for s in summaries):
-        lines += ["", "the report that could not be written:", "", format_table([s.report for s in summaries])]
+    if closing.error is not None and all(s.report is not None or s.planned_nothing for s in summaries):
+        lines += ["", "the report that could not be written:", "", format_table([s.report for s in summaries if s.report is not None])]
     closing.summary = "\n".join(lines)
     return closing
 
@@ -93,12 +93,13 @@ def _write(summaries: list[StageSummary], report_path: str | None, closing: Clos
     """Write the report (if asked for); the line that says where it is, or why it is not."""
     if not report_path:
         return "report: none (--chunk-offload-report PATH adds the peak without offload, the measured drop and R)"
-    missing = [s for s in summaries if s.report is None]
+    missing = [s for s in summaries if s.report is None and not s.planned_nothing]
     if missing:
         closing.error = f"--chunk-offload-report {report_path}: no report: rank {missing[0].rank}: {missing[0].report_error}"
         return "report: not written (see the error below)"
+    reports = sorted((s.report for s in summaries if s.report is not None), key=lambda r: r.rank)
     try:
-        closing.files = write_report(sorted((s.report for s in summaries), key=lambda r: r.rank), report_path)
+        closing.files = write_report(reports, report_path)
     except (OSError, ChunkOffloadError) as e:
         closing.error = f"--chunk-offload-report {report_path}: could not write the report: {e}"
         return "report: not written (see the error below)"
@@ -108,7 +109,7 @@ def _write(summaries: list[StageSummary], report_path: str | None, closing: Clos
 
 
 def _title(summaries: list[StageSummary]) -> str:
-    modules = ",".join(summaries[0].requested)
+    modules = ",".join(dict.fromkeys(name for s in summaries for name in s.requested))  # per stage under a plan
     calls = max(s.training_calls for s in summaries)
     return f"chunk-offload summary: --chunk-offload-modules {modules}, the last of {calls} training iterations, per rank"
 

@@ -32,6 +32,7 @@ a warning, so that one manager owns the chunks that train.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import inspect
@@ -45,7 +46,9 @@ from torch import nn
 from ..integrations.megatron import MegatronOffloadManager, add_arguments, attach_from_args
 from ..integrations.megatron.args import has_arguments
 from ..report import ReportFiles, gather_objects
+from ..planner.coplan import CoPlan
 from .closing import Closing, close_run
+from .plan import apply_plan, describe, resolve_plan, stage_modules
 from .summary import stage_summary
 
 __all__ = ["EntryPoints"]
@@ -85,6 +88,8 @@ class EntryPoints:
         self._builds = 0
         self.report_files: ReportFiles | None = None
         """The report files written on rank 0 (``--chunk-offload-report``)."""
+        self.plan: CoPlan | None = None
+        """``--chunk-offload-plan``'s plan, once Megatron-LM's arguments are parsed (None without)."""
         self.closing: Closing | None = None
         """Rank 0, after ``pretrain``: the closing summary, warnings and error of the run."""
 
@@ -130,7 +135,9 @@ class EntryPoints:
         @functools.wraps(original)
         def entry(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = _compose_provider(signature, args, kwargs)
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            self._apply_plan()
+            return result
 
         return entry
 
@@ -195,7 +202,29 @@ class EntryPoints:
                 stacklevel=2,
             )
             return
-        self.manager = attach_from_args(chunks, get_args(), iterations="auto")
+        args = get_args()
+        if self.plan is not None:  # this stage's modules; the plan's own flags are the launcher's
+            from megatron.core import parallel_state
+
+            modules = stage_modules(self.plan, parallel_state.get_pipeline_model_parallel_rank())
+            # The plan met the budget with these modules; the run-time budget would choose again, by
+            # the saved bytes of the offloaded modules alone (NOTE [Device budget]), so it is not passed on.
+            planned = {"chunk_offload_plan": None, "chunk_offload_modules": modules or None, "chunk_offload_device_budget": None}
+            args = argparse.Namespace(**{**vars(args), **planned})
+        self.manager = attach_from_args(chunks, args, iterations="auto")
+
+    def _apply_plan(self) -> None:
+        """``--chunk-offload-plan``: resolve it once Megatron-LM's arguments are checked, set its
+        recompute on them before any model is built, and say what it set (rank 0)."""
+        from megatron.training import get_args
+
+        args = get_args()
+        if self.plan is not None or getattr(args, "chunk_offload_plan", None) is None:
+            return
+        self.plan = resolve_plan(args)
+        apply_plan(args, self.plan)
+        if getattr(args, "rank", 0) == 0:
+            print(describe(self.plan), flush=True)
 
     def _after_training(self) -> None:
         """Gather every rank's summary to rank 0 (a collective) and close the run there."""
@@ -203,12 +232,15 @@ class EntryPoints:
 
         args = get_args()
         requested = getattr(args, "chunk_offload_modules", None)
-        if not requested:  # the same on every rank: no collective
+        if self.plan is not None:
+            requested = self.manager.offload_modules if self.manager is not None else []
+        elif not requested:  # the same on every rank: no collective
             first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
             self.closing = close_run(None, report_path=None) if first else None
             return
         path = getattr(args, "chunk_offload_report", None)
-        summaries = gather_objects(stage_summary(self.manager, requested=list(requested), report=bool(path)))
+        planned_nothing = self.plan is not None and self.manager is None
+        summaries = gather_objects(stage_summary(self.manager, requested=list(requested), report=bool(path), planned_nothing=planned_nothing))
         if summaries is not None:
             self.closing = close_run(summaries, report_path=path)
             self.report_files = self.closing.files

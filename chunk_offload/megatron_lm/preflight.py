@@ -15,7 +15,8 @@ needs of the script's arguments first and refuses those with the flags as typed:
 * ``--chunk-offload-verify N`` without ``--chunk-offload-modules`` or with ``--chunk-offload-baseline``
   (the run "with offload" would copy nothing); N < 1 is refused by the flag's parser;
 * Megatron's ``--num-experts`` not divisible by ``--expert-model-parallel-size`` (or absent);
-* a ``--chunk-offload-report`` path whose JSON, Markdown or PNG file cannot be written.
+* a ``--chunk-offload-report`` path whose JSON, Markdown or PNG file cannot be written;
+* a ``--chunk-offload-plan`` FILE that is not a plan, or a plan with ``--chunk-offload-verify``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+from ..core import ChunkOffloadError
 from ..integrations.megatron import add_arguments, check_args
 from ..report import report_files
+from .plan import load_plan
 
 __all__ = ["USAGE", "LauncherParser", "preflight", "unwritable"]
 
@@ -68,8 +71,20 @@ def preflight(script_args: Sequence[str], *, prog: str) -> argparse.Namespace:
             "--chunk-offload-iterations wrap: Megatron-LM's train_step calls get_forward_backward_func() itself, so "
             "under the launcher chunk-offload delimits the iterations (--chunk-offload-iterations auto); drop the flag"
         )
+    plan = args.chunk_offload_plan
+    if plan is not None and plan != "auto":
+        try:
+            load_plan(plan)
+        except ChunkOffloadError as e:
+            parser.error(str(e).removeprefix("chunk_offload: "))
+    if plan is not None and args.chunk_offload_verify is not None:
+        parser.error(
+            f"--chunk-offload-verify cannot be combined with --chunk-offload-plan {plan}: its reference run drops every "
+            "--chunk-offload-* flag, the plan's recompute with it; verify the plan's choice given by hand "
+            "(--chunk-offload-modules and Megatron's recompute flags, as the plan prints them)"
+        )
     report = args.chunk_offload_report
-    if report and not args.chunk_offload_modules:
+    if report and not args.chunk_offload_modules and plan is None:
         parser.error(
             f"--chunk-offload-report {report} given without --chunk-offload-modules: nothing is offloaded, so there is "
             "nothing to report; add --chunk-offload-modules NAMES or drop it"

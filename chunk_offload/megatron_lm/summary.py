@@ -69,6 +69,8 @@ class StageSummary:
     """The rank's `StageReport` (``--chunk-offload-report``), which has the measured drop and R."""
     report_error: str | None = None
     """Why the rank has no report although one was asked for."""
+    planned_nothing: bool = False
+    """``--chunk-offload-plan`` offloads nothing on this stage (no manager: none is needed)."""
 
     @property
     def bytes_offloaded(self) -> int:
@@ -76,16 +78,20 @@ class StageSummary:
         return sum(self.bytes_per_module.values())
 
 
-def stage_summary(manager: MegatronOffloadManager | None, *, requested: list[str], report: bool) -> StageSummary:
-    """This rank's `StageSummary`; ``manager`` None: nothing was attached (no model built).
+def stage_summary(
+    manager: MegatronOffloadManager | None, *, requested: list[str], report: bool, planned_nothing: bool = False
+) -> StageSummary:
+    """This rank's `StageSummary`; ``manager`` None: nothing was attached (no model built, or
+    ``planned_nothing``: the plan offloads nothing on this stage, which then needs no report).
 
     ``report``: build the rank's `StageReport` too (``--chunk-offload-report``). In auto mode
     the open iteration, complete after training, is closed first.
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    summary = StageSummary(rank=rank, requested=list(requested))
+    summary = StageSummary(rank=rank, requested=list(requested), planned_nothing=planned_nothing)
     if manager is None:
-        summary.report_error = "no model was attached (Megatron-LM built none)" if report else None
+        if report and not planned_nothing:
+            summary.report_error = "no model was attached (Megatron-LM built none)"
         return summary
     if manager.iterations == "auto":
         try:
@@ -125,6 +131,8 @@ def why_nothing(summary: StageSummary) -> str | None:
     """Why the rank copied nothing in its latest training iteration, as a user reads it; None if it copied."""
     if summary.bytes_offloaded:
         return None
+    if summary.planned_nothing:
+        return "--chunk-offload-plan offloads nothing on its stage: the stage fits the device budget without"
     if summary.baseline:
         return "--chunk-offload-baseline tracks the saved bytes but copies nothing"
     if summary.offload is None:

@@ -78,3 +78,14 @@ def test_bad_plan_files(tmp_path: Path) -> None:
     (tmp_path / "four.json").write_text(json.dumps(planned.to_dict()))
     with pytest.raises(ChunkOffloadError, match=r"the plan has 4 stages, the job --pipeline-model-parallel-size 2"):
         resolve_plan(_megatron_args(chunk_offload_plan=str(tmp_path / "four.json")))
+
+
+def test_a_script_of_your_own_gets_a_clear_error() -> None:
+    """The plan is applied by the launcher before the model is built; attach_from_args cannot do that."""
+    from torch import nn
+
+    from chunk_offload.integrations.megatron import add_arguments, attach_from_args
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--chunk-offload-plan", "auto", "--chunk-offload-device-budget", "1GiB"])
+    with pytest.raises(ChunkOffloadError, match=r"--chunk-offload-plan auto is the launcher's: python -m chunk_offload.megatron_lm SCRIPT"):
+        attach_from_args(nn.Linear(2, 2), args)

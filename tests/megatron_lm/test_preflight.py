@@ -139,3 +139,36 @@ def test_only_local_rank_0_prints_the_usage_error(script: Path, capsys, monkeypa
         main([str(script), "--num-experts", "3", "--expert-model-parallel-size", "2"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--chunk-offload-plan", "auto"], "--chunk-offload-plan auto plans for a device budget in bytes: add --chunk-offload-device-budget BYTES (none was given)"),
+        (
+            ["--chunk-offload-plan", "auto", "--chunk-offload-device-budget", "auto"],
+            "--chunk-offload-plan auto plans for a device budget in bytes: add --chunk-offload-device-budget BYTES (got "
+            "--chunk-offload-device-budget auto)",
+        ),
+        (
+            ["--chunk-offload-plan", "auto", "--chunk-offload-device-budget", "1GiB", "--chunk-offload-modules", "core_attn"],
+            "--chunk-offload-plan auto chooses the offload modules per stage; drop --chunk-offload-modules (or the plan)",
+        ),
+        (
+            ["--chunk-offload-plan", "auto", "--chunk-offload-device-budget", "1GiB", "--chunk-offload-host-budget", "4GiB"],
+            "--chunk-offload-plan auto cannot be combined with --chunk-offload-host-budget",
+        ),
+        (
+            ["--chunk-offload-plan", "auto", "--chunk-offload-device-budget", "1GiB", "--chunk-offload-verify", "2"],
+            "--chunk-offload-verify cannot be combined with --chunk-offload-plan auto",
+        ),
+        (["--chunk-offload-plan", "/nonexistent/plan.json"], "--chunk-offload-plan /nonexistent/plan.json: cannot read a plan"),
+    ],
+)
+def test_plan_usage_errors(script: Path, capsys, args: list[str], message: str) -> None:
+    assert f"{PROG}: error: {message}" in _refused(script, capsys, *args)
+
+
+def test_a_plan_with_a_device_budget_passes_the_checks() -> None:
+    args = preflight(["--chunk-offload-plan", "auto", "--chunk-offload-device-budget", "1GiB", "--chunk-offload-report", "r"], prog=PROG)
+    assert (args.chunk_offload_plan, args.chunk_offload_device_budget, args.chunk_offload_modules) == ("auto", 1 << 30, None)

@@ -60,11 +60,14 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
       a usage error at the command line (``parser`` given: exit status 2), a warning otherwise;
     - budget flags with ``--chunk-offload-baseline``, which copies nothing: a warning;
     - module combinations megatron-core refuses for its own offloading (`combination_problem`:
-      ``attn_proj`` without ``core_attn``; MoE modules with ``--recompute-modules moe``): an error.
+      ``attn_proj`` without ``core_attn``; MoE modules with ``--recompute-modules moe``): an error;
+    - ``--chunk-offload-plan`` with ``--chunk-offload-modules`` or a host budget, or ``auto``
+      without a device budget in bytes: an error.
 
     `attach_from_args` calls it without ``parser``; a command line calls it with its parser right
     after parsing.
     """
+    _check_plan(args, parser)
     modules = getattr(args, DESTS["modules"], None)
     if modules:
         recompute = getattr(args, "recompute_modules", None) if getattr(args, "recompute_granularity", None) == "selective" else None
@@ -82,7 +85,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
         )
         _refuse(message, parser)
     budgets = _given(args, BUDGET_FLAGS)
-    if budgets and not getattr(args, DESTS["modules"], None):
+    if budgets and not getattr(args, DESTS["modules"], None) and getattr(args, DESTS["plan"], None) is None:
         message = (
             f"{', '.join(budgets)} given without {LONG_PREFIX}modules: nothing will be offloaded, so "
             f"{'it does' if len(budgets) == 1 else 'they do'} nothing; add {LONG_PREFIX}modules NAMES or drop "
@@ -97,6 +100,23 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
             f"{'it is' if len(budgets) == 1 else 'they are'} not used in this run",
             stacklevel=3,
         )
+
+
+def _check_plan(args: argparse.Namespace, parser: argparse.ArgumentParser | None) -> None:
+    """``--chunk-offload-plan``: it chooses the modules, ``auto`` plans for a device budget in bytes,
+    and its stages attach different modules, which a node host budget cannot split among."""
+    plan = getattr(args, DESTS["plan"], None)
+    if plan is None:
+        return
+    flag = f"{LONG_PREFIX}plan {plan}"
+    if getattr(args, DESTS["modules"], None):
+        _refuse(f"{flag} chooses the offload modules per stage; drop {LONG_PREFIX}modules (or the plan)", parser)
+    budget = getattr(args, DESTS["device-budget"], None)
+    if plan == "auto" and not isinstance(budget, int):
+        got = f"got {LONG_PREFIX}device-budget {budget}" if budget is not None else "none was given"
+        _refuse(f"{flag} plans for a device budget in bytes: add {LONG_PREFIX}device-budget BYTES ({got})", parser)
+    if getattr(args, DESTS["host-budget"], None) is not None:
+        _refuse(f"{flag} cannot be combined with {LONG_PREFIX}host-budget: the stages offload different modules; drop one", parser)
 
 
 def _refuse(message: str, parser: argparse.ArgumentParser | None) -> None:
@@ -145,6 +165,13 @@ def attach_from_args(
         raise ChunkOffloadError(
             f"{LONG_PREFIX}verify {verify} is the launcher's: python -m chunk_offload.megatron_lm SCRIPT ... runs the job "
             "twice and compares; in a training loop of your own call chunk_offload.verify_bit_identity, and drop the flag"
+        )
+    plan = getattr(args, DESTS["plan"])
+    if plan is not None:
+        raise ChunkOffloadError(
+            f"{LONG_PREFIX}plan {plan} is the launcher's: python -m chunk_offload.megatron_lm SCRIPT ... applies it before "
+            "the model is built; in a script of your own run chunk_offload.planner.co_plan and pass its modules and "
+            "Megatron flags"
         )
     modules = getattr(args, DESTS["modules"])
     _check_megatron_offloading(args, modules)

@@ -24,6 +24,7 @@ LONG_FLAGS = (
     "--chunk-offload-host-budget",
     "--chunk-offload-profile-ranges",
     "--chunk-offload-deterministic-memory",
+    "--chunk-offload-plan",
     "--chunk-offload-verify",
 )
 SHORT_FLAGS = tuple(flag.replace("--chunk-offload-", "--offload-") for flag in LONG_FLAGS)
