@@ -49,8 +49,8 @@ class ChunkHooks:
         self._warned_outside_iteration = False
         self._handles: list[RemovableHandle] = []
         for vp_stage, chunk in enumerate(chunks):
-            self._handles.append(chunk.register_forward_pre_hook(self._make_pre(vp_stage)))
-            self._handles.append(chunk.register_forward_hook(self._make_post(vp_stage), always_call=True))
+            self._handles.append(chunk.register_forward_pre_hook(_ChunkHook(self._make_pre(vp_stage))))
+            self._handles.append(chunk.register_forward_hook(_ChunkHook(self._make_post(vp_stage)), always_call=True))
 
     def new_iteration(self) -> None:
         """Count each chunk's forwards from microbatch 0 again."""
@@ -122,6 +122,28 @@ class ChunkHooks:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+class _ChunkHook:
+    """A chunk's forward hook. A pickled or deep-copied model chunk gets a hook that does nothing in
+    its place: the copy belongs to no manager (as a copied `ModuleOffload` in core/marks.py), and
+    the manager's session (threads, streams) is not part of the model's state."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self._function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self._function(*args)
+
+    def __reduce__(self) -> tuple:
+        return (_DetachedHook, ())
+
+
+class _DetachedHook:
+    """What a copied `_ChunkHook` becomes: nothing happens at the copy's forwards."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
 
 
 def _on_backward(output: Any, callback: Callable[[], None]) -> bool:
