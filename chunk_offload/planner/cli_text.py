@@ -3,6 +3,7 @@ estimate (with the budget's verdict per stage when ``--budget-gb`` is given), th
 
 from __future__ import annotations
 
+from ..core.actions import NOTATION
 from .dims import GPTDims
 from .estimate import Hardware, PipelineConfig, StageEstimate, StagePlanner
 from .group_choice import GroupChoice
@@ -115,4 +116,5 @@ def format_plan(
     if group_choices is not None:
         lines += ["", "per group, as a device budget chooses at run time (offload groups of single chunks):"]
         lines += [f"  {c.describe()}" for c in group_choices]
+    lines += ["", NOTATION]
     return "\n".join(lines) + "\n"

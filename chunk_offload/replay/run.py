@@ -28,7 +28,7 @@ from ..core.streams import StreamBackend
 from ..integrations.megatron import MegatronOffloadManager, attach
 from ..report.stage import StageReport, stage_report
 from ..schedule import PlanPolicy, Simulation, simulate
-from ..core.actions import ActionKind
+from ..core.actions import NOTATION, ActionKind
 from ..schedule.plan import Plan
 from .driver import ChunkDriver, Kept
 from .stage import MegatronStage
@@ -201,6 +201,7 @@ class ReplayResult:
             "accounting at the two peaks: temporaries, allocator rounding; docs/report.md)",
             f"offloaded {o.bytes_offloaded / _MIB:.2f} MiB per iteration in {o.offload_time_s * 1e3:.2f} ms of copies "
             f"({self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s); compute waited {o.wait_time_s * 1e3:.2f} ms",
+            NOTATION,
         ]
         return "\n".join(rows)
 
