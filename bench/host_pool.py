@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chunk_offload
+from chunk_offload.core import HostPool
 
 ROUND = 512
 
@@ -139,7 +140,7 @@ def _rss_mib() -> float:
 
 def replay(policy: str, events: list[tuple]) -> dict:
     """Run the recorded requests against one policy; pool bytes per iteration, RSS, costs."""
-    pool = ExactBinPool() if policy == "exact-bin (before)" else chunk_offload.HostPool()
+    pool = ExactBinPool() if policy == "exact-bin (before)" else HostPool()
     hold: dict[int, object] = {}
     per_iter: list[int] = []
     hit_ns, miss_ns = [], []

@@ -67,8 +67,10 @@ def _valid_names_text() -> str:
 def argparse_keywords(row: Option, *, dest: str | None = None, help: str | None = None) -> dict[str, Any]:
     """``add_argument``'s keywords for the option table's ``row`` (its kind sets the parser);
     ``dest`` and ``help`` replace the row's (a command line with its own naming)."""
-    text = row.help if help is None else help
-    keywords: dict[str, Any] = {"dest": dest or row.dest, "help": text.format(default=row.default, names=_valid_names_text())}
+    text = (row.help if help is None else help).replace("%", "%%")
+    # argparse fills in %(default)s when it prints the help: a parser that changes the default
+    # (set_defaults, as examples/pretrain_gpt.py does) shows its own.
+    keywords: dict[str, Any] = {"dest": dest or row.dest, "help": text.format(default="%(default)s", names=_valid_names_text())}
     if row.kind == "switch":
         return {**keywords, "action": "store_true"}
     if row.kind == "choice":

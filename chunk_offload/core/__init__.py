@@ -6,7 +6,7 @@ Nothing here imports megatron or transformer_engine; integrations build on the n
 Transformer Engine integration beyond that protocol.
 """
 
-from .actions import Action, ActionKind, ChunkKey, diff_actions, format_actions
+from .actions import NOTATION, Action, ActionKind, ChunkKey, diff_actions, format_actions
 from .config import OffloadConfig
 from .errors import ChunkOffloadError, HappensBeforeError
 from .group_state import GroupState
@@ -23,6 +23,7 @@ from .streams import CpuStreams, CudaStreams, Event, Stream, StreamBackend, defa
 from .tensor_filter import TensorFilter, is_marked_not_offloadable, mark_not_offloadable
 
 __all__ = [
+    "NOTATION",
     "OPTIONS",
     "Action",
     "ActionKind",

@@ -14,7 +14,11 @@ from typing import NamedTuple, Sequence
 
 from .errors import ChunkOffloadError
 
-__all__ = ["Action", "ActionKind", "ChunkKey", "diff_actions", "format_actions"]
+__all__ = ["NOTATION", "Action", "ActionKind", "ChunkKey", "diff_actions", "format_actions"]
+
+NOTATION = "notation: docs/glossary.md in chunk-offload's repository"
+"""The line every printed table and action list of the package ends with: its abbreviations and
+notations (``1F0``, ``0/2``, ``R``, ``peak w/o``, ...) are explained there, in one place."""
 
 
 class ChunkKey(NamedTuple):
@@ -88,4 +92,8 @@ def diff_actions(expected: Sequence[Action], observed: Sequence[Action], *, name
 
 def _side_by_side(expected: Sequence[Action], observed: Sequence[Action], mark: int, name: str) -> str:
     label = f"{name.split(' ')[0]}:"
-    return f"  {label:<9} {format_actions(expected, mark=mark)}\n  observed: {format_actions(observed, mark=mark)}"
+    return (
+        f"  {label:<9} {format_actions(expected, mark=mark)}\n  observed: {format_actions(observed, mark=mark)}\n"
+        f"  (<vp_stage><F|B|W><microbatch>: 1F0 is the forward of microbatch 0 of virtual stage 1; [ ] marks step {mark}; "
+        f"{NOTATION})"
+    )

@@ -3,6 +3,7 @@ estimate (with the budget's verdict per stage when ``--budget-gb`` is given), th
 
 from __future__ import annotations
 
+from ..core.actions import NOTATION
 from .coplan import CoPlan
 from .dims import GPTDims
 from .estimate import Hardware, PipelineConfig, StageEstimate, StagePlanner
@@ -117,6 +118,7 @@ def format_plan(
     if group_choices is not None:
         lines += ["", "per group, as a device budget chooses at run time (offload groups of single chunks):"]
         lines += [f"  {c.describe()}" for c in group_choices]
+    lines += ["", NOTATION]
     return "\n".join(lines) + "\n"
 
 

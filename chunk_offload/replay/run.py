@@ -28,7 +28,7 @@ from ..core.streams import StreamBackend
 from ..integrations.megatron import MegatronOffloadManager, attach
 from ..report.stage import StageReport, stage_report
 from ..schedule import PlanPolicy, Simulation, simulate
-from ..core.actions import ActionKind
+from ..core.actions import NOTATION, ActionKind
 from ..schedule.plan import Plan
 from .driver import ChunkDriver, Kept
 from .stage import MegatronStage
@@ -208,8 +208,8 @@ class ReplayResult:
             f"measured - theoretical drop: {self.unexplained_drop / _MIB:.2f} MiB (device memory outside the saved-bytes "
             "accounting at the two peaks: temporaries, allocator rounding; docs/report.md)",
             f"offloaded {o.bytes_offloaded / _MIB:.2f} MiB per iteration in {o.offload_time_s * 1e3:.2f} ms of copies "
-            f"({self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s to host, {self.reload_bandwidth_bytes_per_s / 1e9:.2f} GB/s back); "
-            f"compute waited {o.wait_time_s * 1e3:.2f} ms",
+            f"({self.host_bandwidth_bytes_per_s / 1e9:.2f} GB/s to host, {self.reload_bandwidth_bytes_per_s / 1e9:.2f} GB/s back); compute waited {o.wait_time_s * 1e3:.2f} ms",
+            NOTATION,
         ]
         return "\n".join(rows)
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..core.actions import NOTATION
 from ..core.errors import ChunkOffloadError
 from .stage import MEASURES, StageReport
 
@@ -65,7 +66,8 @@ def format_table(reports: Sequence[StageReport]) -> str:
     """The reports as one table, a row per rank (a Markdown table that also reads as plain text).
 
     Above the table: the measure the peaks use and what it means, and which iterations were
-    compared. R is the measured drop over the theoretical drop (NOTE [Report measure]).
+    compared. R is the measured drop over the theoretical drop (NOTE [Report measure]). The last
+    line points to the glossary of the columns and notations (`NOTATION`).
     """
     reports = _checked(reports)
     lines = [f"memory measure: {m} ({MEASURES[m]})" for m in dict.fromkeys(r.measure for r in reports)]
@@ -79,6 +81,7 @@ def format_table(reports: Sequence[StageReport]) -> str:
     if any(r.device_budget is not None or r.host_budget is not None for r in reports):
         lines += ["", "budgets (predicted peak: simulate's, under the budget's choice; peak with: measured):", ""]
         lines += table_lines(_BUDGET_COLUMNS, reports)
+    lines += ["", NOTATION]
     return "\n".join(lines)
 
 
