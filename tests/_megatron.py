@@ -36,7 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tests._megatron_config import TinyGPTConfig
-from tests._megatron_train import gpt_shape, named, train
+from tests._megatron_train import gpt_shape, named, reset_mtp_loss_tracker, train
 from tests._spawn import run_ranks
 
 __all__ = [
@@ -211,6 +211,7 @@ def _train_once(run: Run, compat: Any, rank: int) -> RankResult:
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
         expert_model_parallel_size=cfg.expert_parallel,
     )
+    reset_mtp_loss_tracker()
     try:
         with _DeviceAudit() as audit:
             torch.manual_seed(cfg.seed)

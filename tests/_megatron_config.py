@@ -74,6 +74,8 @@ class TinyGPTConfig:
     ``recompute_num_layers``) or ``"block"`` (the first ``recompute_num_layers`` layers of each chunk)."""
     recompute_num_layers: int | None = None
     """With ``recompute_granularity="full"``: see ``recompute_method``."""
+    mtp_num_layers: int | None = None
+    """Megatron's Multi-Token Prediction layers (``GPTShape.mtp_num_layers``), on the last stage; None for none."""
     megatron_ddp: bool = False
     """Train as Megatron-LM's ``train_step`` does: each chunk wrapped in megatron-core's
     ``DistributedDataParallel`` (contiguous gradient buffers, ``param.main_grad``, gradient

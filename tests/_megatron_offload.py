@@ -144,3 +144,48 @@ def step_record(manager: Any) -> dict[str, Any]:
         "pool_free_bytes": sum(b.capacity for bufs in manager.pool._free.values() for b in bufs),
         "pool_buffer_ptrs": sorted(b.tensor.data_ptr() for bufs in manager.pool._free.values() for b in bufs),
     }
+
+
+def offload_every_chunk(modules: Any) -> Any:
+    """The harness's ``Hooks`` for a manager that offloads ``modules`` in every chunk (threshold 1 byte;
+    no plan policy, which would keep the chunks whose backward follows their forward at once)."""
+    from tests._megatron import Hooks
+
+    hooks = OffloadHooks(tuple(modules), options={"min_offload_bytes": 1, "schedule_policy": None})
+    return Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, report=hooks.report)
+
+
+def spawn_with_and_without(cases: dict[str, tuple[Any, Any]], *, world_size: int, timeout_s: float) -> dict[str, tuple[list, list]]:
+    """``{name: (config, modules)}`` -> ``{name: (results without offload, results with)}`` (each
+    ``[rank]``), all in one spawn; skips the test without megatron-core or on a CUDA host."""
+    import importlib.util
+
+    import pytest
+
+    from tests._megatron import Run, spawn_runs
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip('megatron-core is not installed (pip install "chunk-offload[megatron]")')
+    if torch.cuda.is_available():
+        pytest.skip("cpu_compat is inert on a CUDA host")
+    runs = [run for cfg, modules in cases.values() for run in (Run(config=cfg), Run(config=cfg, hooks=offload_every_chunk(modules)))]
+    results = spawn_runs(runs, world_size=world_size, timeout_s=timeout_s)
+    return {name: (results[2 * i], results[2 * i + 1]) for i, name in enumerate(cases)}
+
+
+def assert_bit_identical(name: str, iterations: int, baseline: list, offloaded: list) -> None:
+    """Per rank: the same losses (on the last stage, ``iterations`` of them), gradients and parameters
+    with and without offload, something offloaded, every offloaded byte reloaded, nothing left over."""
+    for a, b in zip(baseline, offloaded, strict=True):
+        assert len(a.losses) == len(b.losses) == (iterations if a.is_last_stage else 0)
+        for it, (la, lb) in enumerate(zip(a.losses, b.losses)):
+            for m, (x, y) in enumerate(zip(la, lb, strict=True)):
+                assert torch.equal(x, y), f"{name} rank {a.rank} iteration {it} microbatch {m}: {x.item()!r} vs {y.item()!r}"
+        assert a.grads.keys() == b.grads.keys()
+        for key in a.grads:
+            assert torch.equal(a.grads[key], b.grads[key]), f"{name} rank {a.rank}: gradient of {key}"
+        assert a.param_digest() == b.param_digest(), f"{name} rank {a.rank}: parameters differ"
+        extra = b.extra
+        assert sum(extra["offloaded"].values()) > 0, (name, b.rank, extra)
+        assert all(extra["reloaded"][n] == extra["offloaded"][n] for n in extra["offloaded"]), (name, b.rank, extra)
+        assert extra["pool_in_use"] == 0 and extra["resident"] == 0 and extra["host"] == 0, (name, b.rank, extra)

@@ -61,6 +61,15 @@ def train(
     return losses, grads, steps, before_steps, None if megatron is None else megatron.describe()
 
 
+def reset_mtp_loss_tracker() -> None:
+    """Empty megatron's MTP loss log before building a model: one process-wide dict
+    (``MTPLossLoggingHelper.tracker``) whose ``values`` take the size of the first model's
+    ``mtp_num_layers``; a later run in the same process with more MTP layers would index past it."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+
+
 def megatron_step(
     forward_backward: Callable[..., Any],
     model: list[torch.nn.Module],
@@ -190,7 +199,7 @@ def named(chunks: list[torch.nn.Module], pick: Callable[[torch.nn.Parameter], An
 def gpt_shape(cfg: TinyGPTConfig):
     from chunk_offload.devkit.gpt import GPTShape
 
-    # Recompute options only when set, so GPTShape without them keeps working.
+    # Recompute and MTP options only when set, so GPTShape without them keeps working.
     recompute = {
         k: v
         for k, v in (
@@ -198,6 +207,7 @@ def gpt_shape(cfg: TinyGPTConfig):
             ("recompute_modules", cfg.recompute_modules),
             ("recompute_method", cfg.recompute_method),
             ("recompute_num_layers", cfg.recompute_num_layers),
+            ("mtp_num_layers", cfg.mtp_num_layers),
         )
         if v is not None
     }

@@ -29,6 +29,11 @@ from chunk_offload.planner.recommend import recommend
         (["moe_act", "core_attn"], ["core_attn", "moe"], True),
         (["expert_fc1"], ["core_attn", "mlp"], False),
         (["core_attn", "mlp_fc1"], ["moe"], False),
+        (["fused_group_mlp", "core_attn"], [], False),
+        (["fused_group_mlp", "expert_fc1"], [], True),
+        (["moe_act", "fused_group_mlp"], [], True),
+        (["fused_group_mlp"], ["moe"], True),
+        (["fused_group_mlp"], ["core_attn"], False),
     ],
 )
 def test_combination_rules(modules: list[str], recompute: list[str], refused: bool) -> None:
@@ -59,6 +64,14 @@ def test_the_launcher_refuses_with_a_usage_error_naming_the_flags(argv: list[str
         check_args(args, parser)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_launcher_refuses_fused_group_mlp_with_expert_fc1(capsys) -> None:
+    parser = _launcher_parser()
+    args = parser.parse_args(["--chunk-offload-modules", "expert_fc1,fused_group_mlp"])
+    with pytest.raises(SystemExit):
+        check_args(args, parser)
+    assert "fused_group_mlp is offloaded with expert_fc1" in capsys.readouterr().err
 
 
 def test_the_launcher_allows_moe_offload_when_moe_is_not_recomputed() -> None:
@@ -93,3 +106,16 @@ def test_recommend_tries_only_allowed_sets(monkeypatch) -> None:
     assert sorted(map(sorted, tried)) == sorted(
         map(sorted, [[], ["core_attn"], ["mlp_fc1"], ["core_attn", "attn_proj"], ["core_attn", "mlp_fc1"], ["core_attn", "attn_proj", "mlp_fc1"]])
     )
+
+
+def test_the_readme_table_lists_every_name_in_order() -> None:
+    import re
+    from pathlib import Path
+
+    from chunk_offload.module_names import ALIASES, OFFLOAD_MODULE_NAMES
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### Offload-module names", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)`(?: \(alias `(\w+)`\))? \|", section, flags=re.M)
+    assert [name for name, _ in rows] == list(OFFLOAD_MODULE_NAMES)
+    assert {alias: name for name, alias in rows if alias} == ALIASES

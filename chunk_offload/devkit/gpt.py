@@ -1,14 +1,13 @@
 """Build the megatron-core GPTModel chunks of this pipeline rank, and feed them random tokens.
 
-Shared by the pretraining example, the test harness and the stage replay, so that all of them
-train the very same model: local layer spec (no Transformer Engine) with megatron's
-core attention or torch's scaled_dot_product_attention (``GPTShape.attention``), fused CUDA
-kernels off, dropout 0, deterministic on CPU. Model parallelism must be initialised first
-(``parallel_state.initialize_model_parallel``).
+Shared by the pretraining example, the test harness and the stage replay, so that all of them train
+the very same model: local layer spec (no Transformer Engine) with megatron's core attention or
+torch's scaled_dot_product_attention (``GPTShape.attention``), fused CUDA kernels off, dropout 0,
+deterministic on CPU. Model parallelism must be initialised first (``initialize_model_parallel``).
 
-The shape also picks Llama-style options of the local spec: RMSNorm, SwiGLU (fused or not) and
-rotary positions. Sequence parallelism with the local spec needs Apex's norm; without Apex (CPU
-hosts) torch's norm stands in for it, see `SequenceParallelTorchNorm`.
+The shape also picks Llama-style options of the local spec (RMSNorm, SwiGLU fused or not, rotary
+positions) and Multi-Token Prediction layers. Sequence parallelism with the local spec needs
+Apex's norm; without Apex (CPU hosts) torch's stands in for it, see `SequenceParallelTorchNorm`.
 """
 
 from __future__ import annotations
@@ -69,12 +68,10 @@ class GPTShape:
     moe_token_dispatcher: str = "allgather"
     """megatron's ``moe_token_dispatcher_type``."""
     add_bias_linear: bool = True
-    """megatron's ``add_bias_linear`` (MoE with EP=1 and TP=1 needs False in megatron-core 0.16.1:
-    the expert MLP adds its fc2 bias in place onto a view)."""
+    """megatron's ``add_bias_linear`` (False for MoE at EP=TP=1 in megatron-core 0.16.1: fc2's bias is added in place onto a view)."""
     dtype: torch.dtype = torch.float32
-    """Parameter and activation dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``; in a
-    half dtype every parameter and buffer is cast, as Megatron-LM's ``Float16Module`` does (see
-    NOTE [ Half-precision chunks ])."""
+    """Parameter and activation dtype (fp32, bf16 or fp16); in a half dtype every parameter and buffer
+    is cast, as Megatron-LM's ``Float16Module`` does (see NOTE [ Half-precision chunks ])."""
     recompute_granularity: str | None = None
     """megatron's activation recomputation: ``"selective"`` or ``"full"``; None for none."""
     recompute_modules: tuple[str, ...] | None = None
@@ -98,6 +95,9 @@ class GPTShape:
     attention: str = "local"
     """Core attention, one of `ATTENTIONS`: ``"sdpa"`` (torch's scaled_dot_product_attention) or
     ``"local"`` (megatron's DotProductAttention)."""
+    mtp_num_layers: int | None = None
+    """megatron's Multi-Token Prediction layers (``mtp_num_layers``), built on the last stage's last
+    chunk with megatron's ``get_gpt_mtp_block_spec``; None for none."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -145,13 +145,12 @@ def build_gpt_chunks(
     """This rank's model chunks, one per virtual stage, as megatron's schedules expect them.
 
     ``microbatch_group_size_per_vp_stage``: megatron's interleaved-schedule option (None: the
-    pipeline size); the schedule reads it from the first chunk's config. ``config_overrides``:
-    further ``TransformerConfig`` fields, e.g. megatron's own fine-grained activation offloading
-    (``fine_grained_activation_offloading``, ``offload_modules``), which must be set at build time.
+    pipeline size). ``config_overrides``: further ``TransformerConfig`` fields, e.g. megatron's own
+    fine-grained activation offloading (``fine_grained_activation_offloading``, ``offload_modules``).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer import TransformerConfig
 
     moe: dict[str, Any] = {}
@@ -194,6 +193,7 @@ def build_gpt_chunks(
         recompute_modules=None if shape.recompute_modules is None else list(shape.recompute_modules),
         recompute_method=shape.recompute_method,
         recompute_num_layers=shape.recompute_num_layers,
+        mtp_num_layers=shape.mtp_num_layers,
         normalization=shape.normalization,
         gated_linear_unit=shape.swiglu,
         activation_func=F.silu if shape.swiglu else F.gelu,
@@ -221,6 +221,8 @@ def build_gpt_chunks(
             )
         if shape.attention == "sdpa":
             spec = _with_sdpa(spec)
+        # None off the last stage's last chunk (megatron's get_mtp_num_layers_to_build)
+        mtp = None if shape.mtp_num_layers is None else get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -231,6 +233,7 @@ def build_gpt_chunks(
             share_embeddings_and_output_weights=False,
             position_embedding_type=shape.position_embedding_type,
             vp_stage=vp,
+            mtp_block_spec=mtp,
         )
         chunk = chunk.to(device) if device is not None else chunk
         chunks.append(_cast_like_float16_module(chunk, shape.dtype))
@@ -273,7 +276,6 @@ def _have_apex() -> bool:
 def _with_sdpa(spec: Any) -> Any:
     """A layer spec or block spec with `SDPAttention` as every layer's core attention."""
     from dataclasses import replace
-
     from .attention import sdpa_layer_spec
 
     if hasattr(spec, "layer_specs"):
@@ -284,7 +286,6 @@ def _with_sdpa(spec: Any) -> Any:
 def _with_norm(block_spec: Any, norm: type) -> Any:
     """``block_spec`` (megatron's TransformerBlockSubmodules) with ``norm`` for every norm of its layers and its final norm."""
     from dataclasses import replace
-
     layers = [
         replace(spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
         for spec in block_spec.layer_specs

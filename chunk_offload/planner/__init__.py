@@ -5,7 +5,8 @@
   `layer_forward_flops`, `layer_backward_flops`: the byte and FLOP model of megatron-core GPT/MoE
   layers, per tensor-parallel rank (``model.py``, NOTE [Byte model] says what is exact and what is
   estimated; core attention in ``attention.py``, Transformer Engine's spec in ``te.py``, from
-  its source and unmeasured);
+  its source and unmeasured; hybrid models' Mamba layers in ``mamba.py``, from source and
+  unmeasured; Multi-Token Prediction layers in ``mtp.py``; layer kinds in ``layer_kinds.py``);
 - `PipelineConfig`, `Hardware`, `StagePlanner`, `estimate_stages`, `StageEstimate`: per stage,
   the offload groups of a chunk, chunks in flight, the predicted peaks and drop (replayed on
   Megatron's schedule with `chunk_offload.schedule.simulate`) and copy against compute time;

@@ -31,6 +31,7 @@ from .estimate import GB, POLICY_SCHEDULES, Hardware, PipelineConfig, StageEstim
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules, check_combination
 from .dims import ATTENTION_KERNELS, ATTENTIONS, RECOMPUTE_MODULES, DTYPE_BYTES, NORMALIZATIONS, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, GPTDims
 from .group_choice import GroupChoice, choose_groups
+from .model import check_modelled
 from .cli_checks import check_args, given_flags, name_flags
 from .cli_text import byte_model, format_co_plan, format_plan
 from .coplan import co_plan
@@ -97,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA kernel of the flash-style attention: flash or efficient (torch SDPA), flash or fused "
         "(TE: flash-attn or cuDNN); from source, unmeasured (default flash)",
     )
+    model.add_argument(
+        "--mtp-num-layers", type=int, default=None, help="Multi-Token Prediction layers, after the decoder on the last stage"
+    )
+    model.add_argument(
+        "--hybrid-layer-pattern",
+        "--hybrid-override-pattern",
+        default=None,
+        help="hybrid (Mamba) model: one symbol per layer, M Mamba, * attention, - MLP, E MoE (e.g. M*M-); needs "
+        "--transformer-impl transformer_engine; Mamba layers from source, unmeasured",
+    )
+    model.add_argument("--mamba-state-dim", type=int, default=128)
+    model.add_argument("--mamba-head-dim", type=int, default=64)
+    model.add_argument("--mamba-num-groups", type=int, default=8)
+    model.add_argument("--mamba-num-heads", type=int, default=None, help="default 2 x hidden / --mamba-head-dim")
     parallel = plan.add_argument_group("tensor parallel (bytes are per tensor-parallel rank)")
     parallel.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     parallel.add_argument("--sequence-parallel", action="store_true", help="megatron's sequence parallelism (needs --tp >= 2)")
@@ -224,6 +239,12 @@ def _plan(args: argparse.Namespace) -> _Result:
         attention_kernel=args.attention_kernel,
         transformer_impl=args.transformer_impl,
         recompute_modules=tuple(args.recompute_modules or ()),
+        mtp_num_layers=args.mtp_num_layers,
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
+        mamba_state_dim=args.mamba_state_dim,
+        mamba_head_dim=args.mamba_head_dim,
+        mamba_num_groups=args.mamba_num_groups,
+        mamba_num_heads=args.mamba_num_heads,
     )
     pipeline = PipelineConfig(
         pipeline_parallel=args.pp,
@@ -248,6 +269,7 @@ def _plan(args: argparse.Namespace) -> _Result:
     else:
         modules = canonical_modules(args.modules)
         check_combination(modules, modules_flag="--modules", recompute_flag="--recompute-modules")
+        check_modelled(modules)
         missing = [m for m in modules if m not in present]
         if missing:
             raise ChunkOffloadError(f"module(s) {missing} not in this model; it has {present}")

@@ -15,6 +15,16 @@ __all__ = ["byte_model", "format_plan"]
 
 def byte_model(dims: GPTDims) -> str:
     """Which layer spec the bytes are for, and how far they are measured."""
+    extra = " MTP layers: the MTP block measured on CPU, its layer as the decoder's." if dims.mtp_num_layers else ""
+    if dims.hybrid_layer_pattern is not None:
+        return (
+            f"hybrid layers {dims.hybrid_layer_pattern} on Transformer Engine's spec: Mamba layers (M) from megatron-core's "
+            "and mamba_ssm's source, unmeasured, FLOPs estimated; the others as Transformer Engine's, from source, unmeasured"
+        )
+    return _spec_model(dims) + extra
+
+
+def _spec_model(dims: GPTDims) -> str:
     if dims.transformer_engine:
         return (
             f"Transformer Engine's spec (norms fused into qkv_linear / mlp_fc1, {dims.attention_kernel} attention): "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..core.errors import ChunkOffloadError
+from .layer_kinds import check_layer_kinds
 
 __all__ = [
     "RECOMPUTE_MODULES",
@@ -105,6 +106,22 @@ class GPTDims:
     recompute_modules: tuple[str, ...] = ()
     """megatron's selective recompute (``--recompute-granularity selective --recompute-modules``),
     of `RECOMPUTE_MODULES`: a recomputed module's forward runs without saving, its inputs are saved."""
+    mtp_num_layers: int | None = None
+    """megatron's Multi-Token Prediction layers, after the decoder on the last stage's last chunk
+    (planner layers ``num_layers`` on, `chunk_offload.planner.layer_kinds`); None for none."""
+    hybrid_layer_pattern: str | None = None
+    """megatron's hybrid layer pattern (megatron-core 0.19's ``hybrid_layer_pattern``, formerly
+    ``hybrid_override_pattern``), one symbol per layer: ``M`` Mamba, ``*`` attention, ``-`` MLP,
+    ``E`` MoE, e.g. ``"M*M-"``; None for a GPT model. Needs Transformer Engine's spec; Mamba layers
+    are modelled from source, unmeasured (`chunk_offload.planner.mamba`)."""
+    mamba_state_dim: int = 128
+    """megatron's ``mamba_state_dim``: the SSM state size N."""
+    mamba_head_dim: int = 64
+    """megatron's ``mamba_head_dim``: channels per Mamba head P."""
+    mamba_num_groups: int = 8
+    """megatron's ``mamba_num_groups``: B/C groups."""
+    mamba_num_heads: int | None = None
+    """megatron's ``mamba_num_heads``; None for 2 x hidden / ``mamba_head_dim``."""
 
     def __post_init__(self) -> None:
         for label in (
@@ -155,6 +172,7 @@ class GPTDims:
             )
         self._check_tensor_parallel()
         self._check_recompute()
+        check_layer_kinds(self)
         if self.num_experts is not None:
             if self.num_experts % self.expert_parallel:
                 raise ChunkOffloadError(
@@ -189,7 +207,7 @@ class GPTDims:
         """Whether offload module ``name`` of layer ``layer`` runs inside a recomputed region (it saves
         nothing and opens no offload group): ``core_attn`` under ``core_attn``, the experts under ``moe``."""
         if name == "core_attn":
-            return "core_attn" in self.recompute_modules
+            return "core_attn" in self.recompute_modules and self.has_attention(layer)
         return name in ("expert_fc1", "moe_act") and "moe" in self.recompute_modules and self.is_moe(layer)
 
     def _check_tensor_parallel(self) -> None:
@@ -271,29 +289,54 @@ class GPTDims:
     def local_experts(self) -> int:
         return 0 if self.num_experts is None else self.num_experts // self.expert_parallel
 
-    def is_moe(self, layer: int) -> bool:
-        """Whether global layer ``layer`` (0-based) has experts instead of a dense MLP."""
+    def layer_symbols(self, layer: int) -> str:
+        """What layer ``layer`` (0-based; from ``num_layers`` on an MTP layer) holds, in megatron's hybrid
+        symbols (`chunk_offload.planner.layer_kinds`): ``M``, ``*``, ``-`` or ``E`` for a hybrid layer,
+        ``*-`` or ``*E`` for a GPT layer. An MTP layer holds a layer of the decoder's last layer's kind."""
+        layer = min(layer, self.num_layers - 1)
+        if self.hybrid_layer_pattern is not None:
+            return self.hybrid_layer_pattern[layer]
         if self.num_experts is None:
-            return False
+            return "*-"
         if isinstance(self.moe_layer_freq, tuple):
-            return self.moe_layer_freq[layer] == 1
-        return layer % self.moe_layer_freq == 0
+            return "*E" if self.moe_layer_freq[layer] == 1 else "*-"
+        return "*E" if layer % self.moe_layer_freq == 0 else "*-"
+
+    @property
+    def total_layers(self) -> int:
+        """``num_layers`` plus the MTP layers."""
+        return self.num_layers + (self.mtp_num_layers or 0)
+
+    def is_mtp(self, layer: int) -> bool:
+        """Whether planner layer ``layer`` is a Multi-Token Prediction layer."""
+        return layer >= self.num_layers
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has experts instead of a dense MLP."""
+        return "E" in self.layer_symbols(layer)
+
+    def is_mamba(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a Mamba layer of a hybrid model."""
+        return self.layer_symbols(layer) == "M"
+
+    def has_attention(self, layer: int) -> bool:
+        """Whether layer ``layer`` has self-attention (GPT and MTP layers, a hybrid model's ``*``)."""
+        return "*" in self.layer_symbols(layer)
 
     @property
     def transformer_engine(self) -> bool:
         return self.transformer_impl == "transformer_engine"
 
     def modules_of(self, layer: int) -> list[str]:
-        """Offload module names layer ``layer`` has (``moe_act`` counted as present in MoE layers).
+        """Offload module names layer ``layer`` has (``moe_act`` counted as present in MoE layers; a
+        Mamba layer has none).
 
-        Under Transformer Engine the dense layer's norms are fused into the next linear
+        Under Transformer Engine the norms before a linear are fused into it
         (`chunk_offload.module_names.TE_FUSED_INTO`); a MoE layer keeps its separate pre-MLP norm.
         """
-        moe = self.is_moe(layer)
-        names = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
-        names += ["expert_fc1", "moe_act"] if moe else ["mlp_fc1"]
+        symbols = self.layer_symbols(layer)
+        names = ["attn_norm", "qkv_linear", "core_attn", "attn_proj"] if "*" in symbols else []
+        names += ["mlp_norm", "expert_fc1", "moe_act"] if "E" in symbols else ["mlp_norm", "mlp_fc1"] if "-" in symbols else []
         if self.transformer_engine:
-            names.remove("attn_norm")
-            if not moe:
-                names.remove("mlp_norm")
+            names = [n for n in names if n != "attn_norm" and not (n == "mlp_norm" and "-" in symbols)]
         return names

@@ -37,7 +37,7 @@ from ..schedule import PlanPolicy, Simulation, simulate
 from ..module_names import canonical_modules
 from .config import GB, Hardware, PipelineConfig
 from .dims import GPTDims
-from .model import LayerGroup, layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_saved_bytes
+from .model import LayerGroup, check_modelled, layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_saved_bytes
 
 __all__ = ["GB", "Hardware", "PipelineConfig", "StageEstimate", "StagePlanner", "estimate_stages", "stage_layers"]
 
@@ -163,7 +163,8 @@ class StageEstimate:
 
 
 def stage_layers(dims: GPTDims, pipeline: PipelineConfig, pp_rank: int) -> list[list[int]]:
-    """Global layer indices of each model chunk of ``pp_rank`` (Megatron's even split)."""
+    """Global layer indices of each model chunk of ``pp_rank`` (Megatron's even split), the MTP layers
+    (``dims.mtp_num_layers``, indices from ``num_layers`` on) at the end of the last stage's last chunk."""
     p, vp = pipeline.pipeline_parallel, pipeline.vp_size
     if dims.num_layers % (p * vp):
         raise ChunkOffloadError(
@@ -174,7 +175,10 @@ def stage_layers(dims: GPTDims, pipeline: PipelineConfig, pp_rank: int) -> list[
         raise ChunkOffloadError(f"pp_rank {pp_rank} out of range for {p} stages")
     per_chunk = dims.num_layers // (p * vp)
     per_vp = dims.num_layers // vp
-    return [[v * per_vp + pp_rank * per_chunk + i for i in range(per_chunk)] for v in range(vp)]
+    layers = [[v * per_vp + pp_rank * per_chunk + i for i in range(per_chunk)] for v in range(vp)]
+    if pp_rank == p - 1:  # the MTP layers run after the decoder's, on the last stage's last chunk
+        layers[-1] += list(range(dims.num_layers, dims.total_layers))
+    return layers
 
 
 def estimate_stages(
@@ -263,6 +267,7 @@ class StagePlanner:
     def estimate(self, modules: str | Sequence[str]) -> list[StageEstimate]:
         """One `StageEstimate` per pipeline rank (an empty ``modules`` list: nothing offloaded)."""
         modules = canonical_modules(modules) if len(modules) else []
+        check_modelled(modules)
         return [self._stage(r, modules) for r in range(self.pipeline.pipeline_parallel)]
 
     def _layer_groups(self, pp_rank: int, vp: int, modules: list[str]) -> list[tuple[int, list[LayerGroup]]]:

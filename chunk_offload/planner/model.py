@@ -1,8 +1,10 @@
-"""Bytes each offload module of a megatron-core GPT/MoE layer saves for backward, per call; layer FLOPs.
+"""Bytes each offload module of a megatron-core GPT/MoE layer saves for backward, per call.
 
 Every module is described as a list of `SavedTensor` (storage, offset, span, bytes) and
 `group_bytes` applies the engine's rules (``saved.py``). Core attention is modelled in
-``attention.py``, Transformer Engine's fused modules in ``te.py``; this file has the rest.
+``attention.py``, Transformer Engine's fused modules in ``te.py``, the norms in ``norms.py``,
+Mamba layers in ``mamba.py``, what an MTP layer adds in ``mtp.py``, the FLOPs in ``flops.py``
+(re-exported here); this file has the rest.
 
 NOTE [Byte model]: what each module saves, for megatron-core 0.16.1's local (non Transformer
 Engine) layer spec (Transformer Engine's: ``te.py``, from its source, unmeasured), dropout 0,
@@ -81,6 +83,14 @@ tensor inputs. ``core_attn``: query, key and value as passed (`qkv_saved`) and t
 int32 [1] made on the host; the output is then attn_proj's alone. ``moe``: the MoE layer's input
 [T, h] only. Measured equal on CPU (``tests/planner/test_model.py``, the ``recompute_*`` cases).
 
+Layer kinds (``GPTDims.layer_symbols``, ``layer_kinds.py``): a hybrid model's attention layer
+(``*``) saves the attention part above, its MLP layer (``-``) the dense MLP's and its MoE layer
+(``E``) the MoE layer's (norm included); a Mamba layer (``M``) saves what ``mamba.py`` lists (from
+source, unmeasured) and opens no offload group. A Multi-Token Prediction layer (``mtp_num_layers``,
+after the decoder on the last stage) saves its transformer layer's bytes plus the MTP block's
+(``mtp.py``: the embedding's indices, three norms, ``eh_proj``'s input; measured on CPU).
+``fused_group_mlp`` is refused (`NOT_MODELLED`).
+
 Not modelled: FP8 activations (Transformer Engine), Apex's memory-efficient norms (they save the
 output), context parallelism, MoE under tensor parallelism (refused), rotary_percent < 1,
 dropout > 0, full recompute, selective recompute of ``layernorm`` (it needs Transformer Engine),
@@ -93,14 +103,20 @@ from typing import NamedTuple, Sequence
 
 from ..core.errors import ChunkOffloadError
 from ..module_names import ALIASES, OFFLOAD_MODULE_NAMES, TE_FUSED_INTO, canonical_modules
-from .attention import core_attention_flops, core_attn_saved
+from .attention import core_attn_saved
 from .qkv import qkv_saved
 from .dims import GPTDims
+from .flops import layer_backward_flops, layer_forward_flops, layer_recompute_flops
+from .mamba import mamba_saved
+from .mtp import mtp_extra_saved
+from .norms import norm_saved
 from .saved import SavedTensor, group_bytes, storage_bytes, whole
 from .te import te_saved
 
 __all__ = [
     "LayerGroup",
+    "NOT_MODELLED",
+    "check_modelled",
     "expert_tokens",
     "held_elsewhere",
     "layer_backward_flops",
@@ -112,7 +128,6 @@ __all__ = [
     "saved_tensors",
 ]
 
-_FP32 = 4
 _INT32 = 4
 
 
@@ -130,6 +145,7 @@ def saved_tensors(dims: GPTDims, name: str, *, expert: int = 0) -> list[SavedTen
     """What one call of module ``name`` saves on one rank (``expert``: which local expert, for expert modules)."""
     name = ALIASES.get(name, name)
     t, h, d = dims.tokens, dims.hidden_size, dims.dtype_bytes
+    check_modelled([name])
     if dims.transformer_engine:
         if name in TE_FUSED_INTO and not (name == "mlp_norm" and dims.num_experts is not None):
             raise ChunkOffloadError(
@@ -140,7 +156,7 @@ def saved_tensors(dims: GPTDims, name: str, *, expert: int = 0) -> list[SavedTen
         if fused is not None:
             return fused
     if name in ("attn_norm", "mlp_norm"):
-        return _norm_saved(dims)
+        return norm_saved(dims)
     if name in ("qkv_linear", "mlp_fc1"):
         return [whole("input", dims.norm_tokens * h * d)]
     if name == "attn_proj":
@@ -159,16 +175,21 @@ def saved_tensors(dims: GPTDims, name: str, *, expert: int = 0) -> list[SavedTen
     raise ChunkOffloadError(f"unknown offload module {name!r}; valid names: {list(OFFLOAD_MODULE_NAMES) + sorted(ALIASES)}")
 
 
-def _norm_saved(dims: GPTDims) -> list[SavedTensor]:
-    n, h, d = dims.norm_tokens, dims.hidden_size, dims.dtype_bytes
-    if dims.normalization == "LayerNorm":
-        stats = n * dims.norm_stats_bytes
-        return [whole("input", n * h * d), whole("mean", stats), whole("rstd", stats)]
-    if dims.device == "cuda":  # torch's fused kernel (and Apex's): the input and an fp32 rstd
-        return [whole("input", n * h * d), whole("rstd", n * _FP32)]
-    # torch's composite on CPU, in fp32: the input as fp32 (itself when fp32, else a copy), rstd, the normalised input
-    as_fp32 = "input" if d == _FP32 else "input_fp32"
-    return [whole(as_fp32, n * h * _FP32), whole("rstd", n * _FP32), whole("normalized", n * h * _FP32)]
+NOT_MODELLED = {
+    "fused_group_mlp": (
+        "what Transformer Engine's op-fuser grouped MLP saves depends on how TE fuses it (its basic ops, or one "
+        "fused kernel on sm100 GPUs) and is not modelled; plan with expert_fc1 for its input, or measure it with "
+        "the stage replay"
+    ),
+}
+"""Offload modules the planner refuses -> why."""
+
+
+def check_modelled(modules: Sequence[str]) -> None:
+    """Raise `ChunkOffloadError` for a module (canonical) of `NOT_MODELLED`."""
+    for name in modules:
+        if name in NOT_MODELLED:
+            raise ChunkOffloadError(f"offload module {name!r} is not modelled by the planner: {NOT_MODELLED[name]}")
 
 
 class LayerGroup(NamedTuple):
@@ -194,7 +215,7 @@ def held_elsewhere(dims: GPTDims, layer: int, name: str, chosen: set[str], *, re
     held = set()
     if name == "core_attn" and "attn_proj" not in chosen and _attention_output_is_proj_input(dims):
         held.add("output")
-    if receives_input and name == dims.modules_of(layer)[0]:  # attn_norm; qkv_linear under TE
+    if receives_input and name in dims.modules_of(layer)[:1]:  # attn_norm; qkv_linear under TE
         held.add("input")
     return held
 
@@ -234,10 +255,21 @@ def layer_saved_bytes(dims: GPTDims, layer: int) -> int:
     """Everything one forward of layer ``layer`` saves for backward on one rank (see NOTE [Byte model]).
 
     Counted like one group around the whole layer with no threshold: exact for dense layers,
-    routing metadata left out for MoE layers.
+    routing metadata left out for MoE layers. A Mamba layer: `chunk_offload.planner.mamba`; an MTP
+    layer adds what the MTP block saves (`chunk_offload.planner.mtp`).
     """
-    t, h, d = dims.tokens, dims.hidden_size, dims.dtype_bytes
-    names = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+    if dims.is_mamba(layer):
+        return group_bytes(mamba_saved(dims), min_offload_bytes=0)
+    total = _attention_saved_bytes(dims, layer) if dims.has_attention(layer) else 0
+    total += _mlp_layer_saved_bytes(dims, layer)
+    if dims.is_mtp(layer):
+        total += group_bytes(mtp_extra_saved(dims), min_offload_bytes=0)
+    return total
+
+
+def _attention_saved_bytes(dims: GPTDims, layer: int) -> int:
+    t, d = dims.tokens, dims.dtype_bytes
+    names = ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
     attention = [n for n in names if n in dims.modules_of(layer) and not dims.recomputed(layer, n)]
     total = sum(group_bytes(saved_tensors(dims, n), min_offload_bytes=0) for n in attention)
     if dims.rope:
@@ -245,9 +277,19 @@ def layer_saved_bytes(dims: GPTDims, layer: int) -> int:
     if dims.recomputed(layer, "core_attn"):
         # The checkpoint saves its inputs: query, key, value and the mask type, an int32 [1] made
         # on the host (on the device only on CPU). No output is saved: attn_proj's input is its own.
-        total += group_bytes(qkv_saved(dims), min_offload_bytes=0) + (_INT32 if dims.device == "cpu" else 0)
-    elif _attention_output_is_proj_input(dims):
+        return total + group_bytes(qkv_saved(dims), min_offload_bytes=0) + (_INT32 if dims.device == "cpu" else 0)
+    if _attention_output_is_proj_input(dims):
         total -= t * dims.local_heads * dims.head_dim * d  # one storage, saved by both
+    return total
+
+
+def _mlp_layer_saved_bytes(dims: GPTDims, layer: int) -> int:
+    """What the layer's MLP part saves: its norm (when separate), the dense MLP or the MoE layer; 0 without."""
+    t, h, d = dims.tokens, dims.hidden_size, dims.dtype_bytes
+    symbols = dims.layer_symbols(layer)
+    if "-" not in symbols and "E" not in symbols:
+        return 0
+    total = group_bytes(saved_tensors(dims, "mlp_norm"), min_offload_bytes=0) if "mlp_norm" in dims.modules_of(layer) else 0
     if dims.recomputed(layer, "expert_fc1"):
         return total + t * h * d  # the checkpointed MoE layer saves its input only
     if not dims.is_moe(layer):
@@ -283,44 +325,3 @@ def _mlp_saved_bytes(dims: GPTDims, tokens: int) -> int:
     # SiLU's input: every row's first half of fc1's output, a strided view; SiLU output, the
     # linear half plus the offset (a copy), fc2 input.
     return max(2 * tokens - 1, 0) * f * d + 3 * tokens * f * d
-
-
-def layer_forward_flops(dims: GPTDims, layer: int) -> int:
-    """Forward FLOPs of one layer on one rank for one microbatch (2 per multiply-add of every matmul).
-
-    QKV 2*T*h*(np' + 2*ng')*hn, the core attention (`core_attention_flops`: the full square for
-    the local attention, the causal triangle for flash-style kernels), projection 2*T*np'*hn*h;
-    dense MLP 2*T*h*(fc1 width + f'), the fc1 width 2f' with SwiGLU; a MoE layer instead has the
-    router 2*T*h*E and top-k experts per token, 2*T*topk*h*(fc1 width + f).
-    """
-    return _linear_flops(dims, layer) + core_attention_flops(dims).forward
-
-
-def layer_backward_flops(dims: GPTDims, layer: int) -> int:
-    """Backward FLOPs of one layer on one rank for one microbatch.
-
-    Every linear computes its input gradient and its weight gradient: twice its forward. The core
-    attention: four products without recompute (local), five with the recompute of QK^T that
-    flash-style kernels do (`core_attention_flops`).
-    """
-    return 2 * _linear_flops(dims, layer) + core_attention_flops(dims).backward
-
-
-def layer_recompute_flops(dims: GPTDims, layer: int) -> int:
-    """Forward FLOPs one layer runs again in backward under selective recompute (``dims.recompute_modules``):
-    the core attention's forward for ``core_attn``; the router's and the experts' for ``moe``."""
-    flops = core_attention_flops(dims).forward if dims.recomputed(layer, "core_attn") else 0
-    if dims.recomputed(layer, "expert_fc1"):
-        t, h = dims.tokens, dims.hidden_size
-        flops += 2 * t * h * dims.num_experts + t * dims.moe_router_topk * 2 * h * (dims.fc1_width + dims.local_ffn)
-    return flops
-
-
-def _linear_flops(dims: GPTDims, layer: int) -> int:
-    t, h = dims.tokens, dims.hidden_size
-    heads, groups, hn = dims.local_heads, dims.local_query_groups, dims.head_dim
-    attention = 2 * t * h * (heads + 2 * groups) * hn + 2 * t * heads * hn * h
-    mlp = 2 * h * (dims.fc1_width + dims.local_ffn)
-    if dims.is_moe(layer):
-        return attention + 2 * t * h * dims.num_experts + t * dims.moe_router_topk * mlp
-    return attention + t * mlp

@@ -11,8 +11,10 @@ module opened each group, and the manager's record of the iteration
 step in forward order: (layer, module name, bytes), plus the per-name totals of ``stats()``.
 
 A second run of the same case offloads each whole ``TransformerLayer`` as one group, which gives
-the bytes of everything a layer saves for backward (storages deduplicated within the layer).
-A third run counts each layer's forward FLOPs with ``torch.utils.flop_counter.FlopCounterMode``.
+the bytes of everything a layer saves for backward (storages deduplicated within the layer); a
+Multi-Token Prediction layer (``mtp_num_layers``) is one group as a whole (its transformer layer
+and what the MTP block saves), after the decoder's layers.
+A third run counts each such layer's forward FLOPs with ``torch.utils.flop_counter.FlopCounterMode``.
 Every tensor-parallel rank measures; the result is rank 0's, and `CaseBytes.same_on_every_rank`
 says whether the other ranks measured the same.
 
@@ -29,10 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tests._megatron_train import megatron_step
+from tests._megatron_train import megatron_step, reset_mtp_loss_tracker
 from tests._spawn import run_ranks
 
-__all__ = ["ByteCase", "CaseBytes", "measure"]
+__all__ = ["ByteCase", "CaseBytes", "measure", "measure_or_skip"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -60,6 +62,8 @@ class ByteCase:
     attention: str = "local"
     recompute_modules: tuple[str, ...] = ()
     """megatron's selective recompute modules (empty: no recompute)."""
+    mtp_num_layers: int | None = None
+    """megatron's Multi-Token Prediction layers (None: none)."""
     min_offload_bytes: int = 1
 
 
@@ -100,6 +104,20 @@ def measure(cases: list[ByteCase], *, timeout_s: float = 300.0) -> list[CaseByte
     return [results[i] for i in range(len(cases))]
 
 
+def measure_or_skip(cases: dict[str, ByteCase]) -> dict[str, CaseBytes]:
+    """`measure` of ``{name: case}`` by name, for a module-scoped fixture: skips the test without
+    megatron-core or on a CUDA host (``cpu_compat`` is inert there)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip('megatron-core is not installed (pip install "chunk-offload[megatron]")')
+    if torch.cuda.is_available():
+        pytest.skip("cpu_compat is inert on a CUDA host")
+    return dict(zip(cases, measure(list(cases.values())), strict=True))
+
+
 def _measure_cases(rank: int, world_size: int, cases: list[ByteCase]) -> list[CaseBytes]:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     import torch._dynamo.config
@@ -133,6 +151,7 @@ def _shape(case: ByteCase):
         bias_activation_fusion=case.bias_activation_fusion,
         position_embedding_type=case.position_embedding_type,
         attention=case.attention,
+        mtp_num_layers=case.mtp_num_layers,
         **({"recompute_granularity": "selective", "recompute_modules": case.recompute_modules} if case.recompute_modules else {}),
     )
 
@@ -144,6 +163,7 @@ def _build(case: ByteCase):
     from chunk_offload.devkit.gpt import build_gpt_chunks
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=case.tensor_parallel)
+    reset_mtp_loss_tracker()
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     chunks = build_gpt_chunks(_shape(case), tensor_parallel=case.tensor_parallel, sequence_parallel=case.sequence_parallel)
@@ -183,8 +203,10 @@ def _measure_case(case: ByteCase) -> CaseBytes:
         layer_now = [-1]
         called: list[tuple[int, str]] = []
 
+        index = {id(layer): i for i, layer in enumerate(transformer_layers(chunks[0]))}  # one stage: the global index
+
         def enter_layer(module, args, kwargs):
-            layer_now[0] = module.layer_number - 1  # megatron numbers layers from 1
+            layer_now[0] = index[id(module)]
 
         def record(name):
             def hook(module, args):
@@ -213,7 +235,7 @@ def _measure_case(case: ByteCase) -> CaseBytes:
     try:
         manager = OffloadManager(OffloadConfig(min_offload_bytes=case.min_offload_bytes))
         manager.protect_module(chunks[0])
-        layers = transformer_layers(chunks[0])
+        layers = _whole_layers(chunks[0])
         for i, layer in enumerate(layers):
             manager.offload_module(layer, f"layer{i}")
         forward_backward = get_forward_backward_func()
@@ -247,7 +269,7 @@ def _measure_case(case: ByteCase) -> CaseBytes:
         def count_end(module, args, output):
             counters[-1].__exit__(None, None, None)
 
-        for layer in transformer_layers(chunks[0]):
+        for layer in _whole_layers(chunks[0]):
             layer.register_forward_pre_hook(count_start, with_kwargs=True)
             layer.register_forward_hook(count_end)
         _step(case, chunks, get_forward_backward_func())
@@ -255,6 +277,14 @@ def _measure_case(case: ByteCase) -> CaseBytes:
     finally:
         parallel_state.destroy_model_parallel()
     return result
+
+
+def _whole_layers(chunk) -> list:
+    """The decoder's layers, then each MTP layer as a whole (its one transformer layer inside it)."""
+    from chunk_offload.integrations.megatron.modules import mtp_layers, transformer_layers
+
+    layers, mtp = transformer_layers(chunk), mtp_layers(chunk)
+    return layers[: len(layers) - len(mtp)] + mtp
 
 
 class _ChunkScope:

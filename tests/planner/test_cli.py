@@ -107,7 +107,7 @@ def test_budget_nothing_fits(capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--modules", "core_attn,qkv"], r"unknown offload module 'qkv'; valid names: \['attn_norm', 'qkv_linear', 'core_attn', 'attn_proj', 'mlp_norm', 'mlp_fc1', 'expert_fc1', 'moe_act', 'router_fc1'\]"),
+        (["--modules", "core_attn,qkv"], r"unknown offload module 'qkv'; valid names: \['attn_norm', 'qkv_linear', 'core_attn', 'attn_proj', 'mlp_norm', 'mlp_fc1', 'expert_fc1', 'moe_act', 'fused_group_mlp', 'router_fc1'\]"),
         (["--modules", "expert_fc1"], r"module\(s\) \['expert_fc1'\] not in this model; it has \['attn_norm', 'qkv_linear', 'core_attn', 'attn_proj', 'mlp_norm', 'mlp_fc1'\]"),
         (["--num-microbatches", "3"], r"--num-microbatches \(3\) to be a multiple of the microbatch group size \(2\)"),
         (["--vpp", "3"], r"--num-layers 8 must split evenly over 2 stages x 3 model chunks \(a multiple of 6\)"),

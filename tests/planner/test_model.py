@@ -9,7 +9,6 @@ the same order; the whole-layer bytes of dense layers and each layer's matmul FL
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
@@ -29,9 +28,7 @@ from chunk_offload.planner import (
     saved_tensors,
 )
 
-from ._measure import ByteCase, CaseBytes, measure
-
-_NO_MEGATRON = importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None
+from ._measure import ByteCase, CaseBytes, measure_or_skip
 
 _CASES = {
     "dense": ByteCase(),
@@ -127,11 +124,7 @@ def _dims(case: ByteCase) -> GPTDims:
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, CaseBytes]:
-    if _NO_MEGATRON:
-        pytest.skip('megatron-core is not installed (pip install "chunk-offload[megatron]")')
-    if torch.cuda.is_available():
-        pytest.skip("cpu_compat is inert on a CUDA host")
-    return dict(zip(_CASES, measure(list(_CASES.values())), strict=True))
+    return measure_or_skip(_CASES)
 
 
 def test_cases_cover_the_issue():

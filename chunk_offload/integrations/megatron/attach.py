@@ -50,7 +50,7 @@ from ..session import TrainingSession, check_baseline_iterations
 from .auto import AutoIterations, check_iterations
 from .chunk_hooks import ChunkHooks
 from ...module_names import check_combination
-from .modules import canonical_names, offload_submodules
+from .modules import canonical_names, check_model_support, offload_submodules
 from .reporting import build_stage_report
 
 __all__ = ["MegatronOffloadManager", "attach"]
@@ -91,6 +91,7 @@ class MegatronOffloadManager(AttachedManager):
                 f"attach expects a GPTModel chunk or a list of them (one per virtual stage), got {model_chunks!r:.200}"
             )
         check_combination(offload_modules, _recomputed(chunks[0]), modules_flag="offload_modules", recompute_flag="config.recompute_modules")
+        check_model_support(chunks, offload_modules)  # e.g. fused_group_mlp needs op-fuser experts
         # NOTE [Deferred exchanges] (exchange.py): auto iterations close where ranks wait on each other.
         session = TrainingSession(
             config=config,

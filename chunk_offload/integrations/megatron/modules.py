@@ -5,10 +5,19 @@ Engine specs), so nothing in Megatron is patched. `offload_submodules` registers
 engine; a name whose module this rank's chunks do not have (the TE spec fuses the attention norm
 into ``linear_qkv``; a dense model has no experts) is a warning with a hint, not an error: every
 rank gets the same names, and a stage of a mixed model may lack some.
+
+The layers are the decoder's and, on the stage that has them, those inside the Multi-Token
+Prediction block (``GPTModel.mtp``, megatron-core's ``mtp_num_layers``): each MTP layer's
+transformer layer (``transformer_layer`` in megatron-core 0.16, ``mtp_model_layer`` in 0.19, a
+``HybridStack`` of layers in hybrid models), so every offload module applies there too.
+`check_model_support` refuses, before anything is hooked, a name the model or the installed
+megatron-core cannot offload (``fused_group_mlp`` without Transformer Engine's op-fuser experts).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import logging
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -16,12 +25,21 @@ import torch.distributed as dist
 from torch import nn
 
 from ...core.errors import ChunkOffloadError
-from ...module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
+from ...module_names import ALIASES, MOE_MODULES, OFFLOAD_MODULE_NAMES, canonical_modules
 
 if TYPE_CHECKING:
     from ...core import OffloadManager
 
-__all__ = ["OFFLOAD_MODULE_NAMES", "ALIASES", "canonical_names", "offload_submodules", "resolve"]
+__all__ = [
+    "OFFLOAD_MODULE_NAMES",
+    "ALIASES",
+    "canonical_names",
+    "check_model_support",
+    "mtp_layers",
+    "offload_submodules",
+    "resolve",
+    "transformer_layers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +49,7 @@ _MISSING_HINTS = {
     "mlp_fc1": "MoE layers have no dense MLP: offload expert_fc1",
     "expert_fc1": "dense layers have no experts, and GroupedMLP has no fc1 module: use SequentialMLP or TEGroupedMLP",
     "moe_act": "the expert activation is a plain function in this model, not a module",
+    "fused_group_mlp": "dense layers have no experts",
 }
 
 
@@ -56,6 +75,19 @@ def _experts(layer: nn.Module) -> Iterator[nn.Module]:
     yield from (local if local is not None else [experts])
 
 
+def _fused_experts(layer: nn.Module) -> list[nn.Module]:
+    """The layer's experts when Transformer Engine's op fuser runs them as one fused grouped MLP."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    return [experts] if experts is not None and _op_fuser(experts) else []
+
+
+def _op_fuser(experts: nn.Module) -> bool:
+    """Whether ``experts`` is megatron-core's TEGroupedMLP with ``use_transformer_engine_op_fuser``
+    (megatron-core 0.19's experts.py: its forward then runs ``_fused_forward``, not its fc1 and activation)."""
+    config = getattr(experts, "config", None)
+    return type(experts).__name__ == "TEGroupedMLP" and getattr(config, "use_transformer_engine_op_fuser", False) is True
+
+
 def _mlp(layer: nn.Module) -> nn.Module | None:
     mlp = getattr(layer, "mlp", None)
     return None if mlp is None or hasattr(mlp, "experts") else mlp
@@ -72,11 +104,13 @@ _RESOLVERS: dict[str, Callable[[nn.Module], list[nn.Module | None]]] = {
     "moe_act": lambda layer: [
         a for e in _experts(layer) if isinstance(a := getattr(e, "activation_func", None), nn.Module)
     ],
+    "fused_group_mlp": _fused_experts,
 }
 
 
 def transformer_layers(model_chunk: nn.Module) -> list[nn.Module]:
-    """The `TransformerLayer`s of one model chunk, in forward order."""
+    """The `TransformerLayer`s of one model chunk, in forward order: the decoder's, then those inside
+    its Multi-Token Prediction layers (`mtp_layers`)."""
     decoder = getattr(getattr(model_chunk, "module", model_chunk), "decoder", None)
     if decoder is None:
         # Wrapped (DDP, Float16Module): look for the decoder anywhere below.
@@ -86,7 +120,20 @@ def transformer_layers(model_chunk: nn.Module) -> list[nn.Module]:
             f"no megatron-core TransformerBlock (`.decoder.layers`) found in {type(model_chunk).__name__}; "
             "attach expects GPTModel chunks (possibly wrapped in DDP/Float16Module)."
         )
-    return list(decoder.layers)
+    layers = list(decoder.layers)
+    for mtp_layer in mtp_layers(model_chunk):
+        # megatron-core 0.16: transformer_layer; 0.19: mtp_model_layer, a HybridStack in hybrid models
+        inner = getattr(mtp_layer, "transformer_layer", None) or getattr(mtp_layer, "mtp_model_layer", None)
+        if inner is not None:
+            layers += list(inner.layers) if isinstance(getattr(inner, "layers", None), nn.ModuleList) else [inner]
+    return layers
+
+
+def mtp_layers(model_chunk: nn.Module) -> list[nn.Module]:
+    """The Multi-Token Prediction layers of one model chunk (``GPTModel.mtp.layers``), in forward
+    order; empty where the chunk has none (megatron builds them on the last pipeline stage only)."""
+    block = next((m for n, m in model_chunk.named_modules() if n == "mtp" or n.endswith(".mtp")), None)
+    return list(getattr(block, "layers", None) or [])
 
 
 def resolve(model_chunk: nn.Module, name: str) -> list[nn.Module]:
@@ -99,6 +146,71 @@ def resolve(model_chunk: nn.Module, name: str) -> list[nn.Module]:
     for layer in transformer_layers(model_chunk):
         modules += [m for m in _RESOLVERS[name](layer) if _present(m)]
     return modules
+
+
+def check_model_support(chunks: Sequence[nn.Module], names: Sequence[str]) -> None:
+    """Raise `ChunkOffloadError` for a name (canonical) that these chunks or the installed
+    megatron-core cannot offload; called by ``attach`` before anything is hooked.
+
+    ``fused_group_mlp`` needs megatron-core's TransformerConfig.use_transformer_engine_op_fuser
+    (megatron-core 0.18 on; megatron's own offloading names the group so from 0.19), set on the
+    model, and TEGroupedMLP experts. ``expert_fc1`` / ``moe_act`` are refused on such experts: the fused grouped MLP runs instead of their fc1 and activation modules, and
+    megatron calls those modules' forward pre-hooks with no input (experts.py,
+    ``_make_fused_impl_pre_forward_hook``).
+    """
+    if not MOE_MODULES & set(names):
+        return
+    layers = [layer for chunk in chunks for layer in transformer_layers(chunk)]
+    experts = [e for layer in layers if (e := getattr(getattr(layer, "mlp", None), "experts", None)) is not None]
+    fused = [e for e in experts if _op_fuser(e)]
+    if "fused_group_mlp" in names:
+        config = getattr(chunks[0], "config", None)
+        needed = (
+            "TEGroupedMLP experts run by Transformer Engine's op fuser: TransformerConfig(use_transformer_engine_op_fuser="
+            "True, moe_grouped_gemm=True) with the Transformer Engine spec (Megatron-LM: --use-transformer-engine-op-fuser "
+            "--moe-grouped-gemm --transformer-impl transformer_engine)"
+        )
+        if not _megatron_has_op_fuser():
+            raise ChunkOffloadError(
+                f"offload module 'fused_group_mlp' needs {needed}, but the installed megatron-core "
+                f"{_megatron_version()} has no use_transformer_engine_op_fuser (megatron-core 0.18 added it); "
+                "upgrade megatron-core, or offload expert_fc1 (and moe_act) instead"
+            )
+        if getattr(config, "use_transformer_engine_op_fuser", False) is not True and not fused:
+            raise ChunkOffloadError(
+                f"offload module 'fused_group_mlp' needs {needed}; this model's config has "
+                f"use_transformer_engine_op_fuser={getattr(config, 'use_transformer_engine_op_fuser', None)!r} "
+                f"(megatron-core {_megatron_version()}); set it, or offload expert_fc1 (and moe_act) instead"
+            )
+        unfused = sorted({type(e).__name__ for e in experts if not _op_fuser(e)})
+        if unfused:
+            raise ChunkOffloadError(
+                f"offload module 'fused_group_mlp' needs {needed}; this model's experts are {unfused} "
+                f"(megatron-core {_megatron_version()}), which do not run a fused grouped MLP; offload expert_fc1 "
+                "(and moe_act) instead"
+            )
+    partial = [n for n in ("expert_fc1", "moe_act") if n in names]
+    if partial and fused:
+        raise ChunkOffloadError(
+            f"offload module(s) {partial} on experts run by Transformer Engine's op fuser (TEGroupedMLP with "
+            "use_transformer_engine_op_fuser): the fused grouped MLP runs instead of their fc1 and activation "
+            f"modules; offload fused_group_mlp instead (megatron-core {_megatron_version()})"
+        )
+
+
+def _megatron_has_op_fuser() -> bool:
+    try:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError:
+        return False
+    return "use_transformer_engine_op_fuser" in {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def _megatron_version() -> str:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def offload_submodules(engine: OffloadManager, chunks: Sequence[nn.Module], names: Sequence[str]) -> dict[str, int]:

@@ -17,6 +17,7 @@ from torch import nn
 import chunk_offload
 from chunk_offload import OffloadConfig
 from chunk_offload.integrations.megatron import attach
+from chunk_offload.integrations.megatron import modules
 from chunk_offload.integrations.megatron.modules import resolve, transformer_layers
 
 pytestmark = pytest.mark.skipif(
@@ -91,3 +92,117 @@ def test_attach_warns_about_a_fused_norm_and_offloads_the_rest(caplog):
 def test_a_model_without_a_decoder_is_refused():
     with pytest.raises(chunk_offload.ChunkOffloadError, match="no megatron-core TransformerBlock"):
         attach([nn.Linear(2, 2)], ["core_attn"])
+
+
+def _mtp_block(*inner: nn.Module, attribute: str) -> nn.Module:
+    """``GPTModel.mtp``: MTP layers holding their transformer layer as ``attribute``."""
+    block = nn.Module()
+    block.layers = nn.ModuleList()
+    for layer in inner:
+        mtp_layer = nn.Module()
+        mtp_layer.eh_proj = nn.Linear(16, 8)
+        setattr(mtp_layer, attribute, layer)
+        block.layers.append(mtp_layer)
+    return block
+
+
+@pytest.mark.parametrize("attribute", ["transformer_layer", "mtp_model_layer"])  # megatron-core 0.16, 0.19
+def test_the_layers_inside_mtp_layers_resolve_after_the_decoders(attribute):
+    decoder_layer, first, second = _te_layer(), _te_layer(), _te_moe_layer()
+    gpt = _model(decoder_layer)
+    gpt.mtp = _mtp_block(first, second, attribute=attribute)
+    model = _model(wrapped=True)
+    model.module = gpt
+    assert transformer_layers(model) == [decoder_layer, first, second]
+    assert resolve(model, "qkv_linear") == [layer.self_attention.linear_qkv for layer in (decoder_layer, first, second)]
+    assert resolve(model, "expert_fc1") == [second.mlp.experts.linear_fc1]
+
+
+def test_a_hybrid_stack_inside_an_mtp_layer_gives_its_layers():
+    """megatron-core 0.19's hybrid MTP layers hold a HybridStack (``.layers``) as ``mtp_model_layer``."""
+    mamba, attention = nn.Module(), _te_layer()
+    mamba.mixer = nn.Linear(8, 8)  # MambaLayer: no offload module
+    stack = nn.Module()
+    stack.layers = nn.ModuleList([mamba, attention])
+    gpt = _model(_te_layer())
+    gpt.mtp = _mtp_block(stack, attribute="mtp_model_layer")
+    assert transformer_layers(gpt)[1:] == [mamba, attention]
+    assert resolve(gpt, "core_attn")[1:] == [attention.self_attention.core_attention]
+
+
+class TEGroupedMLP(nn.Module):
+    """Named as megatron-core's TEGroupedMLP, which the resolver recognises by its class name."""
+
+    def __init__(self, op_fuser: bool) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(use_transformer_engine_op_fuser=op_fuser)
+        self.linear_fc1 = nn.Linear(8, 32)
+        self.linear_fc2 = nn.Linear(32, 8)
+
+
+def _grouped_moe_model(op_fuser: bool) -> tuple[nn.Module, nn.Module]:
+    from types import SimpleNamespace
+
+    layer = _te_moe_layer()
+    layer.mlp.experts = TEGroupedMLP(op_fuser)
+    model = _model(_te_layer(), layer)
+    model.config = SimpleNamespace(use_transformer_engine_op_fuser=op_fuser)
+    return model, layer
+
+
+@pytest.fixture
+def op_fuser_megatron(monkeypatch):
+    """As if the installed megatron-core had TransformerConfig.use_transformer_engine_op_fuser (0.18 on)."""
+    monkeypatch.setattr(modules, "_megatron_has_op_fuser", lambda: True)
+
+
+def test_fused_group_mlp_resolves_to_op_fuser_experts_only(op_fuser_megatron):
+    model, layer = _grouped_moe_model(op_fuser=True)
+    assert resolve(model, "fused_group_mlp") == [layer.mlp.experts]
+    assert resolve(_grouped_moe_model(op_fuser=False)[0], "fused_group_mlp") == []
+    manager = attach([model], ["qkv_linear", "fused_group_mlp"], config=OffloadConfig(min_offload_bytes=1))
+    try:
+        assert manager.registered == {"qkv_linear": 2, "fused_group_mlp": 1}
+    finally:
+        manager.close()
+
+
+def test_fused_group_mlp_without_the_op_fuser_is_refused(op_fuser_megatron):
+    model, _ = _grouped_moe_model(op_fuser=False)
+    with pytest.raises(chunk_offload.ChunkOffloadError, match=r"this model's config has use_transformer_engine_op_fuser=False"):
+        attach([model], ["fused_group_mlp"])
+    model.config.use_transformer_engine_op_fuser = True  # set, but the experts are SequentialMLP
+    model.decoder.layers[1].mlp.experts = nn.Module()
+    model.decoder.layers[1].mlp.experts.local_experts = nn.ModuleList([nn.Linear(8, 8)])
+    with pytest.raises(chunk_offload.ChunkOffloadError, match=r"this model's experts are \['Module'\].*offload expert_fc1"):
+        attach([model], ["fused_group_mlp"])
+
+
+def test_expert_fc1_on_op_fuser_experts_is_refused(op_fuser_megatron):
+    model, _ = _grouped_moe_model(op_fuser=True)
+    with pytest.raises(chunk_offload.ChunkOffloadError, match=r"\['expert_fc1', 'moe_act'\] on experts run by .*offload fused_group_mlp instead"):
+        attach([model], ["expert_fc1", "moe_act"])
+
+
+def test_fused_group_mlp_names_the_installed_megatron_core_where_it_lacks_the_op_fuser(monkeypatch):
+    """megatron-core 0.16 has no op fuser (the refusal as it happens there); 0.19 has it (0.18 added it) (refusal simulated)."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    version = importlib.metadata.version("megatron-core")
+    assert modules._megatron_has_op_fuser() == (Version(version) >= Version("0.18"))
+    monkeypatch.setattr(modules, "_megatron_has_op_fuser", lambda: False)
+    model, _ = _grouped_moe_model(op_fuser=True)
+    with pytest.raises(
+        chunk_offload.ChunkOffloadError,
+        match=rf"'fused_group_mlp' needs .* but the installed megatron-core {version} has no use_transformer_engine_op_fuser",
+    ):
+        attach([model], ["fused_group_mlp"])
+
+
+def test_gdp_qkv_is_refused_with_its_reason():
+    with pytest.raises(chunk_offload.ChunkOffloadError, match=r"'gdp_qkv' is not supported: .*a method and not a submodule"):
+        attach([_model(_te_layer())], ["gdp_qkv"])
