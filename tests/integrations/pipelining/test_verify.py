@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from ._pipe import ITERATIONS, spawn_verify
+from ._pipe import ITERATIONS
+from ._pipe_verify import spawn_verify
 
 
 @pytest.fixture(scope="module")
