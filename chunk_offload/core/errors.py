@@ -1,8 +1,11 @@
-"""The one exception type users see, and the assertion used for our own bugs."""
+"""The one exception type users see, the assertion used for our own bugs, and renamed attributes' warnings."""
 
 from __future__ import annotations
 
-__all__ = ["ChunkOffloadError", "ChunkOffloadValueError", "HappensBeforeError", "internal_assert"]
+import warnings
+from typing import Callable
+
+__all__ = ["ChunkOffloadError", "ChunkOffloadValueError", "HappensBeforeError", "internal_assert", "renamed_attributes"]
 
 _REPORT_HINT = "This is a bug in chunk_offload; please report it with the traceback."
 
@@ -39,3 +42,21 @@ def internal_assert(condition: bool, message: str) -> None:
     """Check an invariant of our own code; unlike `assert`, it survives `python -O`."""
     if not condition:
         raise AssertionError(f"chunk_offload internal error: {message}. {_REPORT_HINT}")
+
+
+def renamed_attributes(renamed: dict[str, str]) -> Callable[[object, str], object]:
+    """A class's ``__getattr__`` that serves each old name of ``renamed`` (old -> new) with a
+    `DeprecationWarning` for one release; only missing attributes reach it, so it costs nothing else."""
+
+    def __getattr__(self: object, name: str) -> object:
+        new = renamed.get(name)
+        if new is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(
+            f"{type(self).__name__}.{name} is deprecated and will be removed in the next release; use .{new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(self, new)
+
+    return __getattr__

@@ -22,7 +22,7 @@ from torch import nn
 from .actions import Action, ActionKind, ChunkKey
 from .config import OffloadConfig
 from .engine_context import EngineContext
-from .errors import ChunkOffloadError
+from .errors import ChunkOffloadError, renamed_attributes
 from .handler import ChunkOffloadHandler
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
@@ -126,15 +126,14 @@ class OffloadManager:
         return tuple(self._registry.registrations)
 
     # ------------------------------------------------------------------ state
+    __getattr__ = renamed_attributes({"policy": "tensor_filter"})  # until 0.1; warns for one release
+
     @property
     def in_iteration(self) -> bool:
         """Whether an iteration is open (between `begin_iteration` and `end_iteration`)."""
         return self._window is not None
 
-    @property
-    def closed(self) -> bool:
-        """Whether `close` ran."""
-        return self._closed
+    closed = property(lambda self: self._closed, doc="Whether `close` ran.")
 
     @property
     def iteration_handlers(self) -> tuple[ChunkOffloadHandler, ...]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..core import ChunkOffloadError
+from ..core.actions import NOTATION
 from ..report import MEASURES, ReportFiles, format_table, write_report
 from ..report.render import table_lines
 from .summary import StageSummary, absent_modules, why_nothing
@@ -82,7 +83,7 @@ def close_run(summaries: Sequence[StageSummary] | None, *, report_path: str | No
         lines += [*absent, *(f"{_ranks(ranks)} copied nothing: {reason}" for reason, ranks in reasons.items())]
     else:
         closing.warnings += [*absent, *(f"nothing was offloaded on {_ranks(ranks)}: {reason}" for reason, ranks in reasons.items())]
-    lines.append(files_line)
+    lines += [files_line, NOTATION]
     if closing.error is not None and all(s.report is not None or s.planned_nothing for s in summaries):
         lines += ["", "the report that could not be written:", "", format_table([s.report for s in summaries if s.report is not None])]
     closing.summary = "\n".join(lines)

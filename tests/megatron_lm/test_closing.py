@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from chunk_offload.core.actions import NOTATION
 from chunk_offload.megatron_lm.closing import close_run
 from chunk_offload.megatron_lm.run import _close
 from chunk_offload.megatron_lm.summary import StageSummary, stage_summary, why_nothing
@@ -55,7 +56,7 @@ def test_the_summary_has_a_row_per_rank_and_says_where_the_report_is(tmp_path: P
         ["1", "1/2", "20480", "6144", "6144", "100.00%", "0.25", "core_attn:12288,qkv_linear:8192"],
     ]
     assert "--chunk-offload-modules expert_fc1 matches no submodule on ranks 0, 1: nothing of it is offloaded there" in lines
-    assert lines[-1] == f"report: {tmp_path / 'out' / 'r.json'}, {tmp_path / 'out' / 'r.md'}, {tmp_path / 'out' / 'r.png'}"
+    assert lines[-2:] == [f"report: {tmp_path / 'out' / 'r.json'}, {tmp_path / 'out' / 'r.md'}, {tmp_path / 'out' / 'r.png'}", NOTATION]
     assert read_json(closing.files.json) == [sample_report(0), sample_report(1)]
 
 
@@ -67,7 +68,7 @@ def test_a_rank_that_copied_nothing_is_a_note_when_others_copied() -> None:
         "rank 1 copied nothing: the plan kept every chunk on device: each chunk's backward follows its forward at once "
         "(the last pipeline stage without virtual stages, or PP=1)"
     ) in closing.summary.splitlines()
-    assert closing.summary.endswith("report: none (--chunk-offload-report PATH adds the peak without offload, the measured drop and R)")
+    assert closing.summary.endswith("report: none (--chunk-offload-report PATH adds the peak without offload, the measured drop and R)\n" + NOTATION)
 
 
 _NOTHING = {"core_attn": 0, "qkv_linear": 0}
@@ -136,7 +137,7 @@ def test_without_matplotlib_the_run_succeeds_without_the_png(tmp_path: Path, mon
     closing = close_run([_summary(0), _summary(1)], report_path=str(tmp_path / "r"))
     assert _close(closing, PROG) == 0
     assert closing.files.png is None and not (tmp_path / "r.png").exists() and closing.files.json.is_file()
-    assert capsys.readouterr().out.rstrip("\n").endswith(f"report: {tmp_path / 'r.json'}, {tmp_path / 'r.md'} (no PNG: see the warning above)")
+    assert capsys.readouterr().out.rstrip("\n").endswith(f"report: {tmp_path / 'r.json'}, {tmp_path / 'r.md'} (no PNG: see the warning above)\n{NOTATION}")
     assert [r.getMessage() for r in caplog.records] == [
         f"chunk_offload: matplotlib is not installed: skipped the plot {tmp_path / 'r.png'} (pip install 'chunk-offload[plot]')"
     ]
