@@ -134,6 +134,15 @@ def test_no_import_circles() -> None:
     )
 
 
+def test_no_circles_even_for_type_checking() -> None:
+    """A type a file only annotates with must not close a ring either (as farm-studio draws the
+    house): the side that does not construct the other names a small Protocol of its own."""
+    found = rings(import_graph(type_checking=True))
+    assert not found, "circles through TYPE_CHECKING imports (use a Protocol on one side): " + "; ".join(
+        " -> ".join(ring) for ring in found
+    )
+
+
 def test_a_circle_is_found_and_named() -> None:
     """The check can fail: a lazy import closing a ring is a circle, a TYPE_CHECKING one is not."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}

@@ -14,14 +14,30 @@ layer spec) plus what the MTP block itself saves (`chunk_offload.planner.mtp`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..core.errors import ChunkOffloadError
 
-if TYPE_CHECKING:
-    from .dims import GPTDims
+__all__ = ["HYBRID_SYMBOLS", "LayerKindDims", "check_layer_kinds", "mamba_heads"]
 
-__all__ = ["HYBRID_SYMBOLS", "check_layer_kinds", "mamba_heads"]
+
+class LayerKindDims(Protocol):
+    """What the checks read of `chunk_offload.planner.GPTDims` (a Protocol, so that dims.py, which
+    calls them, is the only one of the two files to import the other)."""
+
+    num_layers: int
+    hidden_size: int
+    num_experts: int | None
+    moe_layer_freq: int | tuple[int, ...]
+    tensor_parallel: int
+    mtp_num_layers: int | None
+    hybrid_layer_pattern: str | None
+    mamba_num_heads: int | None
+    mamba_head_dim: int
+    mamba_num_groups: int
+
+    @property
+    def transformer_engine(self) -> bool: ...
 
 HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
 """The layer symbols of megatron's hybrid pattern the planner models -> the layer each stands for."""
@@ -35,13 +51,13 @@ _NOT_MODELLED = {
 }
 
 
-def mamba_heads(dims: GPTDims) -> int:
+def mamba_heads(dims: LayerKindDims) -> int:
     """Mamba heads of the whole model: ``mamba_num_heads``, or megatron's default 2 x hidden / head dim
     (MambaMixer's ``expand=2``: d_inner = 2 x hidden)."""
     return dims.mamba_num_heads if dims.mamba_num_heads is not None else 2 * dims.hidden_size // dims.mamba_head_dim
 
 
-def check_layer_kinds(dims: GPTDims) -> None:
+def check_layer_kinds(dims: LayerKindDims) -> None:
     """Raise `ChunkOffloadError` for a hybrid pattern or MTP setting the planner does not model."""
     mtp = dims.mtp_num_layers
     if mtp is not None:
@@ -91,7 +107,7 @@ def check_layer_kinds(dims: GPTDims) -> None:
         _check_mamba(dims)
 
 
-def _check_mamba(dims: GPTDims) -> None:
+def _check_mamba(dims: LayerKindDims) -> None:
     heads, groups, tp = mamba_heads(dims), dims.mamba_num_groups, dims.tensor_parallel
     if dims.mamba_num_heads is None and (2 * dims.hidden_size) % dims.mamba_head_dim:
         raise ChunkOffloadError(
