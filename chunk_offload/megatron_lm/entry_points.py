@@ -36,6 +36,7 @@ import argparse
 import functools
 import importlib
 import inspect
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,6 +53,8 @@ from .plan import apply_plan, describe, resolve_plan, stage_modules
 from .summary import stage_summary
 
 __all__ = ["EntryPoints"]
+
+logger = logging.getLogger(__name__)  # the launcher's console (run.py) prints what it says
 
 _ARGS_ENTRY_POINTS = ("parse_and_validate_args", "initialize_megatron")
 _BINDING_MODULES = (
@@ -224,7 +227,7 @@ class EntryPoints:
         self.plan = resolve_plan(args)
         apply_plan(args, self.plan)
         if getattr(args, "rank", 0) == 0:
-            print(describe(self.plan), flush=True)
+            logger.info("%s", describe(self.plan))
 
     def _after_training(self) -> None:
         """Gather every rank's summary to rank 0 (a collective) and close the run there."""

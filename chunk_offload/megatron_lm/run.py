@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import logging
 import os
 import runpy
 import sys
@@ -136,8 +137,36 @@ def _close(closing: Closing | None, prog: str) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _console() -> Iterator[None]:
+    """What the launcher's modules log (``chunk_offload.megatron_lm.*``), printed as the command
+    line's own output: INFO lines on stdout, warnings and errors on stderr, the message alone."""
+    package = logging.getLogger(__package__)
+    out, err = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+    out.addFilter(lambda record: record.levelno < logging.WARNING)
+    err.setLevel(logging.WARNING)
+    saved = package.level, package.propagate
+    package.setLevel(logging.INFO)
+    package.propagate = False
+    for handler in (out, err):
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        package.addHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in (out, err):
+            package.removeHandler(handler)
+        package.setLevel(saved[0])
+        package.propagate = saved[1]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m chunk_offload.megatron_lm``; exit status 2 on a usage error."""
+    with _console():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = LauncherParser(prog="python -m chunk_offload.megatron_lm", usage=USAGE, description=_DESCRIPTION, allow_abbrev=False)
     parser.add_argument("--verify-record", metavar="DIR", help=argparse.SUPPRESS)  # a child run of --chunk-offload-verify
     parser.add_argument("--verify-iterations", metavar="N", type=int, default=0, help=argparse.SUPPRESS)

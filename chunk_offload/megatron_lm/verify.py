@@ -25,6 +25,7 @@ fresh job each time:
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -42,6 +43,8 @@ from ..core import OPTIONS
 from .recording import load_record
 
 __all__ = ["die_with_parent", "reference_args", "run_verify", "verified_args"]
+
+logger = logging.getLogger(__name__)  # the launcher's console (run.py) prints what it says
 
 _PREFIX = "--chunk-offload-"
 _ROWS = {row.name: row for row in OPTIONS if row.flag}
@@ -161,38 +164,37 @@ def _train_twice(launchers: _Launchers, script: str, script_args: Sequence[str],
     first = launchers.rank == 0
     for k, ((label, args), folder) in enumerate(zip(runs, folders)):
         if first:
-            print(f"chunk-offload verify: run {k + 1} of 2, {label}, {iterations} training iterations", flush=True)
+            logger.info("chunk-offload verify: run %d of 2, %s, %d training iterations", k + 1, label, iterations)
         given = "MASTER_PORT" in os.environ
         port = launchers.all_gather(_free_port() if first and given else None)[0]
         try:
             status = _child(script, args, folder, iterations, port)
         except OSError as e:  # reported with the exchange below, so that no rank waits for this one
-            print(f"{prog}: error: chunk-offload verify: cannot start the run {label}: {e}", file=sys.stderr, flush=True)
+            logger.error("%s: error: chunk-offload verify: cannot start the run %s: %s", prog, label, e)
             status = 1
         failed = [f"rank {r} (exit status {s})" for r, s in enumerate(launchers.all_gather(status)) if s != 0]
         if failed:
             if first:
-                print(f"{prog}: error: chunk-offload verify: the run {label} failed on {', '.join(failed)}", file=sys.stderr, flush=True)
+                logger.error("%s: error: chunk-offload verify: the run %s failed on %s", prog, label, ", ".join(failed))
             return False
     return True
 
 
 def _outcome(outcomes: list[tuple[BitIdentityResult | None, str | None]], prog: str, *, say: bool) -> int:
-    """The exit status of the check; ``say``: print its outcome (rank 0)."""
+    """The exit status of the check; ``say``: report its outcome (rank 0)."""
     problems = [problem for _, problem in outcomes if problem is not None]
     if problems:
         if say:
-            print(f"{prog}: error: chunk-offload verify: {problems[0]}", file=sys.stderr, flush=True)
+            logger.error("%s: error: chunk-offload verify: %s", prog, problems[0])
         return 1
     result = merge_results([r for r, _ in outcomes])
     if say:
-        print(result, flush=True)
+        logger.info("%s", result)
     if say and result.passed and not result.bytes_offloaded:
-        print(
-            f"{prog}: warning: chunk-offload verify: the run with offload copied nothing, so two runs without copies were "
+        logger.warning(
+            "%s: warning: chunk-offload verify: the run with offload copied nothing, so two runs without copies were "
             "compared; see its summary above for why",
-            file=sys.stderr,
-            flush=True,
+            prog,
         )
     return 0 if result.passed else 1
 

@@ -13,6 +13,7 @@ import torch
 from chunk_offload.bit_identity import StepRecord
 from chunk_offload.megatron_lm import verify
 from chunk_offload.megatron_lm.recording import save_record
+from chunk_offload.megatron_lm.run import _console
 from chunk_offload.megatron_lm.verify import reference_args, run_verify, verified_args
 
 PROG = "python -m chunk_offload.megatron_lm"
@@ -55,9 +56,15 @@ def _fake_runs(monkeypatch, *, statuses=(0, 0), trained=(3, 3), corrupt: str | N
     return calls
 
 
+def _verify(iterations: int) -> int:
+    """`run_verify` with the launcher's console, which prints what it logs (stdout, stderr)."""
+    with _console():
+        return run_verify("train.py", ARGV, iterations, prog=PROG)
+
+
 def test_pass(monkeypatch, capsys) -> None:
     calls = _fake_runs(monkeypatch)
-    assert run_verify("train.py", ARGV, 3, prog=PROG) == 0
+    assert _verify(3) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == [
         "chunk-offload verify: run 1 of 2, without offload, 3 training iterations",
@@ -70,20 +77,20 @@ def test_pass(monkeypatch, capsys) -> None:
 
 def test_mismatch(monkeypatch, capsys) -> None:
     _fake_runs(monkeypatch, corrupt="b")
-    assert run_verify("train.py", ARGV, 3, prog=PROG) == 1
+    assert _verify(3) == 1
     assert capsys.readouterr().out.splitlines()[-1] == "chunk-offload verify: MISMATCH at iteration 2, rank 0, parameter b: max abs difference 0.25"
 
 
 def test_a_failed_run_ends_the_check(monkeypatch, capsys) -> None:
     calls = _fake_runs(monkeypatch, statuses=(3, 0))
-    assert run_verify("train.py", ARGV, 3, prog=PROG) == 1
+    assert _verify(3) == 1
     assert len(calls) == 1
     assert capsys.readouterr().err == f"{PROG}: error: chunk-offload verify: the run without offload failed on rank 0 (exit status 3)\n"
 
 
 def test_a_job_shorter_than_n(monkeypatch, capsys) -> None:
     _fake_runs(monkeypatch, trained=(2, 2))
-    assert run_verify("train.py", ARGV, 3, prog=PROG) == 1
+    assert _verify(3) == 1
     assert capsys.readouterr().err == (
         f"{PROG}: error: chunk-offload verify: the job trained 2 of the 3 iterations --chunk-offload-verify 3 asks for on rank 0 "
         "(its --train-iters or --exit-interval ends it sooner); pass --chunk-offload-verify 2\n"
@@ -92,7 +99,7 @@ def test_a_job_shorter_than_n(monkeypatch, capsys) -> None:
 
 def test_a_pass_that_copied_nothing_warns(monkeypatch, capsys) -> None:
     _fake_runs(monkeypatch, moved=0)
-    assert run_verify("train.py", ARGV, 3, prog=PROG) == 0
+    assert _verify(3) == 0
     captured = capsys.readouterr()
     assert captured.out.splitlines()[-1].endswith("2 parameters compared, 0 bytes offloaded)")
     assert captured.err.startswith(f"{PROG}: warning: chunk-offload verify: the run with offload copied nothing")
