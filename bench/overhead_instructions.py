@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from chunk_offload.core import Event, Stream, StreamBackend, VectorClocks
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402  (the bench this one counts)
 
@@ -52,6 +54,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class _DoneEvent(Event):
+    __slots__ = ()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _InlineStream(Stream):
+    """Work runs when issued, on the calling thread: the engine's host path with no worker threads."""
+
+    def launch(self, fn, *, timed=False, nbytes=0):
+        mark = self.tick()
+        fn()
+        return mark, None
+
+    def record_event(self) -> Event:
+        return _DoneEvent(None, None)
+
+    def wait_event(self, event, *, timed=False):
+        return None
+
+    def wait_stream(self, other: Stream) -> None:
+        return None
+
+    def retain(self, tensors) -> None:
+        return None
+
+
+class InlineStreams(StreamBackend):
+    """Streams whose copies run inline (ordering checks off), so that the offload mode counts the
+    host path the engine pays per group (on CUDA: what is issued; the copies run on the device)
+    without the CPU backend's worker threads, whose hand-offs are not what a CUDA host pays."""
+
+    def __init__(self) -> None:
+        clocks = VectorClocks(False)
+        self.device = torch.device("cpu")
+        self.pin_memory = False
+        self.compute, self.d2h, self.h2d = (_InlineStream(name, clocks) for name in ("compute", "d2h", "h2d"))
+
+
 def run_child(mode: str, layers: int, count: int) -> None:
     """Build ``mode`` as `bench/overhead.py` does, warm it up, count ``count`` iterations."""
     import chunk_offload
@@ -64,7 +109,7 @@ def run_child(mode: str, layers: int, count: int) -> None:
         overhead.install_floor(model)
     elif mode in ("bookkeeping", "offload"):
         config = chunk_offload.OffloadConfig(min_offload_bytes=1, offload=mode == "offload", measure_time=False)
-        manager = chunk_offload.OffloadManager(config)
+        manager = chunk_offload.OffloadManager(config, streams=InlineStreams() if mode == "offload" else None)
         for layer in model:
             manager.offload_module(layer, "layer")
     for _ in range(overhead.WARMUP):

@@ -19,7 +19,7 @@ from .ordering import kept_tail, prefetch_selection, reload_ahead_selection
 from .schedule_policy import SchedulePolicy
 from .records import IterationRecord
 from .stats import GroupStats, OffloadStats
-from .streams import CpuStreams, CudaStreams, Event, Stream, StreamBackend, default_streams
+from .streams import CpuStreams, CudaStreams, Event, Stream, StreamBackend, VectorClocks, default_streams
 from .tensor_filter import TensorFilter, is_marked_not_offloadable, mark_not_offloadable
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "Stream",
     "StreamBackend",
     "TensorFilter",
+    "VectorClocks",
     "default_streams",
     "check_value",
     "diff_actions",
