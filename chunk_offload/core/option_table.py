@@ -161,6 +161,14 @@ OPTIONS: tuple[Option, ...] = (
         metavar="BYTES",
     ),
     Option(
+        "timed-reload-ahead", "switch", False, "ScheduleOptions.timed_reload_ahead",
+        help=(
+            "With --chunk-offload-schedule plan and no --chunk-offload-reload-ahead-bytes: set each chunk's "
+            "reload-ahead bytes from the previous iteration's measured reload rate and backward time, the fewest "
+            "under which its reloads are predicted to wait least. Peak memory then follows each run's timing."
+        ),
+    ),
+    Option(
         "device-budget", "bytes_or_auto", None, "ScheduleOptions.device_budget_bytes",
         help=(
             "With --chunk-offload-schedule plan: device bytes this rank may use; each rank offloads the "

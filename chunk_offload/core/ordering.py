@@ -23,15 +23,30 @@ takes longer than the compute between its commit and its backward (the forward a
 of the groups after it); at least the last group, whose backward starts right after its
 commit. Without timing (no link rate measured yet), the last group alone. The others are
 copied at their commits and reloaded in backward by `reload_ahead_selection`.
+
+NOTE [Timed reload ahead]
+`reload_ahead_budget` derives a chunk's ``reload_ahead_bytes`` from the reload link's rate and
+each group's backward seconds, on a model of the link queue. Backward runs the groups from the
+last; when group g's backward starts, its own reload is issued if it is still on host, then the
+reloads `reload_ahead_selection` picks under the budget; reloads run one at a time on one h2d
+stream, in issue order, each taking bytes / rate; compute waits at g's start until g's reload
+ends, then computes ``backward_s[g]``. Groups not on host when backward starts (kept, empty, or
+reloading from a prefetch during the action before) are on device at once. A larger budget only
+issues the same reloads, in the same order, earlier, so the predicted wait never grows with it.
+The answer is the smallest budget whose wait is the least any budget reaches (none, where the
+link keeps up): each group's reload starts early enough to end before its backward needs it,
+and no earlier. The rule's choice changes only at sums of consecutive groups' bytes, so those
+are bisected. None where one group ahead already reaches that least wait.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from .errors import ChunkOffloadError
 from .group_state import GroupState
 
-__all__ = ["kept_tail", "prefetch_selection", "reload_ahead_selection"]
+__all__ = ["kept_tail", "prefetch_selection", "reload_ahead_budget", "reload_ahead_selection"]
 
 _LOADED = (GroupState.RELOADING, GroupState.RESIDENT)
 
@@ -110,3 +125,53 @@ def kept_tail(
         kept += 1
         after += float(compute_s[g])
     return kept
+
+
+def reload_ahead_budget(
+    groups: Sequence[tuple[GroupState, int]], *, reload_bytes_per_s: float, backward_s: Sequence[float]
+) -> int | None:
+    """The smallest ``reload_ahead_bytes`` under which a chunk's reloads wait least (NOTE [Timed reload ahead]).
+
+    ``groups``: the chunk's groups in forward order as they are when its backward starts;
+    ``reload_bytes_per_s``: the host-to-device link rate; ``backward_s``: each group's backward
+    compute seconds. None where one group ahead already waits least.
+    """
+    if len(backward_s) != len(groups):
+        raise ChunkOffloadError(f"chunk_offload: backward_s has {len(backward_s)} entries for {len(groups)} groups; give one per group")
+    if not reload_bytes_per_s > 0:
+        raise ChunkOffloadError(f"chunk_offload: reload_bytes_per_s must be > 0, got {reload_bytes_per_s!r}")
+    prefix = [0]
+    for state, nbytes in groups:  # the bytes the rule counts: on host, or already reloading
+        prefix.append(prefix[-1] + (nbytes if state in (GroupState.ON_HOST, *_LOADED) else 0))
+    least = _predicted_wait(groups, prefix[-1], reload_bytes_per_s, backward_s)  # every reload as early as the rule allows
+    slack = 1e-9 * (sum(backward_s) + prefix[-1] / reload_bytes_per_s)  # rounding, not a tolerance of the model
+    if _predicted_wait(groups, None, reload_bytes_per_s, backward_s) <= least + slack:
+        return None
+    sums = sorted({prefix[k] - prefix[j] for k in range(len(prefix)) for j in range(k) if prefix[k] > prefix[j]})
+    lo, hi = 0, len(sums) - 1  # sums[hi] == prefix[-1] reaches `least`
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _predicted_wait(groups, sums[mid], reload_bytes_per_s, backward_s) <= least + slack:
+            hi = mid
+        else:
+            lo = mid + 1
+    return sums[lo]
+
+
+def _predicted_wait(groups: Sequence[tuple[GroupState, int]], budget: int | None, rate: float, backward_s: Sequence[float]) -> float:
+    """Seconds compute waits on reloads in the chunk's backward, on the model of NOTE [Timed reload ahead]."""
+    pairs = list(groups)
+    arrival = [0.0] * len(pairs)
+    now = link = waited = 0.0
+    for g in reversed(range(len(pairs))):
+        issued = [g] if pairs[g][0] is GroupState.ON_HOST else []
+        for i in issued + reload_ahead_selection(pairs, g, budget):  # the rule's issue order, as the engine's
+            link = max(link, now) + pairs[i][1] / rate
+            arrival[i] = link
+            pairs[i] = (GroupState.RELOADING, pairs[i][1])
+        if arrival[g] > now:
+            waited += arrival[g] - now
+            now = arrival[g]
+        now += backward_s[g]
+        pairs[g] = (GroupState.RELEASED, pairs[g][1])
+    return waited

@@ -22,7 +22,9 @@ class ScheduleOptions:
     or a `SchedulePolicy`. ``prefetch_bytes`` / ``reload_ahead_bytes``: `PlanPolicy`'s budgets.
     ``device_budget_bytes``: bytes this rank's device may use (an int, or ``"auto"``: the smallest
     budget every pipeline rank meets), see `budgets.py`. ``host_budget_bytes``: pinned host bytes
-    of the whole node, split among its ranks by need.
+    of the whole node, split among its ranks by need. ``timed_reload_ahead``: each chunk's
+    reload-ahead bytes from the latest iteration's measured timing, without ``reload_ahead_bytes``
+    (NOTE [Timed reload ahead] in core/ordering.py; why it is not the default: plan_tracking.py).
     """
 
     schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan"
@@ -30,3 +32,4 @@ class ScheduleOptions:
     reload_ahead_bytes: int | None = None
     device_budget_bytes: int | Literal["auto"] | None = None
     host_budget_bytes: int | None = None
+    timed_reload_ahead: bool = False

@@ -8,10 +8,26 @@
   and host cap (the device and host budgets of `budgets.Budgets`, agreed across ranks) and
   `set_schedule_policy` applies them. Without a device budget the decision gives the
   `PlanPolicy` the groups each chunk saved, so that chunks whose backward follows at once copy
-  all but their last group from the next iteration on (NOTE [Kept tail] in core/ordering.py). It
-  passes no measured timing: copy times vary from run to run, and so would the bytes copied; a
-  `PlanPolicy` built with ``timing=CopyTiming.from_record(...)`` and given as
-  ``schedule_policy`` uses one. `session.TrainingSession` calls them in order.
+  all but their last group from the next iteration on (NOTE [Kept tail] in core/ordering.py).
+  The lifespan rule gets no measured timing: copy times vary from run to run, and so would the
+  bytes copied (a `PlanPolicy` built with ``timing=CopyTiming.from_record(...)`` and given as
+  ``schedule_policy`` uses one).
+  With ``timed_reload_ahead`` the reload-ahead budgets do: the latest complete iteration's
+  `CopyTiming` is passed as ``reload_timing`` (NOTE [Timed reload ahead] in core/ordering.py; a
+  baseline, or an iteration whose order was not the plan's, has none: one group ahead). Those
+  budgets change when reloads start, never which bytes are copied, what the budgets exchange nor
+  any collective, so ranks need not agree on them, and numerics do not change. They do change the
+  device peak (a chunk's backward starts with more groups on device), so with them an
+  iteration's peak follows the previous one's timing and two runs of one job peak differently.
+  On CPU streams without a simulated link the copies are threads whose timing the host's load
+  decides: in the documented report run (docs/report.md) a reload rate measured about 2 times
+  lower than usual already gives timed budgets, so its "peak with", and every exact comparison
+  of records between runs, would vary from run to run. Hence not the default: a switch of the
+  option table (``--chunk-offload-timed-reload-ahead``) turns it on where the link is the
+  bottleneck (five modules per layer on a GPU: issue 26); a given ``reload_ahead_bytes`` wins
+  over it. Without a device budget only: a choice's predicted peak holds for the reload-ahead it
+  was made with.
+  `session.TrainingSession` calls them in order.
 
 A plan read from a schedule's tables is checked against the order the schedule really ran; on a
 difference the integration warns with both orders side by side (`chunk_offload.core.diff_actions`)
@@ -24,8 +40,8 @@ from typing import Any, NamedTuple, Sequence
 
 import torch.distributed as dist
 
-from ..core import Action, ChunkOffloadError, IterationRecord, OffloadManager, SchedulePolicy
-from ..schedule import Plan, PlanPolicy
+from ..core import Action, ChunkOffloadError, IterationRecord, OffloadManager, SchedulePolicy, check_value, option
+from ..schedule import CopyTiming, Plan, PlanPolicy
 from .budgets import Budgets
 from .options import ScheduleOptions
 
@@ -71,6 +87,7 @@ class PlanTracking:
             ("prefetch_bytes", options.prefetch_bytes),
             ("reload_ahead_bytes", options.reload_ahead_bytes),
             ("device_budget_bytes", options.device_budget_bytes),
+            ("timed_reload_ahead", options.timed_reload_ahead or None),
         )
         given = {k: v for k, v in planned if v is not None}
         if given and not self.from_plan:
@@ -81,6 +98,8 @@ class PlanTracking:
                 "(--chunk-offload-schedule group-start): prefetch and reload-ahead budgets and the device budget are "
                 "planned; drop them or use the plan"
             )
+        self.timed_reload_ahead = check_value(option("ScheduleOptions.timed_reload_ahead"), options.timed_reload_ahead)
+        """Whether the plan's policy sets reload-ahead budgets from the latest iteration's timing."""
         self.engine_policy: SchedulePolicy | None = None if self.from_plan else schedule_policy
         """The policy the engine starts with (None: the engine's default)."""
         self._engine: OffloadManager | None = None
@@ -112,19 +131,25 @@ class PlanTracking:
         else:
             self._engine.schedule_policy = self._plan_policy(plan)
 
-    def _plan_policy(self, plan: Plan) -> PlanPolicy:
-        """The policy without a device budget: the groups of the last record when they cover ``plan``."""
+    def _plan_policy(self, plan: Plan, reload_timing: CopyTiming | None = None) -> PlanPolicy:
+        """The policy without a device budget: the groups of the last record when they cover ``plan``,
+        and its timing for the reload-ahead budgets."""
         known = all(chunk in self._group_bytes for chunk in plan.chunks)
-        return PlanPolicy(plan, group_bytes=self._group_bytes if known else None, **self.budgets.plan_budgets)
+        return PlanPolicy(plan, group_bytes=self._group_bytes if known else None, reload_timing=reload_timing, **self.budgets.plan_budgets)
 
     def _learned_policy(self, record: IterationRecord | None) -> PlanPolicy | None:
         """With the plan and no device budget: the policy following the groups of ``record``, if it changes."""
         if not self.from_plan or self.plan is None or record is None or self.budgets.device_budget is not None:
             return None
         self._group_bytes = {chunk: list(sizes) for chunk, sizes in record.group_bytes.items()}
-        policy = self._plan_policy(self.plan)
+        timing = CopyTiming.from_record(record, self.plan) if self.timed_reload_ahead else None
+        policy = self._plan_policy(self.plan, timing)
         current = self._engine.schedule_policy
-        if not isinstance(current, PlanPolicy) or current.plan is not self.plan or current.copied_head != policy.copied_head:
+        if (
+            not isinstance(current, PlanPolicy)
+            or current.plan is not self.plan
+            or (current.copied_head, current.timed_reload_ahead) != (policy.copied_head, policy.timed_reload_ahead)
+        ):
             return policy
         return None
 
@@ -138,7 +163,8 @@ class PlanTracking:
 
         Every rank calls it once per complete training iteration (``record``: its record, None
         if discarded), after any change of plan. Without a device budget the plan's policy
-        learns the chunks' groups (NOTE [Kept tail]); the budgets: NOTEs [Device budget] and
+        learns the chunks' groups (NOTE [Kept tail]) and, with ``timed_reload_ahead``, from the
+        record's timing its reload-ahead budgets (NOTE [Timed reload ahead]); the budgets: NOTEs [Device budget] and
         [Node host budget] in ``budgets.py``, whose exchanges over the pipeline and the node
         are the only cross-rank traffic between iterations.
         """

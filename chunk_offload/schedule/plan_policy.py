@@ -14,9 +14,17 @@
   ahead, which bounds how far the stage's peak rises above reload-at-group-start; None
   reloads ahead the one group the chunk's backward needs first (when that backward starts,
   the engine reloads the group before it, overlapping the first group's backward).
+- Reload ahead: within a chunk's backward, ``reload_ahead_bytes`` of earlier groups may be
+  reloading ahead of the running one (`chunk_offload.core.reload_ahead_selection`). Without a
+  value given, a measured timing (``timing``, or ``reload_timing`` for the reload-ahead alone)
+  sets each offloaded chunk's budget: the smallest under which a model of the reload link
+  predicts the least wait of compute on reloads (`chunk_offload.core.reload_ahead_budget`,
+  NOTE [Timed reload ahead] in core/ordering.py); one group ahead where that already waits
+  least, or without a timing. It changes when reloads start, never what is copied.
 - Per-group decisions (``offload_groups``, e.g. a `chunk_offload.schedule.OffloadChoice` for a
   device budget): exactly the listed groups of each chunk are copied, every other group stays
-  on device; the lifespan rule is then not applied (the choice already weighed it).
+  on device; the lifespan rule and the timed reload ahead are then not applied (the choice
+  already weighed them, and its predicted peak holds for the reload-ahead it was made with).
 
 `chunk_offload.schedule.simulate` predicts the resident bytes these decisions give.
 """
@@ -27,7 +35,7 @@ from typing import Iterable, Mapping, Sequence
 
 from ..core.errors import ChunkOffloadError
 from ..core.option_table import check_value, option
-from ..core import kept_tail
+from ..core import GroupState, kept_tail, prefetch_selection, reload_ahead_budget
 from ..core.actions import Action, ActionKind, ChunkKey
 from ..core.schedule_policy import SchedulePolicy
 from .choice import CopyTiming, OffloadChoice
@@ -49,7 +57,8 @@ class PlanPolicy(SchedulePolicy):
             backward; None: the chunk's last group; 0: no plan-driven prefetch.
         reload_ahead_bytes: within a chunk's backward, bytes of earlier groups that may be
             reloading ahead of the running group (the one just before it always is); None:
-            one group ahead.
+            derived per chunk from a timing (NOTE [Timed reload ahead]), else one group ahead;
+            0: one group ahead, timing or not.
         offload_groups: (microbatch, vp_stage) -> indices of the chunk's groups to copy (an
             `OffloadChoice`, or its ``offloaded`` mapping); every other group stays on device
             and ``min_lifespan`` is not applied. None: every group of an offloaded chunk.
@@ -57,7 +66,11 @@ class PlanPolicy(SchedulePolicy):
             chunks ``min_lifespan`` concerns; None: those chunks stay on device whole.
         timing: a measured `CopyTiming` of the plan: the link rate and the compute seconds of
             those chunks (their forward and backward, spread over their groups by bytes) set
-            how many last groups stay (`kept_tail`); None: the last group.
+            how many last groups stay (`kept_tail`), and with the chunks' groups known and no
+            ``reload_ahead_bytes`` given, the link rate back and each chunk's backward seconds
+            set its reload-ahead budget; None: the last group, one group ahead.
+        reload_timing: a measured `CopyTiming` for the reload-ahead budgets alone (the lifespan
+            rule does not read it, so the bytes copied stay as without a timing); None: ``timing``.
     """
 
     def __init__(
@@ -70,6 +83,7 @@ class PlanPolicy(SchedulePolicy):
         offload_groups: "OffloadChoice | Mapping[tuple[int, int], Iterable[int]] | None" = None,
         group_bytes: GroupBytes | None = None,
         timing: "CopyTiming | None" = None,
+        reload_timing: "CopyTiming | None" = None,
     ) -> None:
         if not isinstance(plan, Plan):
             raise ChunkOffloadError(f"PlanPolicy needs a chunk_offload.schedule.Plan, got {type(plan).__name__}")
@@ -97,6 +111,13 @@ class PlanPolicy(SchedulePolicy):
             self._offload.update({chunk: self.copied_head.get(chunk, 0) > 0 for chunk in short})
         else:
             self._offload = {chunk: bool(self.offload_groups.get(chunk)) for chunk in plan.chunks}
+        self.reload_timing = timing if reload_timing is None else reload_timing
+        """The measured timing the reload-ahead budgets read (None: not known)."""
+        self.timed_reload_ahead: dict[tuple[int, int], int] = {}
+        """Chunks whose reload-ahead budget the timing set (NOTE [Timed reload ahead]); the others
+        reload ``reload_ahead_bytes`` ahead (None: one group)."""
+        if reload_ahead_bytes is None and self.offload_groups is None and group_bytes is not None and self.reload_timing is not None:
+            self.timed_reload_ahead = self._timed_reload_ahead(group_bytes, self.reload_timing)
 
     @staticmethod
     def check_budgets(**budgets: int | None) -> dict[str, int | None]:
@@ -108,6 +129,7 @@ class PlanPolicy(SchedulePolicy):
         return (
             f"PlanPolicy({self.plan.source}, min_lifespan={self.min_lifespan}, prefetch_bytes={self.prefetch_bytes}, "
             f"reload_ahead_bytes={self._reload_ahead_bytes}"
+            + (f", timed reload ahead in {len(self.timed_reload_ahead)} of {len(self.plan.chunks)} chunks" if self.timed_reload_ahead else "")
             + ("" if self.offload_groups is None else f", offload_groups={sum(map(len, self.offload_groups.values()))} groups")
             + ")"
         )
@@ -123,7 +145,7 @@ class PlanPolicy(SchedulePolicy):
         return index in self.offload_groups.get(tuple(key), ())
 
     def reload_ahead_bytes(self, key: ChunkKey) -> int | None:
-        return self._reload_ahead_bytes
+        return self.timed_reload_ahead.get(tuple(key), self._reload_ahead_bytes)
 
     def kept_chunks(self) -> list[tuple[int, int]]:
         """Chunks this policy keeps on device, in forward order."""
@@ -140,6 +162,40 @@ class PlanPolicy(SchedulePolicy):
             return ()
         return ((ChunkKey(*following.chunk), self.prefetch_bytes),)
 
+    def _timed_reload_ahead(self, group_bytes: GroupBytes, timing: "CopyTiming") -> dict[tuple[int, int], int]:
+        """Each offloaded chunk's reload-ahead budget from ``timing`` where one group ahead would wait
+        (NOTE [Timed reload ahead]): its groups as its backward finds them (copied ones on host, a
+        prefetch during the action before reloading), the link rate back, its backward seconds."""
+        lookup = _lookup(group_bytes)
+        rate = timing.bytes_per_s if timing.reload_bytes_per_s is None else timing.reload_bytes_per_s
+        budgets = {}
+        for chunk in self.plan.chunks:
+            try:
+                sizes = lookup(*chunk)
+            except ChunkOffloadError:  # a chunk ``group_bytes`` does not know reloads one group ahead
+                continue
+            if not self._offload[chunk] or not sizes:
+                continue
+            key = ChunkKey(*chunk)
+            groups = [(_state_at_backward(nbytes, self.offload_group(key, g)), nbytes) for g, nbytes in enumerate(sizes)]
+            for g in self._prefetched(chunk, groups):
+                groups[g] = (GroupState.RELOADING, sizes[g])
+            seconds = _group_seconds(self.plan, timing, chunk, sizes, since=ActionKind.BACKWARD)
+            budget = reload_ahead_budget(groups, reload_bytes_per_s=rate, backward_s=seconds)
+            if budget is not None:
+                budgets[chunk] = budget
+        return budgets
+
+    def _prefetched(self, chunk: tuple[int, int], groups: list[tuple[GroupState, int]]) -> list[int]:
+        """The groups of ``chunk`` this policy prefetches during the action before its backward
+        (none where that is its own forward, which the engine skips, or a ``W``, which it does not see)."""
+        backward = self.plan.index(ActionKind.BACKWARD, *chunk)
+        before = self.plan.actions[backward - 1] if backward > 0 else None
+        if before is None or before.kind is ActionKind.WEIGHT or before.chunk == chunk:
+            return []
+        asked = [budget for key, budget in self.prefetch_on(before.kind.value, ChunkKey(*before.chunk)) if tuple(key) == chunk]
+        return prefetch_selection(groups, asked[0]) if asked else []
+
 
 def _copied_heads(plan: Plan, chunks: list[tuple[int, int]], group_bytes: GroupBytes, timing: "CopyTiming | None") -> dict[tuple[int, int], int]:
     """For each of ``chunks`` (backward right after forward): how many first groups are copied (NOTE [Kept tail])."""
@@ -150,14 +206,35 @@ def _copied_heads(plan: Plan, chunks: list[tuple[int, int]], group_bytes: GroupB
         rate = back = compute = None
         if timing is not None and sizes:
             rate, back = timing.bytes_per_s, timing.reload_bytes_per_s
-            starts = timing.action_starts_s
-            backward = plan.index(ActionKind.BACKWARD, *chunk)
-            end = starts[backward + 1] if backward + 1 < len(starts) else timing.iteration_s
-            window = max(0.0, end - starts[plan.index(ActionKind.FORWARD, *chunk)])
-            total = sum(sizes)
-            compute = [window * b / total if total else window / len(sizes) for b in sizes]
+            compute = _group_seconds(plan, timing, chunk, sizes, since=ActionKind.FORWARD)
         heads[chunk] = len(sizes) - kept_tail(sizes, bytes_per_s=rate, compute_s=compute, reload_bytes_per_s=back)
     return heads
+
+
+def _state_at_backward(nbytes: int, copied: bool) -> GroupState:
+    """A group's state when its chunk's backward starts, before any prefetch (as `simulate` has it)."""
+    if not nbytes:
+        return GroupState.RELEASED
+    return GroupState.ON_HOST if copied else GroupState.KEPT
+
+
+def _group_seconds(plan: Plan, timing: "CopyTiming", chunk: tuple[int, int], sizes: list[int], *, since: ActionKind) -> list[float]:
+    """The measured seconds from the start of ``chunk``'s ``since`` action to the end of its backward,
+    spread over its groups by bytes.
+
+    Assumes each group computes in proportion to its saved bytes (the compute of modules between
+    offloaded ones falls to the groups around them). The backward ends where the next action the
+    engine sees starts (a zero-bubble ``W``, which starts with the action before it in a
+    `CopyTiming`, counts in its ``B``), the last at the iteration's end; the measured seconds
+    include any wait of compute on copies in that iteration.
+    """
+    starts = timing.action_starts_s
+    backward = plan.index(ActionKind.BACKWARD, *chunk)
+    after = next((i for i in range(backward + 1, len(plan.actions)) if plan.actions[i].kind is not ActionKind.WEIGHT), None)
+    end = timing.iteration_s if after is None else starts[after]
+    span = max(0.0, end - starts[plan.index(since, *chunk)])
+    total = sum(sizes)
+    return [span * b / total if total else span / len(sizes) for b in sizes]
 
 
 def _group_sets(offload_groups, plan: Plan) -> dict[tuple[int, int], frozenset[int]] | None:

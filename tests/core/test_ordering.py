@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
-from chunk_offload.core import GroupState
-from chunk_offload.core.ordering import kept_tail, prefetch_selection, reload_ahead_selection
+import pytest
+
+from chunk_offload.core import ChunkOffloadError, GroupState
+from chunk_offload.core.ordering import kept_tail, prefetch_selection, reload_ahead_budget, reload_ahead_selection
 
 H, K, L, R, X = GroupState.ON_HOST, GroupState.KEPT, GroupState.RELOADING, GroupState.RESIDENT, GroupState.RELEASED
 
@@ -47,3 +49,44 @@ def test_kept_tail_keeps_the_groups_whose_copy_cannot_hide():
     assert kept_tail([10, 20, 30], bytes_per_s=10.0, reload_bytes_per_s=40.0, compute_s=[1.0, 1.0, 1.0]) == 2
     assert kept_tail([10, 20, 30], bytes_per_s=10.0, reload_bytes_per_s=5.0, compute_s=[1.0, 1.0, 1.0]) == 3
     assert kept_tail([10, 20, 30], bytes_per_s=10.0, reload_bytes_per_s=10.0, compute_s=[1.0, 1.0, 5.0]) == 1
+
+
+def test_reload_ahead_budget_is_none_where_one_group_ahead_waits_least():
+    # Uniform groups, the last kept: each reload (1 s) hides behind the backward of the group after it (1 s).
+    uniform = [(H, 10)] * 4 + [(K, 10)]
+    assert reload_ahead_budget(uniform, reload_bytes_per_s=10.0, backward_s=[1.0] * 5) is None
+    assert reload_ahead_budget([(K, 10), (K, 10)], reload_bytes_per_s=1.0, backward_s=[0.0, 0.0]) is None  # nothing on host
+    # A link that is busy from the start under one group ahead: no budget waits less (10 s per reload, 1 s per backward).
+    assert reload_ahead_budget(uniform, reload_bytes_per_s=1.0, backward_s=[1.0] * 5) is None
+
+
+def test_reload_ahead_budget_starts_a_large_group_behind_a_small_one_in_time():
+    # Forward order: a large group (100 B, 10 s on the link), a small one (10 B, 1 s), a kept one.
+    # One ahead: the large reload starts when the small group's 1 s backward does, 9 s of wait.
+    # Issued with the small one while the kept group computes (10 s), it ends at 11 s: exactly in time.
+    groups = [(H, 100), (H, 10), (K, 10)]
+    assert reload_ahead_budget(groups, reload_bytes_per_s=10.0, backward_s=[10.0, 1.0, 10.0]) == 110
+    # The kept group computes 9 s only: the large reload ends 1 s late whatever the budget, and 110 still waits least.
+    assert reload_ahead_budget(groups, reload_bytes_per_s=10.0, backward_s=[10.0, 1.0, 9.0]) == 110
+    # Small and large groups alternating, backward time proportional to bytes, a link twice as fast as compute:
+    # each large reload must start with the small group before it, as the large group after them computes.
+    layers = [(H, 1), (H, 10)] * 3 + [(H, 1), (K, 10)]
+    assert reload_ahead_budget(layers, reload_bytes_per_s=1.0, backward_s=[2.0 * b for _, b in layers]) == 11
+    # A group already reloading (a prefetch) needs no reload, and its 10 B count against the budget as the rule counts them.
+    prefetched = [(H, 100), (R, 10), (K, 10)]
+    assert reload_ahead_budget(prefetched, reload_bytes_per_s=10.0, backward_s=[10.0, 1.0, 10.0]) == 110
+
+
+def test_reload_ahead_budget_on_a_link_slower_than_compute_waits_least():
+    # 10 s per reload, 18 s of backward for 30 s of reloads: some wait is unavoidable. One ahead leaves
+    # the link idle from 10 s to 15 s (18 s of wait); reloading the two groups before the kept one
+    # during its 15 s backward keeps the link busy (13 s, the least); all three waits no less.
+    groups = [(H, 10)] * 3 + [(K, 10)]
+    assert reload_ahead_budget(groups, reload_bytes_per_s=1.0, backward_s=[1.0, 1.0, 1.0, 15.0]) == 20
+
+
+def test_reload_ahead_budget_checks_its_arguments():
+    with pytest.raises(ChunkOffloadError, match="backward_s has 1 entries for 2 groups"):
+        reload_ahead_budget([(H, 1), (H, 1)], reload_bytes_per_s=1.0, backward_s=[1.0])
+    with pytest.raises(ChunkOffloadError, match="reload_bytes_per_s must be > 0, got 0"):
+        reload_ahead_budget([(H, 1)], reload_bytes_per_s=0, backward_s=[1.0])

@@ -11,19 +11,19 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError
-from chunk_offload.core import Action, ActionKind, CpuStreams, OffloadConfig
+from chunk_offload.core import Action, ActionKind, ChunkKey, CpuStreams, OffloadConfig
 from chunk_offload.integrations.options import ScheduleOptions
 from chunk_offload.integrations.session import TrainingSession
-from chunk_offload.schedule import Plan, PlanPolicy
+from chunk_offload.schedule import CopyTiming, Plan, PlanPolicy
 
 F0, B0 = Action(ActionKind.FORWARD, 0, 0), Action(ActionKind.BACKWARD, 0, 0)
 
 
-def _session(checks: list, **kwargs) -> TrainingSession:
+def _session(checks: list, options: ScheduleOptions | None = None, streams: CpuStreams | None = None, **kwargs) -> TrainingSession:
     session = TrainingSession(
         config=OffloadConfig(min_offload_bytes=1),
-        streams=CpuStreams(),
-        options=ScheduleOptions(),
+        streams=streams or CpuStreams(),
+        options=options or ScheduleOptions(),
         check_order=lambda order: checks.append((list(order), session.training_calls, len(session.records), session.tracking.ran_policy)),
         **kwargs,
     )
@@ -62,6 +62,47 @@ def test_the_sequence_records_then_checks_then_sets_the_policy() -> None:
     # After it, the plan's policy learned the chunk's groups (NOTE [Kept tail]).
     policy = session.engine.schedule_policy
     assert isinstance(policy, PlanPolicy) and policy is not first_policy and policy.plan is plan
+
+
+@pytest.mark.parametrize(
+    "options",
+    [ScheduleOptions(timed_reload_ahead=True), ScheduleOptions(), ScheduleOptions(timed_reload_ahead=True, reload_ahead_bytes=0)],
+    ids=["timed", "default", "given_wins"],
+)
+def test_the_policy_reads_the_latest_iterations_timing_for_its_reload_ahead(options: ScheduleOptions) -> None:
+    """NOTE [Timed reload ahead]: groups of 64 KiB, 2 KiB and 16 KiB (kept, the last) on a 1 MB/s
+    reload link: one group ahead, the 64 KiB reload starts only when the small group's backward
+    does. With ``timed_reload_ahead`` the policy gets the offloaded iteration's `CopyTiming` and
+    reloads it with the small one during the last group's backward; the lifespan rule reads no
+    timing (the bytes copied stay). Off by default; a given ``reload_ahead_bytes`` wins."""
+    session = _session([], options, streams=CpuStreams(reload_link_bytes_per_s=1e6), baseline_iterations=1)
+    model = nn.Sequential(nn.Linear(4, 8192), nn.GELU(), nn.Linear(8192, 256), nn.GELU(), nn.Linear(256, 2048), nn.GELU())
+    for index in (1, 3, 5):  # each GELU saves its input, which no other module saves
+        session.engine.offload_module(model[index], f"gelu{index}")
+    plan = Plan((F0, B0), pp_rank=0, pp_size=1, vp_size=1, source="test")
+    session.use_plan(plan)
+    try:
+        _step(session, model)
+        after_baseline = session.engine.schedule_policy
+        _step(session, model)
+    finally:
+        session.engine.close()
+    assert session.records[-1].group_bytes == {(0, 0): [65536, 2048, 16384]}
+    assert after_baseline.reload_timing is None and after_baseline.copied_head == {(0, 0): 2}
+    policy = session.engine.schedule_policy
+    assert policy.copied_head == {(0, 0): 2} and policy.timing is None
+    if options.timed_reload_ahead and options.reload_ahead_bytes is None:
+        assert policy.reload_timing == CopyTiming.from_record(session.records[-1], plan) is not None
+        assert policy.timed_reload_ahead == {(0, 0): 65536 + 2048}
+    else:  # the decisions did not change: the policy learned at the baseline stays
+        assert policy is after_baseline and policy.reload_ahead_bytes(ChunkKey(0, 0)) == options.reload_ahead_bytes
+
+
+def test_timed_reload_ahead_needs_the_plan() -> None:
+    with pytest.raises(ChunkOffloadError, match="timed_reload_ahead=True needs schedule_policy='plan'"):
+        _session([], ScheduleOptions(schedule_policy=None, timed_reload_ahead=True))
+    with pytest.raises(ChunkOffloadError, match="timed_reload_ahead must be True or False, got 1"):
+        _session([], ScheduleOptions(timed_reload_ahead=1))
 
 
 def test_a_discarded_iteration_is_no_call() -> None:

@@ -282,6 +282,7 @@ def attach(
     reload_ahead_bytes: int | None = None,
     device_budget_bytes: int | Literal["auto"] | None = None,
     host_budget_bytes: int | None = None,
+    timed_reload_ahead: bool = False,
     baseline_iterations: int = 0,
     iterations: Literal["wrap", "auto"] = "wrap",
     num_microbatches: int | Callable[[], int] | None = None,
@@ -291,8 +292,8 @@ def attach(
     ``offload_modules``: names from `chunk_offload.integrations.megatron.OFFLOAD_MODULE_NAMES`
     (a list or a comma-separated string). ``config``: the engine's `OffloadConfig`.
     ``schedule_policy``, ``prefetch_bytes``, ``reload_ahead_bytes``, ``device_budget_bytes``
-    (bytes or ``"auto"``) and ``host_budget_bytes`` (the node's pinned host bytes) are
-    `ScheduleOptions`' (NOTEs [Device budget] and [Node host budget] in ``integrations/budgets.py``;
+    (bytes or ``"auto"``), ``host_budget_bytes`` (the node's pinned host bytes) and
+    ``timed_reload_ahead`` are `ScheduleOptions`' (NOTEs [Device budget] and [Node host budget] in ``integrations/budgets.py``;
     with ``"auto"`` or a host budget, attaching is a collective: every rank attaches). The other
     keywords are `MegatronOffloadManager`'s. Wrap Megatron's ``get_forward_backward_func()`` with
     the returned manager's `wrap`, or pass ``iterations="auto"`` when the training loop calls it
@@ -309,6 +310,7 @@ def attach(
             reload_ahead_bytes=reload_ahead_bytes,
             device_budget_bytes=device_budget_bytes,
             host_budget_bytes=host_budget_bytes,
+            timed_reload_ahead=timed_reload_ahead,
         ),
         baseline_iterations=baseline_iterations,
         iterations=iterations,

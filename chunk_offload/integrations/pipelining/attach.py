@@ -312,6 +312,7 @@ def attach(
     reload_ahead_bytes: int | None = None,
     device_budget_bytes: int | Literal["auto"] | None = None,
     host_budget_bytes: int | None = None,
+    timed_reload_ahead: bool = False,
 ) -> PipelineOffloadManager:
     """Offload ``offload_modules`` of this rank's stages under ``schedule`` (a pipelining schedule).
 
@@ -330,5 +331,6 @@ def attach(
         reload_ahead_bytes=reload_ahead_bytes,
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
+        timed_reload_ahead=timed_reload_ahead,
     )
     return PipelineOffloadManager(schedule, offload_modules, config=config, streams=streams, options=options)

@@ -19,6 +19,7 @@ LONG_FLAGS = (
     "--chunk-offload-schedule",
     "--chunk-offload-prefetch-bytes",
     "--chunk-offload-reload-ahead-bytes",
+    "--chunk-offload-timed-reload-ahead",
     "--chunk-offload-iterations",
     "--chunk-offload-device-budget",
     "--chunk-offload-host-budget",
