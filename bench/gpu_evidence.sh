@@ -45,7 +45,7 @@ declare -A CMD=(
 )
 # Issue 26's configurations, both module sets each: 8 layers at hidden 4096, seq 4096, 4
 # microbatches (compute-bound), then 16 layers at hidden 1024, seq 1024, 8 microbatches (host-bound).
-readonly COMPARE_COMMON='--reload-ahead-bytes 268435456 --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
+readonly COMPARE_COMMON='--reload-ahead-bytes 268435456 --timed-reload-ahead --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
 export COMPARE_COMMON
 # What the function steps run, for the plan that --dry-run prints.
 declare -A DESCRIBE=(

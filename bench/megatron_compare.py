@@ -14,6 +14,9 @@ model from the same seed (so the same weights and inputs):
   chunk-offload's saved peak);
 - chunk-offload reload-ahead (only with ``--reload-ahead-bytes``): the default run with that
   `PlanPolicy` reload-ahead budget (in backward, earlier groups are reloaded while their bytes fit);
+- chunk-offload timed (only with ``--timed-reload-ahead``): the default run with
+  ``timed_reload_ahead=True``: each chunk's reload-ahead budget from the copy timing its last
+  iteration measured (NOTE [Timed reload ahead] in chunk_offload/core/ordering.py);
 - megatron: megatron-core's built-in offload (``fine_grained_activation_offloading``, same
   modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
   missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``).
@@ -54,7 +57,7 @@ from chunk_offload.replay.stage import megatron_stage
 __all__ = ["main", "parse_args"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RUNS = ("none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "megatron")
+RUNS = ("none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed", "megatron")
 _GB = 1e9
 
 
@@ -74,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors below this stay on device")
     p.add_argument("--budget-bytes", type=int, default=None, help="device budget of the budget run (default: see above)")
     p.add_argument("--reload-ahead-bytes", type=int, default=None, help="also run chunk-offload with this reload-ahead budget")
+    p.add_argument("--timed-reload-ahead", action="store_true", help="also run chunk-offload with timed_reload_ahead=True")
     p.add_argument("--iterations", type=int, default=4, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per run (megatron's offload needs >= 1)")
     p.add_argument("--seed", type=int, default=1234)
@@ -107,7 +111,8 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
     if run.startswith("chunk-offload"):
         manager = attach([model], modules, config=OffloadConfig(min_offload_bytes=args.min_offload_bytes),
                          device_budget_bytes=budget if run.endswith("budget") else None,
-                         reload_ahead_bytes=args.reload_ahead_bytes if run.endswith("reload-ahead") else None)  # fmt: skip
+                         reload_ahead_bytes=args.reload_ahead_bytes if run.endswith("reload-ahead") else None,
+                         timed_reload_ahead=run.endswith("timed"))  # fmt: skip
         stack.callback(manager.close)
         stack.callback(manager.detach)
         return manager.wrap(forward_backward), gpt_forward_step, manager, seen
@@ -197,6 +202,8 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
     rows.append(_run(args, shape, modules, "chunk-offload budget", budget))
     if args.reload_ahead_bytes is not None:
         rows.append(_run(args, shape, modules, "chunk-offload reload-ahead", None))
+    if args.timed_reload_ahead:
+        rows.append(_run(args, shape, modules, "chunk-offload timed", None))
     rows.append(megatron if megatron is not None else {"run": "megatron", "modules": ",".join(modules), "skipped": skip})
     base = rows[0]
     for row in rows:
