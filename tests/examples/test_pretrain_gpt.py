@@ -77,11 +77,11 @@ def test_offload_needs_a_second_iteration_after_the_baseline(capsys):
         ),
         (
             ["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", "--chunk-offload-prefetch-bytes", "1MiB"],
-            "--chunk-offload-prefetch-bytes 1048576 is never used by --chunk-offload-schedule group-start",
+            "--chunk-offload-prefetch-bytes 1MiB is never used by --chunk-offload-schedule group-start",
         ),
         (
             ["--chunk-offload-device-budget", "600KiB"],
-            "--chunk-offload-device-budget 614400 given without --chunk-offload-modules: nothing will be offloaded",
+            "--chunk-offload-device-budget 600KiB given without --chunk-offload-modules: nothing will be offloaded",
         ),
     ],
 )
