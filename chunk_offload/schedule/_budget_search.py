@@ -98,8 +98,8 @@ class _Search:
         self.early = np.array([layout.earliest_reload(c, g) for c, g in self.keys], dtype=np.int64)
         self.latest = np.array([layout.latest_reload(c, g) for c, g in self.keys], dtype=np.int64)
         self.index = {key: i for i, key in enumerate(self.keys)}
-        # Groups that saved one storage are copied together or not at all (NOTE [Storages held
-        # elsewhere]): each group's set, itself alone when it shares nothing.
+        # Groups that saved one storage are copied together or not at all: each group's set,
+        # itself alone when it shares nothing (NOTE [Storages held elsewhere]).
         self.together: dict[tuple[Chunk, int], frozenset[int]] = {}
         for chunk, sets in (shared or {}).items():
             for members in sets:

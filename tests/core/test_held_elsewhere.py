@@ -1,5 +1,7 @@
 """Storages another reference holds are learned at a chunk's end and kept on device from then on.
 
+A baseline learns them without copying (its probe); groups that save one storage are recorded.
+
 NOTE [Storages held elsewhere] (core/held_elsewhere.py): copying such a storage frees nothing.
 The first chunk copies it and finds, at its forward's end, that its memory outlived the release;
 later chunks at the same place keep it on device, uncopied, and the records say so, so that the
@@ -123,6 +125,70 @@ def test_the_report_predicts_the_drop_with_kept_bytes_exactly() -> None:
         assert report.theoretical_drop == report.measured_drop == 0
         naive = simulate(plan, offloaded.group_bytes)  # without the kept bytes: a drop that never comes
         assert naive.drop > 0
+        assert_clean(manager)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize(("held", "learned"), [(True, NBYTES), (False, 0)], ids=["saved_outside_the_group", "only_the_group_holds_it"])
+def test_a_baseline_learns_the_places_without_copying(held: bool, learned: int) -> None:
+    """The first baseline iteration probes its chunks (`HeldElsewhere.probe`): the first iteration
+    that copies keeps the held storage on device from its first chunk on, copying nothing for
+    nothing, and the baseline's record names the bytes (``group_learned_bytes``)."""
+    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    module = Fn(_exp)
+    expected = _run(None, module, x, held=held)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        manager.offload_module(module, "exp")
+        records = []
+        for offload in (False, True):
+            assert_identical(expected, drive(module, inputs=[x], manager=manager, loss=_square_sum if held else _sum, params=[x], lr=None, offload=offload))
+            records.append(manager.last_iteration)
+        baseline, offloaded = records
+        assert (baseline.group_learned_bytes, baseline.groups["exp"].bytes_offloaded) == ({(0, 0): [learned]}, 0)
+        g = offloaded.groups["exp"]
+        assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (NBYTES - learned, 0, learned)
+        assert offloaded.group_learned_bytes == {(0, 0): [0]} and offloaded.group_kept_bytes == {(0, 0): [learned]}
+        assert_clean(manager)
+    finally:
+        manager.close()
+
+
+def test_the_probe_keeps_the_in_place_check() -> None:
+    """The probe swaps a held original for a detached alias: same storage and version counter, so
+    an in-place change after the chunk still fails backward as autograd's own check does."""
+    w = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    module = Fn(torch.sin)  # saves its input, the group's input, held as it is until the probe
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        manager.offload_module(module, "sin")
+        with manager.iteration(offload=False):
+            with manager.chunk(microbatch=0):
+                a = w * 2.0
+                y = module(a).sum()
+            a.add_(1.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.backward()
+    finally:
+        manager.close()
+
+
+def test_groups_that_save_one_storage_are_recorded_together() -> None:
+    """exp saves its output, and the next group's sin saves it as its input: one storage, two groups
+    (`IterationRecord.group_shared`), in a baseline and when both are copied; nothing else holds it."""
+    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    first, second = Fn(_exp), Fn(torch.sin)
+    chain = torch.nn.Sequential(first, second)
+    expected = drive(chain, inputs=[x], loss=_square_sum, params=[x], lr=None)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        manager.offload_module(first, "exp")
+        manager.offload_module(second, "sin")
+        for offload in (False, True):
+            assert_identical(expected, drive(chain, inputs=[x], manager=manager, loss=_square_sum, params=[x], lr=None, offload=offload))
+            record = manager.last_iteration
+            assert record.group_shared == {(0, 0): [(0, 1)]} and record.group_learned_bytes == {(0, 0): [0, 0]}
         assert_clean(manager)
     finally:
         manager.close()
