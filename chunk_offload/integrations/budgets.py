@@ -18,6 +18,11 @@ NOTE [Device budget]
   overhead is what the device holds besides them at its peak, ``device_peak_bytes -
   peak_resident_bytes`` of a record (parameters, optimizer state, workspace), the largest seen
   so far, so the choice only becomes more cautious.
+- What each group keeps on device even when copied is the latest record's kept bytes plus the
+  bytes its chunk learned at its forward end (`IterationRecord.kept_from_now_of`: later chunks at
+  those places keep them), and the groups that saved one storage (``group_shared``) are copied
+  together (NOTE [Storages held elsewhere]); so a choice made from a baseline, or from an
+  iteration that learned places by copying, holds from the next iteration on.
 - Bytes per group are the largest each group of each chunk saved so far (reset when the chunks or
   their group counts change): a peak is a sum of group bytes, so with MoE layers, whose expert
   groups follow the routing, the choice holds for any iteration that saves no more than one

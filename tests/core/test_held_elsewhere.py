@@ -36,9 +36,9 @@ def _sum(y: torch.Tensor) -> torch.Tensor:
     return y.sum()
 
 
-def _run(manager: OffloadManager | None, module: Fn, x: torch.Tensor, *, held: bool) -> RunResult:
+def _run(manager: OffloadManager | None, module: Fn, x: torch.Tensor, *, held: bool, offload: bool | None = None) -> RunResult:
     """One forward + backward, ``x``'s gradient; with ``held``, an op outside the group saves the group's output too."""
-    return drive(module, inputs=[x], manager=manager, loss=_square_sum if held else _sum, params=[x], lr=None)
+    return drive(module, inputs=[x], manager=manager, loss=_square_sum if held else _sum, params=[x], lr=None, offload=offload)
 
 
 NBYTES = ROWS * COLS * F32
@@ -47,26 +47,32 @@ NBYTES = ROWS * COLS * F32
 @pytest.mark.parametrize(
     ("held", "per_iteration"),
     [
-        # Copied once, found held at the chunk's end, then kept: (offloaded, copied for nothing, kept).
-        (True, [(NBYTES, NBYTES, 0), (0, 0, NBYTES)]),
+        # Copied once, found held at the chunk's end, then kept:
+        # (offload, offloaded, copied for nothing, kept, learned at the chunk's end).
+        (True, [(True, NBYTES, NBYTES, 0, NBYTES), (True, 0, 0, NBYTES, 0)]),
         # Only the group holds it: copied every time.
-        (False, [(NBYTES, 0, 0), (NBYTES, 0, 0)]),
+        (False, [(True, NBYTES, 0, 0, 0), (True, NBYTES, 0, 0, 0)]),
+        # A baseline first probes its chunks (`HeldElsewhere.probe`): learned without a copy, so the
+        # first iteration that copies keeps it from its first chunk on.
+        (True, [(False, 0, 0, 0, NBYTES), (True, 0, 0, NBYTES, 0)]),
+        (False, [(False, 0, 0, 0, 0), (True, NBYTES, 0, 0, 0)]),
     ],
-    ids=["saved_outside_the_group", "only_the_group_holds_it"],
+    ids=["saved_outside_the_group", "only_the_group_holds_it", "baseline_then_saved_outside", "baseline_then_only_the_group"],
 )
-def test_a_storage_held_elsewhere_is_copied_once_then_kept(held: bool, per_iteration: list[tuple[int, int, int]]) -> None:
+def test_a_storage_held_elsewhere_is_copied_once_then_kept(held: bool, per_iteration: list[tuple[bool, int, int, int, int]]) -> None:
     x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0), requires_grad=True)
     module = Fn(_exp)
     expected = _run(None, module, x, held=held)
     manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
     try:
         manager.offload_module(module, "exp")
-        for offloaded, copied_for_nothing, kept in per_iteration:
-            assert_identical(expected, _run(manager, module, x, held=held))
+        for offload, offloaded, copied_for_nothing, kept, learned in per_iteration:
+            assert_identical(expected, _run(manager, module, x, held=held, offload=offload))
             record = manager.last_iteration
             g = record.groups["exp"]
             assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (offloaded, copied_for_nothing, kept)
             assert record.group_bytes[(0, 0)] == [NBYTES] and record.group_kept_bytes[(0, 0)] == [kept]
+            assert record.group_learned_bytes == {(0, 0): [learned]}
         assert_clean(manager)
     finally:
         manager.close()
@@ -125,31 +131,6 @@ def test_the_report_predicts_the_drop_with_kept_bytes_exactly() -> None:
         assert report.theoretical_drop == report.measured_drop == 0
         naive = simulate(plan, offloaded.group_bytes)  # without the kept bytes: a drop that never comes
         assert naive.drop > 0
-        assert_clean(manager)
-    finally:
-        manager.close()
-
-
-@pytest.mark.parametrize(("held", "learned"), [(True, NBYTES), (False, 0)], ids=["saved_outside_the_group", "only_the_group_holds_it"])
-def test_a_baseline_learns_the_places_without_copying(held: bool, learned: int) -> None:
-    """The first baseline iteration probes its chunks (`HeldElsewhere.probe`): the first iteration
-    that copies keeps the held storage on device from its first chunk on, copying nothing for
-    nothing, and the baseline's record names the bytes (``group_learned_bytes``)."""
-    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    module = Fn(_exp)
-    expected = _run(None, module, x, held=held)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
-    try:
-        manager.offload_module(module, "exp")
-        records = []
-        for offload in (False, True):
-            assert_identical(expected, drive(module, inputs=[x], manager=manager, loss=_square_sum if held else _sum, params=[x], lr=None, offload=offload))
-            records.append(manager.last_iteration)
-        baseline, offloaded = records
-        assert (baseline.group_learned_bytes, baseline.groups["exp"].bytes_offloaded) == ({(0, 0): [learned]}, 0)
-        g = offloaded.groups["exp"]
-        assert (g.bytes_offloaded, g.bytes_copied_held_elsewhere, g.bytes_kept_held_elsewhere) == (NBYTES - learned, 0, learned)
-        assert offloaded.group_learned_bytes == {(0, 0): [0]} and offloaded.group_kept_bytes == {(0, 0): [learned]}
         assert_clean(manager)
     finally:
         manager.close()
