@@ -38,6 +38,7 @@ __all__ = [
     "weak_storage",
     "storage_expired",
     "free_weak_storage",
+    "storage_use_count",
     "current_stream_data",
     "set_stream_data",
 ]
@@ -114,6 +115,12 @@ def weak_storage(tensor: torch.Tensor) -> int:
 def storage_expired(handle: int) -> bool:
     """Whether the storage behind ``handle`` was freed (every strong reference is gone)."""
     return torch.UntypedStorage._expired(handle)
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many strong references ``tensor``'s storage has (tensors on it, storage objects), the
+    tensor's own included and the storage object this call makes excluded."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
 
 
 def free_weak_storage(handle: int) -> None:

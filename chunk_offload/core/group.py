@@ -77,6 +77,11 @@ class OffloadGroup:
         """Whether the committed group holds no storage (it saved nothing offloadable that is alive)."""
         return not self._storages
 
+    @property
+    def storages(self) -> dict[int, Storage]:
+        """The group's storages by key (read by NOTE [Storages held elsewhere]'s probe)."""
+        return self._storages
+
     def _to(self, state: GroupState) -> None:
         """The one place a group changes state, checked against `TRANSITIONS`."""
         if state not in TRANSITIONS[self.state]:  # the message is built only when the check fails
@@ -192,13 +197,14 @@ class OffloadGroup:
             ctx.resident.moved_to_host(storage.nbytes)
         self._to(GroupState.ON_HOST)
 
-    def note_held_elsewhere(self) -> None:
+    def note_held_elsewhere(self) -> int:
         """At its chunk's forward end: learn which copied storages another reference keeps on
-        device (NOTE [Storages held elsewhere]). The handler waits first for copies that hold
-        their sources (NOTE [Release by the copy stream] in copies.py)."""
+        device (NOTE [Storages held elsewhere]); returns their bytes. The handler waits first for
+        copies that hold their sources (NOTE [Release by the copy stream] in copies.py)."""
         nbytes = self._ctx.held_elsewhere.learn(self.handler.key.vp_stage, self.index, self.name, self._storages.values())
         if nbytes:
             self._ctx.stats.group(self.name).bytes_copied_held_elsewhere += nbytes
+        return nbytes
 
     # ------------------------------------------------------------------ backward
     def on_output_grad(self, grad: torch.Tensor | None) -> None:

@@ -72,6 +72,7 @@ class ChunkOffloadHandler:
         offload: bool = True,
         reload_ahead_bytes: int | None = None,
         offload_group: Callable[[int], bool] | None = None,
+        probe_held: bool = False,
     ) -> None:
         self.ctx = ctx
         self._decide = ctx.decide
@@ -83,6 +84,11 @@ class ChunkOffloadHandler:
         on device (`SchedulePolicy.offload_group`); None copies every group."""
         self.reload_ahead_bytes = reload_ahead_bytes
         """In backward, reload earlier groups while the bytes reloaded ahead fit (None: one group ahead)."""
+        self.probe_held = probe_held
+        """Without ``offload``: learn at the forward's end, without copies, which saved storages
+        another reference holds (NOTE [Storages held elsewhere])."""
+        self._learned: list[int] = []  # per group: bytes found held elsewhere at the forward's end
+        self._shared: list[tuple[int, ...]] = []  # groups that saved one storage (`HeldElsewhere.shared_groups`)
         self.groups: list[OffloadGroup] = []
         self._states = _GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
@@ -160,14 +166,16 @@ class ChunkOffloadHandler:
             )
         self._forward_ended = True
         self._release_held()
+        held = self.ctx.held_elsewhere
         if self.offload:
             if self.ctx.streams.copies_hold_sources:
                 # Every copy issued so far, not only each group's own: another group's copy of the
                 # same storage would still hold it (NOTE [Release by the copy stream] in copies.py).
                 self.ctx.streams.d2h.synchronize()
-            for group in self.groups:
-                if group.state is GroupState.ON_HOST:
-                    group.note_held_elsewhere()
+            self._learned = [group.note_held_elsewhere() if group.state is GroupState.ON_HOST else 0 for group in self.groups]
+        elif self.probe_held:
+            self._learned = held.probe(self.key.vp_stage, self.groups)
+        self._shared = held.shared_groups(self.key.vp_stage, self.groups)
 
     def _release_held(self) -> None:
         if self._holding:
@@ -215,6 +223,15 @@ class ChunkOffloadHandler:
     def group_kept_bytes(self) -> list[int]:
         """Of `group_bytes`, the bytes each group keeps on device whatever the policy (pinned storages)."""
         return [g.kept_bytes for g in self.groups]
+
+    def group_learned_bytes(self) -> list[int]:
+        """Per group, the bytes found held elsewhere at the forward's end (copied for nothing, or
+        probed): kept on device from then on (NOTE [Storages held elsewhere])."""
+        return self._learned or [0] * len(self.groups)
+
+    def group_shared(self) -> list[tuple[int, ...]]:
+        """The sets of groups that saved one storage held nowhere else (`HeldElsewhere.shared_groups`)."""
+        return list(self._shared)
 
     def abort(self) -> None:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""

@@ -17,27 +17,56 @@ offload can move (`OffloadGroup.commit`). The chunk that learned it reloads its 
 backward as usual, so results stay exact. Whatever still references a copied storage when the
 chunk's forward ends counts, the chunk's own output too when a group saved it and the caller
 frees it only later (megatron frees a sent output after the chunk's forward hook).
+
+A baseline iteration copies nothing, so nothing would be learned before the first iteration that
+copies: a device budget chosen from the baseline's bytes then counted on drops no copy makes, and
+each iteration learned more places (README's 600 KiB job: 627712 bytes measured against 611328
+predicted on its first budgeted iteration). So the chunks of the first baseline iteration are
+probed without a copy (`probe`): at the forward's end each saved original the groups hold is
+swapped for a detached alias of it (same storage and version counter, no view base, so it keeps
+nothing else alive), and a storage with more strong references than the chunk's aliases of it is
+held elsewhere, the answer the weak handle gives after a copy of every group. Both ways the
+places learned in a chunk are reported with it (`IterationRecord.group_learned_bytes`): later
+chunks at those places keep the storage, so a budget counts it kept in every chunk.
+
+Two groups of a chunk may save one storage (core attention's output, saved by core_attn and by
+attn_proj): copying one of them frees nothing while the other holds it on device, and the copy
+would then be learned as held elsewhere. `shared_groups` names such groups per chunk
+(`IterationRecord.group_shared`), and a device budget copies them together or not at all.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence
 
-from ._torch_compat import free_weak_storage, storage_expired
+from ._torch_compat import free_weak_storage, storage_expired, storage_use_count
+from .saved import alive
 
 if TYPE_CHECKING:
     from .saved import Storage
 
-__all__ = ["HeldElsewhere"]
+__all__ = ["HeldElsewhere", "ProbedGroup"]
+
+
+class ProbedGroup(Protocol):
+    """What `HeldElsewhere.probe` and `shared_groups` read of a committed group (an `OffloadGroup`)."""
+
+    index: int
+    name: str
+
+    @property
+    def storages(self) -> Mapping[int, "Storage"]: ...
 
 
 class HeldElsewhere:
     """Storage places (vp stage, group index and name, ordinal) learned to be held by another reference."""
 
-    __slots__ = ("_places",)
+    __slots__ = ("_places", "probed")
 
     def __init__(self) -> None:
         self._places: dict[tuple[int, int, str], set[int]] = {}
+        self.probed = False
+        """Whether a baseline iteration's chunks were all probed since the places were last cleared."""
 
     def kept(self, vp_stage: int, group_index: int, name: str) -> set[int] | None:
         """Ordinals of the storages to keep on device in group ``group_index`` (named ``name``) of a
@@ -66,9 +95,63 @@ class HeldElsewhere:
             free_weak_storage(weak)
         return nbytes
 
+    def probe(self, vp_stage: int, groups: Sequence[ProbedGroup]) -> list[int]:
+        """At the forward end of a chunk that copied nothing: learn, without a copy, which of its
+        groups' saved storages another reference keeps alive. Returns the bytes learned per group.
+
+        Each original a group holds becomes a detached alias (same storage and version counter);
+        a storage with strong references beyond the chunk's aliases is held elsewhere.
+        """
+        aliases: dict[int, int] = {}
+        for group in groups:
+            for key, storage in group.storages.items():
+                for ref in alive(storage):
+                    if ref.tensor is not None:
+                        ref.tensor = ref.tensor.detach()
+                        aliases[key] = aliases.get(key, 0) + 1
+        learned = []
+        for group in groups:
+            nbytes = 0
+            for ordinal, (key, storage) in enumerate(group.storages.items()):
+                tensor = next((ref.tensor for ref in alive(storage) if ref.tensor is not None), None)
+                if storage.pinned or tensor is None:
+                    continue
+                if storage_use_count(tensor) > aliases[key]:
+                    self.note(vp_stage, group.index, group.name, ordinal)
+                    nbytes += storage.nbytes
+            learned.append(nbytes)
+        return learned
+
+    def shared_groups(self, vp_stage: int, groups: Sequence[ProbedGroup]) -> list[tuple[int, ...]]:
+        """The sets of a chunk's groups that saved one storage held nowhere else (neither pinned nor
+        at a known place): copying some of a set frees nothing. Sorted; empty: none."""
+        owner: dict[int, int] = {}  # storage key -> index of the first group that saved it
+        parent = list(range(len(groups)))
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                i = parent[i]
+            return i
+
+        for position, group in enumerate(groups):
+            held = self.kept(vp_stage, group.index, group.name)
+            for ordinal, (key, storage) in enumerate(group.storages.items()):
+                if storage.pinned or not storage.live or (held is not None and ordinal in held):
+                    continue
+                first = owner.setdefault(key, position)
+                if first != position:
+                    parent[root(position)] = root(first)
+        if len(owner) == sum(len(g.storages) for g in groups):
+            return []
+        sets: dict[int, list[int]] = {}
+        for position, group in enumerate(groups):
+            sets.setdefault(root(position), []).append(group.index)
+        return sorted(tuple(members) for members in sets.values() if len(members) > 1)
+
     def clear(self) -> None:
-        """Forget every place (the offloaded modules changed)."""
+        """Forget every place (the offloaded modules changed); the next baseline probes again."""
         self._places.clear()
+        self.probed = False
 
     def __len__(self) -> int:
         return sum(len(places) for places in self._places.values())

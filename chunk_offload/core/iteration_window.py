@@ -57,6 +57,7 @@ class IterationWindow:
         streams.synchronize()
         stats.fold()
         self._before = stats.snapshot()
+        self._probing = None  # the places a baseline's chunks probe (NOTE [Storages held elsewhere])
         self.order: list[Action] = []
         """The F and B actions so far, as the engine saw chunks start forward and backward."""
         self.action_starts_s: list[float] = []
@@ -70,12 +71,17 @@ class IterationWindow:
         offload = self.offload and policy.offload_chunk(key)
         # Per-group decisions only from a policy that makes them: the base class copies every group.
         per_group = offload and type(policy).offload_group is not SchedulePolicy.offload_group
+        # The first baseline iteration probes its chunks: NOTE [Storages held elsewhere].
+        probe = not self.offload and not ctx.held_elsewhere.probed
+        if probe:
+            self._probing = ctx.held_elsewhere
         handler = ChunkOffloadHandler(
             ctx,
             key,
             offload=offload,
             reload_ahead_bytes=policy.reload_ahead_bytes(key),
             offload_group=functools.partial(policy.offload_group, key) if per_group else None,
+            probe_held=probe,
         )
         self._by_key[key] = handler  # a chunk key entered twice (no schedule does that) maps to its latest forward
         self.handlers.append(handler)
@@ -105,6 +111,8 @@ class IterationWindow:
         if self._cuda and self.config.measure_time:
             torch.cuda.synchronize(streams.device)
         wall = time.perf_counter() - self._started
+        if self._probing is not None:
+            self._probing.probed = True
         self.stats.fold()
         groups = {}
         for name, now in self.stats.snapshot().items():
@@ -123,6 +131,8 @@ class IterationWindow:
             group_bytes={tuple(h.key): h.group_bytes() for h in handlers},
             group_names={tuple(h.key): [g.name for g in h.groups] for h in handlers},
             group_kept_bytes={tuple(h.key): h.group_kept_bytes() for h in handlers},
+            group_learned_bytes={tuple(h.key): h.group_learned_bytes() for h in handlers},
+            group_shared={tuple(h.key): h.group_shared() for h in handlers if h.group_shared()},
             groups=groups,
             order=list(self.order),
             action_starts_s=list(self.action_starts_s),

@@ -54,6 +54,13 @@ class IterationRecord:
     """(microbatch, vp_stage) -> of ``group_bytes``, the bytes each group keeps on device even
     when it is offloaded (storages another saved view or reference holds: NOTE [Storages held
     elsewhere]); parallel to ``group_bytes``."""
+    group_learned_bytes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    """(microbatch, vp_stage) -> of ``group_bytes``, the bytes each group was found, at the
+    chunk's forward end, to save in storages another reference holds (copied for nothing, or
+    probed in a baseline): later chunks keep them on device (NOTE [Storages held elsewhere])."""
+    group_shared: dict[tuple[int, int], list[tuple[int, ...]]] = field(default_factory=dict)
+    """(microbatch, vp_stage) -> the sets of the chunk's groups that saved one storage held
+    nowhere else: a copy of some of a set frees nothing (chunks without such sets are left out)."""
     action_starts_s: list[float] = field(default_factory=list)
     """For each entry of ``order``: seconds from the iteration's start at which that action
     began (host ``perf_counter``; on CUDA the host runs ahead of the device)."""
@@ -62,6 +69,13 @@ class IterationRecord:
         """``group_kept_bytes`` of one chunk, zeros where none were recorded: `simulate`'s ``kept_bytes``."""
         kept = self.group_kept_bytes.get((microbatch, vp_stage))
         return list(kept) if kept is not None else [0] * len(self.group_bytes[(microbatch, vp_stage)])
+
+    def kept_from_now_of(self, microbatch: int, vp_stage: int) -> list[int]:
+        """`kept_bytes_of` plus ``group_learned_bytes``: what each group of the chunk keeps on device
+        from the next iteration on, the ``kept_bytes`` a device budget chooses with."""
+        learned = self.group_learned_bytes.get((microbatch, vp_stage))
+        kept = self.kept_bytes_of(microbatch, vp_stage)
+        return kept if learned is None else [k + n for k, n in zip(kept, learned, strict=True)]
 
     @property
     def peak_bytes(self) -> int:

@@ -18,6 +18,11 @@ NOTE [Device budget]
   overhead is what the device holds besides them at its peak, ``device_peak_bytes -
   peak_resident_bytes`` of a record (parameters, optimizer state, workspace), the largest seen
   so far, so the choice only becomes more cautious.
+- What each group keeps on device even when copied is the latest record's kept bytes plus the
+  bytes its chunk learned at its forward end (`IterationRecord.kept_from_now_of`: later chunks at
+  those places keep them), and the groups that saved one storage (``group_shared``) are copied
+  together (NOTE [Storages held elsewhere]); so a choice made from a baseline, or from an
+  iteration that learned places by copying, holds from the next iteration on.
 - Bytes per group are the largest each group of each chunk saved so far (reset when the chunks or
   their group counts change): a peak is a sum of group bytes, so with MoE layers, whose expert
   groups follow the routing, the choice holds for any iteration that saves no more than one
@@ -109,6 +114,7 @@ class Budgets:
         it) or measured (an iteration under a choice that fits peaked over it); None: not seen."""
         self._group_bytes: dict[tuple[int, int], list[int]] = {}
         self._kept_bytes: dict[tuple[int, int], list[int]] = {}  # of the latest record (NOTE [Storages held elsewhere])
+        self._shared: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # groups copied together, of the latest record
         self._choice_plan: Plan | None = None
         self._key: tuple | None = None
         self._lowest_key: tuple | None = None
@@ -153,7 +159,10 @@ class Budgets:
             if usable:
                 self._check_measured(record, pp_rank=pp_rank)
                 self._update_group_bytes(record.group_bytes)
-                self._kept_bytes = {chunk: record.kept_bytes_of(*chunk) for chunk in record.group_bytes}
+                # What each group keeps on device from the next iteration on: the storages held
+                # elsewhere, those this record's chunks learned included (NOTE [Storages held elsewhere]).
+                self._kept_bytes = {chunk: record.kept_from_now_of(*chunk) for chunk in record.group_bytes}
+                self._shared = {chunk: list(sets) for chunk, sets in record.group_shared.items()}
             budget = self._budget(plan, record, usable)
             if usable and budget is not None:
                 new_policy = self._choose(plan, record, budget, pp_rank=pp_rank)
@@ -204,11 +213,13 @@ class Budgets:
     def _choose(self, plan: Plan, record: IterationRecord, budget: int, *, pp_rank: int) -> PlanPolicy | None:
         timing = CopyTiming.from_record(record, plan)
         sizes = {c: list(b) for c, b in self._group_bytes.items()}  # a copy: the running maxima change in place
-        key = (plan, sizes, self._kept_bytes, budget, timing is not None)
+        key = (plan, sizes, self._kept_bytes, self._shared, budget, timing is not None)
         if key == self._key:
             return None
         self._key = key
-        self.choice = choose_offload(plan, sizes, budget, timing=timing, kept_bytes=self._kept_bytes, **self.plan_budgets)
+        self.choice = choose_offload(
+            plan, sizes, budget, timing=timing, kept_bytes=self._kept_bytes, shared=self._shared, **self.plan_budgets
+        )
         self._choice_plan = plan
         if not self.choice.fits:
             self.shortfall_bytes = self.choice.lowest_peak_bytes - self.choice.budget_bytes

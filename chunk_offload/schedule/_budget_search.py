@@ -81,7 +81,14 @@ class _Profile:
 class _Search:
     """Greedy additions at the peak, then pruning (NOTE [Budget choice])."""
 
-    def __init__(self, layout: _Layout, order: list[Chunk], slack: Mapping[Chunk, Sequence[float]], target: int) -> None:
+    def __init__(
+        self,
+        layout: _Layout,
+        order: list[Chunk],
+        slack: Mapping[Chunk, Sequence[float]],
+        target: int,
+        shared: Mapping[Chunk, Sequence[Sequence[int]]] | None = None,
+    ) -> None:
         self.layout, self.order, self.target = layout, order, target
         self.keys = [(chunk, g) for chunk in order for g in range(len(layout.sizes[chunk]))]
         self.nbytes = np.array([layout.sizes[c][g] for c, g in self.keys], dtype=np.int64)
@@ -91,18 +98,28 @@ class _Search:
         self.early = np.array([layout.earliest_reload(c, g) for c, g in self.keys], dtype=np.int64)
         self.latest = np.array([layout.latest_reload(c, g) for c, g in self.keys], dtype=np.int64)
         self.index = {key: i for i, key in enumerate(self.keys)}
+        # Groups that saved one storage are copied together or not at all: each group's set,
+        # itself alone when it shares nothing (NOTE [Storages held elsewhere]).
+        self.together: dict[tuple[Chunk, int], frozenset[int]] = {}
+        for chunk, sets in (shared or {}).items():
+            for members in sets:
+                for g in members:
+                    self.together[(chunk, g)] = frozenset(members)
 
-    def forward(self, rule: str, start: _Profile | None = None, banned: int | None = None) -> _Profile | None:
+    def _set_of(self, chunk: Chunk, g: int) -> frozenset[int]:
+        return self.together.get((chunk, g)) or frozenset((g,))
+
+    def forward(self, rule: str, start: _Profile | None = None, banned: frozenset[int] = frozenset()) -> _Profile | None:
         """Add groups at the peak until it fits (``rule``: which unit first, see `_pick`), from
-        nothing or from ``start`` (changed in place) never adding ``banned``; None when stuck
-        (no single group or pair lowers the peak)."""
+        nothing or from ``start`` (changed in place) never adding a group of ``banned`` (indices
+        of `keys`); None when stuck (no single group or pair lowers the peak)."""
         profile = start if start is not None else _Profile(self.layout)
         chosen = np.zeros(len(self.keys), dtype=bool)
         for chunk, groups in profile.copied.items():
             for g in groups:
                 chosen[self.index[(chunk, g)]] = True
-        if banned is not None:
-            chosen[banned] = True
+        for i in banned:
+            chosen[i] = True
         while True:
             position = int(profile.values.argmax()) if self.layout.positions else 0
             excess = profile.peak() - self.target
@@ -112,9 +129,14 @@ class _Search:
             if not units:
                 return None
             for i in self._pick(rule, units, profile, excess):
-                chosen[i] = True
                 chunk, g = self.keys[i]
-                profile.set(chunk, profile.copied[chunk] | {g})
+                members = self._set_of(chunk, g)
+                if any(chosen[self.index[(chunk, h)]] and h not in profile.copied[chunk] for h in members):
+                    chosen[i] = True  # a banned group would come with it: never this one
+                    continue
+                for h in members:
+                    chosen[self.index[(chunk, h)]] = True
+                profile.set(chunk, profile.copied[chunk] | members)
 
     def _pick(self, rule: str, units: list[tuple[int, int, list[int]]], profile: _Profile, excess: int) -> list[int]:
         """The unit to add; hiding units first under both rules.
@@ -236,8 +258,9 @@ class _Search:
         copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
         for i in sorted(copied, key=lambda i: (-int(self.nbytes[i]), self.slack[i] >= 0, self.slack[i], -i)):
             chunk, g = self.keys[i]
-            if profile.set(chunk, profile.copied[chunk] - {g}) > self.target:
-                profile.set(chunk, profile.copied[chunk] | {g})
+            members = self._set_of(chunk, g)
+            if g in profile.copied[chunk] and profile.set(chunk, profile.copied[chunk] - members) > self.target:
+                profile.set(chunk, profile.copied[chunk] | members)
         return profile
 
     def swap(self, profile: _Profile) -> _Profile:
@@ -249,9 +272,10 @@ class _Search:
         copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
         for i in sorted(copied, key=lambda i: (-int(self.nbytes[i]), i))[:_SWAPS]:
             chunk, g = self.keys[i]
+            members = self._set_of(chunk, g)
             trial = best.clone()
-            trial.set(chunk, trial.copied[chunk] - {g})
-            grown = self.forward("peak", trial, banned=i)
+            trial.set(chunk, trial.copied[chunk] - members)
+            grown = self.forward("peak", trial, banned=frozenset(self.index[(chunk, h)] for h in members))
             if grown is not None:
                 grown = self.prune(grown)
                 if self.copied_bytes(grown) < best_bytes:
@@ -279,12 +303,14 @@ def search_offload(
     reload_ahead_bytes: int | None,
     slack: Mapping[Chunk, Sequence[float]],
     kept: Mapping[Chunk, Sequence[int]] | None = None,
+    shared: Mapping[Chunk, Sequence[Sequence[int]]] | None = None,
 ) -> SearchResult:
     """Groups to copy so that the predicted peak is at most ``budget`` (else the lowest peak),
     copying few bytes: nothing if the baseline fits; else greedy additions at the peak, then
-    pruning (from every group copied where the greedy finds no group or pair that lowers the peak)."""
+    pruning (from every group copied where the greedy finds no group or pair that lowers the peak).
+    ``shared``: per chunk, sets of groups copied together or not at all."""
     layout = _Layout(plan, sizes, prefetch_bytes, reload_ahead_bytes, kept)
-    search = _Search(layout, plan.chunks, slack, budget)
+    search = _Search(layout, plan.chunks, slack, budget, shared)
     everything = search.everything()
     baseline, lowest = _Profile(layout).peak(), everything.peak()
     if baseline <= budget:

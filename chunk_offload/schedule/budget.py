@@ -23,7 +23,9 @@ device again, largest first, wherever the peak still fits without it. The result
 fewest bytes is taken, then swapped (`_Search.swap`): each of its largest groups in turn is kept
 on device and the excess it leaves covered by additions at the peak (cheapest covering first),
 then pruned; a swap copying fewer bytes is taken. Pruning alone leaves every chosen group needed,
-but a large group may still cost more than the smaller ones at the same peak. The peak is `simulate`'s, prefetch and reload-ahead budgets included
+but a large group may still cost more than the smaller ones at the same peak. Groups that saved
+one storage (``shared``) are added and kept back together: a copy of only some of them frees
+nothing (NOTE [Storages held elsewhere]). The peak is `simulate`'s, prefetch and reload-ahead budgets included
 (the search runs on an exact model of it, `_budget_search`; the final choice is simulated).
 Deterministic; on a 70B-like plan (PP=8, VPP=2, 32 microbatches, 3,200 groups) about a second
 of CPU at most.
@@ -53,11 +55,13 @@ def choose_offload(
     reload_ahead_bytes: int | None = None,
     timing: CopyTiming | None = None,
     kept_bytes: GroupBytes | None = None,
+    shared: Mapping[tuple[int, int], Sequence[Sequence[int]]] | None = None,
 ) -> OffloadChoice:
     """The fewest bytes to copy so that ``plan``'s predicted peak fits ``budget_bytes``.
 
     See NOTE [Budget choice]. ``group_bytes`` and ``kept_bytes`` as `simulate` takes them; ``prefetch_bytes`` and
-    ``reload_ahead_bytes`` as the `PlanPolicy` that will apply the choice. Never raises for a
+    ``reload_ahead_bytes`` as the `PlanPolicy` that will apply the choice. ``shared``: per chunk, the
+    sets of groups that saved one storage (`IterationRecord.group_shared`), copied together or not at all. Never raises for a
     budget below the lowest reachable peak: returns the choice reaching that peak with the
     fewest bytes, ``fits`` False (`budget_shortfall_message` words it).
     """
@@ -85,6 +89,7 @@ def choose_offload(
         reload_ahead_bytes=reload_ahead_bytes,
         slack=_slack(plan, sizes, timing),
         kept=kept,
+        shared=shared,
     )
     # The search works on a model of simulate's accounting; the choice is checked by simulate itself.
     policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, offload_groups=found.offloaded)

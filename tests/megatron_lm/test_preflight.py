@@ -77,13 +77,37 @@ def test_expert_parallelism_without_experts_is_refused(script: Path, capsys) -> 
             ["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", "--chunk-offload-prefetch-bytes", "1"],
             "--chunk-offload-prefetch-bytes 1 is never used by --chunk-offload-schedule group-start",
         ),
-        (["--chunk-offload-device-budget", "1MiB"], "--chunk-offload-device-budget 1048576 given without --chunk-offload-modules"),
+        (["--chunk-offload-device-budget", "1MiB"], "--chunk-offload-device-budget 1MiB given without --chunk-offload-modules"),
         (["--chunk-offload-device-budget", "lots"], "argument --chunk-offload-device-budget: expected 'auto' or a byte count >= 0"),
         (["--chunk-offload-modules", "core_atn"], "argument --chunk-offload-modules: "),
     ],
 )
 def test_check_args_usage_errors_apply_under_the_launcher(script: Path, capsys, args: list[str], message: str) -> None:
     """`check_args` runs on the parsed flags before the script: exit 2 instead of exit 1 after Megatron's set-up."""
+    assert f"{PROG}: error: {message}" in _refused(script, capsys, *args)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", "--chunk-offload-prefetch-bytes=2KiB",
+             "--chunk-offload-device-budget", "600KiB"],
+            "--chunk-offload-prefetch-bytes 2KiB, --chunk-offload-device-budget 600KiB is never used by --chunk-offload-schedule "
+            "group-start, which reloads each group when backward reaches the group after it; use --chunk-offload-schedule plan "
+            "(the default) or drop them\n",
+        ),
+        (
+            ["--chunk-offload-plan", "auto", "--chunk-offload-device-budget", "AUTO"],
+            "--chunk-offload-plan auto plans for a device budget in bytes: add --chunk-offload-device-budget BYTES (got "
+            "--chunk-offload-device-budget AUTO)\n",
+        ),
+        (["--chunk-offload-host-budget", "0x10"], "argument --chunk-offload-host-budget: expected a byte count >= 0 such as 1048576 or 1MiB"),
+    ],
+    ids=["two_byte_flags", "auto_device_budget", "unparsable"],
+)
+def test_usage_errors_quote_byte_values_as_typed(script: Path, capsys, args: list[str], message: str) -> None:
+    """Exit 2 with the flag, the value as typed (not the parsed 2048 / 614400 / 'auto') and what is accepted."""
     assert f"{PROG}: error: {message}" in _refused(script, capsys, *args)
 
 

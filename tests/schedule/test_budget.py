@@ -168,3 +168,20 @@ def test_bad_arguments():
         choose_offload(plan, {0: [1]}, -1)
     with pytest.raises(ChunkOffloadError, match="timing has 3 action starts, the plan has 2 actions"):
         choose_offload(plan, {0: [1]}, 0, timing=CopyTiming(bytes_per_s=1.0, action_starts_s=(0, 1, 2), iteration_s=3.0))
+
+
+def test_groups_that_saved_one_storage_are_copied_together():
+    """``shared`` (`IterationRecord.group_shared`): a copy of one group of a set frees nothing while
+    another holds the storage, so the choice takes or leaves the set whole. Without it the same
+    budget is met by groups 0 or 1 alone."""
+    plan = megatron_plan(pp_size=2, pp_rank=0, num_microbatches=4)
+    sizes = [64, 48, 32]
+    baseline = simulate(plan, lambda mb, vp: sizes).peak_saved_bytes
+    alone = choose_offload(plan, lambda mb, vp: sizes, baseline - 48)
+    assert alone.fits and any(groups & {0, 1} in ({0}, {1}) for groups in alone.offloaded.values())
+    shared = {chunk: [(0, 1)] for chunk in plan.chunks}
+    together = choose_offload(plan, lambda mb, vp: sizes, baseline - 48, shared=shared)
+    assert together.fits and together.offloaded
+    assert all(groups & {0, 1} in (set(), {0, 1}) for groups in together.offloaded.values()), together.offloaded
+    policy = PlanPolicy(plan, offload_groups=together)
+    assert simulate(plan, lambda mb, vp: sizes, policy=policy).peak_resident_bytes == together.predicted_peak_bytes

@@ -127,5 +127,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ),
     )
     for row in FLAG_ROWS:
-        group.add_argument(LONG_PREFIX + row.name, **argparse_keywords(row))
+        group.add_argument(LONG_PREFIX + row.name, **argparse_keywords(row, keep_typed=True))
     return parser

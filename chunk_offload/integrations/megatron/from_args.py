@@ -16,6 +16,7 @@ from torch import nn
 
 from ...core import ChunkOffloadError, OffloadConfig, StreamBackend
 from ...module_names import check_combination
+from ...option_flags import typed_flag
 from .args import BUDGET_FLAGS, DESTS, FLAG_ROWS, LONG_PREFIX, MEGATRON_OFFLOAD_SWITCHES, PLANNED_FLAGS
 from .attach import MegatronOffloadManager, attach
 
@@ -41,14 +42,15 @@ def _check_megatron_offloading(args: argparse.Namespace, modules: Sequence[str] 
         )
 
 
+def _typed(args: argparse.Namespace, suffix: str) -> str:
+    """``--flag value`` of flag ``suffix`` as typed (``--chunk-offload-device-budget 600KiB``): every
+    message quotes flags through it."""
+    return typed_flag(args, DESTS[suffix], LONG_PREFIX + suffix)
+
+
 def _given(args: argparse.Namespace, suffixes: Sequence[str]) -> list[str]:
-    """``--flag value`` for each of ``suffixes`` set on the command line (their defaults are None)."""
-    given = []
-    for suffix in suffixes:
-        value = getattr(args, DESTS[suffix], None)
-        if value is not None:
-            given.append(f"{LONG_PREFIX}{suffix} {value}")
-    return given
+    """``--flag value`` as typed for each of ``suffixes`` set on the command line (their defaults are None)."""
+    return [_typed(args, suffix) for suffix in suffixes if getattr(args, DESTS[suffix], None) is not None]
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
@@ -108,12 +110,12 @@ def _check_plan(args: argparse.Namespace, parser: argparse.ArgumentParser | None
     plan = getattr(args, DESTS["plan"], None)
     if plan is None:
         return
-    flag = f"{LONG_PREFIX}plan {plan}"
+    flag = _typed(args, "plan")
     if getattr(args, DESTS["modules"], None):
         _refuse(f"{flag} chooses the offload modules per stage; drop {LONG_PREFIX}modules (or the plan)", parser)
     budget = getattr(args, DESTS["device-budget"], None)
     if plan == "auto" and not isinstance(budget, int):
-        got = f"got {LONG_PREFIX}device-budget {budget}" if budget is not None else "none was given"
+        got = f"got {_typed(args, 'device-budget')}" if budget is not None else "none was given"
         _refuse(f"{flag} plans for a device budget in bytes: add {LONG_PREFIX}device-budget BYTES ({got})", parser)
     if getattr(args, DESTS["host-budget"], None) is not None:
         _refuse(f"{flag} cannot be combined with {LONG_PREFIX}host-budget: the stages offload different modules; drop one", parser)

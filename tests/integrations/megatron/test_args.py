@@ -16,6 +16,7 @@ from chunk_offload.integrations.megatron import (
     OFFLOAD_MODULE_NAMES,
     add_arguments,
     attach_from_args,
+    check_args,
 )
 from chunk_offload.integrations.megatron.args import GROUP_TITLE
 from tests.integrations.megatron._args import LONG_FLAGS, SHORT_FLAGS, megatron_like_parser, parse_error, parser
@@ -132,9 +133,28 @@ def test_device_budget_needs_the_plan() -> None:
     )
     with pytest.raises(
         ChunkOffloadError,
-        match=r"^chunk_offload: --chunk-offload-device-budget 1048576 is never used by --chunk-offload-schedule group-start",
+        match=r"^chunk_offload: --chunk-offload-device-budget 1MiB is never used by --chunk-offload-schedule group-start",
     ):
         attach_from_args(nn.Linear(2, 2), args)
+
+
+def test_check_args_quotes_values_as_typed() -> None:
+    """What the command line typed (``4MiB``, ``=2KiB``), not what it parsed to; a namespace built in
+    code has no typed text and is quoted as it holds the value."""
+    args = parser().parse_args(["--chunk-offload-host-budget", "4MiB", "--chunk-offload-reload-ahead-bytes=2KiB"])
+    with pytest.warns(UserWarning) as caught:
+        check_args(args)
+    assert [str(w.message) for w in caught] == [
+        "chunk_offload: --chunk-offload-host-budget 4MiB, --chunk-offload-reload-ahead-bytes 2KiB given without "
+        "--chunk-offload-modules: nothing will be offloaded, so they do nothing; add --chunk-offload-modules NAMES or drop them"
+    ]
+    args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start",
+                                "--chunk-offload-device-budget", "600KiB"])
+    with pytest.raises(ChunkOffloadError, match=r"^chunk_offload: --chunk-offload-device-budget 600KiB is never used by "):
+        check_args(args)
+    built = argparse.Namespace(**{**vars(args), "chunk_offload_typed": None})
+    with pytest.raises(ChunkOffloadError, match=r"^chunk_offload: --chunk-offload-device-budget 614400 is never used by "):
+        check_args(built)
 
 
 def test_on_exhausted_baseline_report() -> None:

@@ -234,7 +234,7 @@ def test_group_start_refuses_plan_budgets(budget: str) -> None:
     args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", budget, "2MiB"])
     with pytest.raises(
         ChunkOffloadError,
-        match=rf"^chunk_offload: {budget} 2097152 is never used by --chunk-offload-schedule group-start, which reloads "
+        match=rf"^chunk_offload: {budget} 2MiB is never used by --chunk-offload-schedule group-start, which reloads "
         r"each group when backward reaches the group after it; use --chunk-offload-schedule plan \(the default\) or drop it$",
     ):
         attach_from_args([torch.nn.Linear(2, 2)], args)
@@ -279,13 +279,13 @@ def test_several_plan_flags_under_group_start_are_named_together(capsys) -> None
     with pytest.raises(SystemExit):
         check_args(args, p)
     err = capsys.readouterr().err
-    assert "--chunk-offload-prefetch-bytes 1048576, --chunk-offload-device-budget auto is never used by" in err
+    assert "--chunk-offload-prefetch-bytes 1MiB, --chunk-offload-device-budget auto is never used by" in err
     assert "drop them" in err
 
 
 def test_budget_flags_with_a_baseline_run_warn_that_nothing_uses_them() -> None:
     args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-baseline", "--chunk-offload-device-budget", "1MiB"])
-    with pytest.warns(UserWarning, match=r"--chunk-offload-device-budget 1048576 with --chunk-offload-baseline, which copies nothing"):
+    with pytest.warns(UserWarning, match=r"--chunk-offload-device-budget 1MiB with --chunk-offload-baseline, which copies nothing"):
         check_args(args, parser())
 
 
