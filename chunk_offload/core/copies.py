@@ -19,14 +19,24 @@ if TYPE_CHECKING:
     from .engine_context import EngineContext
     from .streams import Event, Mark
 
-__all__ = ["copy_to_device", "copy_to_host", "release_after_copy", "view_device_bytes"]
+__all__ = ["copy_to_device", "copy_to_host", "host_view", "release_after_copy", "view_device_bytes"]
 
 Wait = Callable[..., None]
 """`OffloadGroup._wait`: ``wait(stream, event, wait_name)``, skippable by name in tests."""
 
 
 def view_device_bytes(ctx: "EngineContext", name: str, storages: Iterable[Storage]) -> tuple[list[Storage], "Mark | None"]:
-    """The storages to copy, each given its uint8 byte view (``aten::set_`` on compute).
+    """The storages to copy, each given what its copy reads on device; and the compute mark after.
+
+    NOTE [Direct copies]
+    A storage saved through one contiguous view that covers its whole copied span (the common
+    case: a fresh activation) is copied as that view itself: to a host view of its dtype and
+    shape, back into a new device tensor of that dtype and shape, which unpack then returns as
+    it is. Any other storage (several views, strided or unaligned ones) is copied as a uint8
+    byte span made with ``aten::set_`` and its views are rebuilt on it at unpack. Both copy the
+    same bytes and give backward the same values, strides and offsets; the direct form saves
+    per storage the byte view at the offload and the rebuilt view at each unpack, two tensor
+    allocations and two ``set_`` calls on the host path (NOTE [CUDA host path]).
 
     NOTE [Offload order]
     The CUDA sanitizer counts the ``set_`` that makes a byte view as a compute-stream write of
@@ -40,11 +50,22 @@ def view_device_bytes(ctx: "EngineContext", name: str, storages: Iterable[Storag
         if storage.pinned:
             continue
         refs = alive(storage)
-        storage.device_bytes = byte_view(refs[0].tensor, storage.start, storage.nbytes)
-        storage.weak = weak_storage(storage.device_bytes)  # NOTE [Storages held elsewhere]
+        tensor = refs[0].tensor
+        if len(refs) == 1 and tensor.nbytes == storage.nbytes and tensor.is_contiguous():
+            storage.device_bytes = tensor
+            storage.layout = (tensor.dtype, tensor.shape)
+        else:
+            storage.device_bytes = byte_view(tensor, storage.start, storage.nbytes)
+        storage.weak = weak_storage(tensor)  # NOTE [Storages held elsewhere]
         stats.tensors_offloaded += len(refs)
         copied.append(storage)
     return copied, ctx.streams.compute.tick()
+
+
+def host_view(storage: Storage) -> "torch.Tensor":
+    """What ``storage``'s copies write or read on host (NOTE [Direct copies])."""
+    layout = storage.layout
+    return storage.host.view() if layout is None else storage.host.typed_view(*layout)
 
 
 def copy_to_host(ctx: "EngineContext", name: str, storages: Iterable[Storage], wait: Wait) -> "Event":
@@ -57,13 +78,16 @@ def copy_to_host(ctx: "EngineContext", name: str, storages: Iterable[Storage], w
     d2h.require(viewed_mark, rule="R1", what="offload of {!r} reading a saved tensor or its byte view", subject=name)
     pairs = []
     nbytes = 0
+    waited = None  # the fence last waited on: buffers released by one reload share its event
     for storage in copied:
         buf = ctx.pool.acquire(storage.nbytes)
-        if buf.fence is not None:
-            wait(d2h, buf.fence, "reuse_after_reload")
-            d2h.require(buf.fence.mark, rule="R3", what="offload of {!r} writing a reused host buffer", subject=name)
+        fence = buf.fence
+        if fence is not None and fence is not waited:
+            wait(d2h, fence, "reuse_after_reload")
+            d2h.require(fence.mark, rule="R3", what="offload of {!r} writing a reused host buffer", subject=name)
+            waited = fence
         storage.host = buf
-        pairs.append((buf.view(), storage.device_bytes))
+        pairs.append((host_view(storage), storage.device_bytes))
         nbytes += storage.nbytes
     _, timing = d2h.launch(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
     ctx.stats.timing(name, "offload_time_s", timing)
@@ -79,11 +103,16 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
     """
     streams = ctx.streams
     h2d = streams.h2d
+    device = streams.device
     for storage in storages:
         # NOTE [Reload allocation]: the reload buffer is allocated on the compute stream, so the
         # caching allocator frees it in compute order after its last use; the copy stream must
         # therefore wait on compute before writing it (R4).
-        storage.device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=streams.device)
+        layout = storage.layout
+        if layout is None:
+            storage.device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=device)
+        else:  # NOTE [Direct copies]
+            storage.device_bytes = torch.empty(layout[1], dtype=layout[0], device=device)
     alloc_mark = streams.compute.tick()
     if "reload_after_alloc" not in ctx.skip_waits:
         h2d.wait_stream(streams.compute)
@@ -94,7 +123,7 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
     for storage in storages:
         nbytes += storage.nbytes
         storage.on_host = False
-    pairs = [(storage.device_bytes, storage.host.view()) for storage in storages]
+    pairs = [(storage.device_bytes, host_view(storage)) for storage in storages]
     _, timing = h2d.launch(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
     ctx.stats.timing(name, "reload_time_s", timing)
     ctx.stats.group(name).bytes_reloaded += nbytes

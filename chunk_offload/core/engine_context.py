@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
@@ -11,6 +11,7 @@ from torch.profiler import record_function
 
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
+from .saved import EmptyTensors
 from .stats import ResidentBytes, StatsRecorder
 from .streams import StreamBackend
 
@@ -51,6 +52,8 @@ class EngineContext:
     """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
     skip_waits: frozenset[str] = frozenset()
     """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
+    empties: EmptyTensors = field(default_factory=EmptyTensors)
+    """An empty tensor per device, that the version probes of released originals share."""
 
 
 NO_RANGE = contextlib.nullcontext()  # stateless: what `profile_range` returns with ranges off

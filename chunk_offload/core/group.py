@@ -189,12 +189,17 @@ class OffloadGroup:
         ctx = self._ctx
         moved = [storage for storage in self._storages.values() if storage.live and not storage.pinned]
         release_after_copy(ctx, self.name, moved, self._d2h_event, self._wait, "release of offloaded tensors of {!r}")
+        nbytes = 0
+        no_memory = None
         for storage in moved:
+            if no_memory is None:
+                no_memory = ctx.empties.on(storage.device_bytes.device)
             storage.device_bytes = None
             storage.on_host = True
             for ref in alive(storage):
-                ref.drop_original()
-            ctx.resident.moved_to_host(storage.nbytes)
+                ref.drop_original(no_memory)
+            nbytes += storage.nbytes
+        ctx.resident.moved_to_host(nbytes)
         self._to(GroupState.ON_HOST)
 
     def note_held_elsewhere(self) -> int:
@@ -275,6 +280,8 @@ class OffloadGroup:
         storage = ref.storage
         if storage.device_bytes is None:
             internal_assert(False, f"unpack of a freed storage in {self!r}")
+        if storage.layout is not None:  # copied as the saved view itself: NOTE [Direct copies] in copies.py
+            return storage.device_bytes
         offset = (ref.offset_bytes - storage.start) // ref.dtype.itemsize
         return torch.empty(0, dtype=ref.dtype, device=storage.device_bytes.device).set_(
             storage.device_bytes.untyped_storage(), offset, ref.size, ref.stride

@@ -41,7 +41,7 @@ def size_class(nbytes: int, per_doubling: int) -> int:
 class HostBuffer:
     """A host byte buffer of ``nbytes`` (maybe larger ``capacity``) and its reuse fence."""
 
-    __slots__ = ("tensor", "nbytes", "capacity", "pooled", "fence", "last_used", "_view")
+    __slots__ = ("tensor", "nbytes", "capacity", "pooled", "fence", "last_used", "_view", "_typed")
 
     def __init__(self, tensor: torch.Tensor | None, nbytes: int, pooled: bool, capacity: int | None = None) -> None:
         self.tensor = tensor
@@ -53,6 +53,7 @@ class HostBuffer:
         # The last view made: a buffer is handed out again and again for the same size (the same
         # layer's tensor each iteration), and slicing costs more than the copy of a small tensor.
         self._view: torch.Tensor | None = None
+        self._typed: tuple[torch.dtype, torch.Size, torch.Tensor] | None = None  # the last typed view made
 
     def view(self) -> torch.Tensor:
         """The first ``nbytes`` bytes as a uint8 tensor."""
@@ -61,7 +62,18 @@ class HostBuffer:
             view = self._view = self.tensor[: self.nbytes]
         return view
 
+    def typed_view(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """The first ``nbytes`` bytes as a contiguous tensor of ``dtype`` and ``shape`` (whose
+        bytes must be ``nbytes``), for a copy of a saved view as it is (NOTE [Direct copies]
+        in copies.py). Kept like `view`: the same layer saves the same shape every iteration."""
+        typed = self._typed
+        if typed is not None and typed[0] == dtype and typed[1] == shape:
+            return typed[2]
+        view = self.tensor[: self.nbytes].view(dtype).view(shape)
+        self._typed = (dtype, shape, view)
+        return view
+
     def drop(self) -> None:
         """Let go of the memory: it returns to the allocator (NOTE [Releasing host memory])."""
         self.fence = None
-        self.tensor = self._view = None
+        self.tensor = self._view = self._typed = None

@@ -15,7 +15,7 @@ import torch
 from .host_pool import HostBuffer
 
 __all__ = [
-    "SPAN_ALIGN", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs",
+    "SPAN_ALIGN", "EmptyTensors", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs",
     "fix_spans", "version_probe",
 ]  # fmt: skip
 
@@ -37,7 +37,7 @@ class SavedOwner(Protocol):
 class Storage:
     """One device storage saved in a group (through one or more views) and its copies."""
 
-    __slots__ = ("key", "first", "more", "start", "nbytes", "device_bytes", "host", "on_host", "live", "pinned", "weak")
+    __slots__ = ("key", "first", "more", "start", "nbytes", "device_bytes", "layout", "host", "on_host", "live", "pinned", "weak")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -48,7 +48,8 @@ class Storage:
         self.more: list[weakref.ref[SavedRef]] | None = None
         self.start = 0
         self.nbytes = 0
-        self.device_bytes: torch.Tensor | None = None  # uint8 span on device (original or reloaded)
+        self.device_bytes: torch.Tensor | None = None  # what is copied on device: a uint8 span, or the saved view itself
+        self.layout: tuple[torch.dtype, torch.Size] | None = None  # set when copied as the view itself (NOTE [Direct copies])
         self.host: HostBuffer | None = None
         self.on_host = False  # the host copy is the only one (counted in `ResidentBytes.host`)
         self.live = 0  # SavedRefs autograd still holds
@@ -110,15 +111,16 @@ class SavedRef:
         storage.add(self)
         self.storage = storage
 
-    def drop_original(self) -> None:
-        """Stop holding the device original; keep its view and a probe of its version counter."""
+    def drop_original(self, no_memory: torch.Tensor) -> None:
+        """Stop holding the device original; keep its view and a probe of its version counter
+        (``no_memory``: an empty tensor on the original's device, see `version_probe`)."""
         tensor = self.tensor
         if tensor is not None:
             self.dtype = tensor.dtype
             self.size = tensor.size()
             self.stride = tensor.stride()
             self.offset_bytes = tensor.storage_offset() * tensor.element_size()
-            self.probe = version_probe(tensor)
+            self.probe = version_probe(tensor, no_memory)
             self.tensor = None
 
     def check_version(self, group_name: str) -> None:
@@ -180,15 +182,34 @@ def held(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_leaf else tensor.detach()  # is_leaf: no Python object for the node
 
 
-def version_probe(tensor: torch.Tensor) -> torch.Tensor:
+def version_probe(tensor: torch.Tensor, no_memory: torch.Tensor) -> torch.Tensor:
     """A tensor sharing ``tensor``'s version counter that holds none of its memory.
 
     Autograd checks saved tensors for in-place changes only when no saved-tensor hooks are
     installed, so the hooks must check themselves, also after the original tensor is gone.
+    ``no_memory``: an empty tensor on ``tensor``'s device, of any dtype, shared by every probe
+    (`EmptyTensors`): the probe takes its empty storage and keeps its own version counter, and
+    only that counter is ever read.
     """
     probe = tensor.detach()  # shares the version counter
-    probe.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # keeps the counter, drops the storage
+    probe.data = no_memory  # keeps the counter, drops the storage
     return probe
+
+
+class EmptyTensors:
+    """One empty tensor per device, for `version_probe` (one group's probes share it)."""
+
+    __slots__ = ("_by_device",)
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The empty tensor on ``device``."""
+        empty = self._by_device.get(device)
+        if empty is None:
+            empty = self._by_device[device] = torch.empty(0, dtype=torch.uint8, device=device)
+        return empty
 
 
 def check_version(probe: torch.Tensor, version: int, size, group_name: str) -> None:
@@ -253,6 +274,12 @@ def byte_view(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
 
 
 def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src, non_blocking=True)`` for each ``(dst, src)``: one group's copies, issued in one launch."""
-    for dst, src in pairs:
-        dst.copy_(src, non_blocking=True)
+    """``dst.copy_(src, non_blocking=True)`` for each ``(dst, src)``: one group's copies, issued in one launch.
+
+    Without autograd: a source may be the saved tensor itself (NOTE [Direct copies] in
+    copies.py), which can require grad, and a copy into a host buffer must not record history
+    (it would keep the graph alive through the pool).
+    """
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
