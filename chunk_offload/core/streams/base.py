@@ -25,6 +25,21 @@ engine states what each access depends on with `Stream.require(mark, rule=...)`:
 A violation raises `HappensBeforeError` at once, naming the rule. On a GPU the matching check
 is PyTorch's CUDA sanitizer (``TORCH_CUDA_SANITIZER=1``); `CudaStreams(check_order=True)`
 also runs ours.
+
+NOTE [Implied waits]
+A wait on an event is not issued when the waiting stream is already after it: the host waited
+for that event or a later one of its stream (`Event.synchronize`, a stream's synchronize: what
+the host waited for is done, so any work issued afterwards follows it), or this stream waited
+on a later event of the same stream (or on the whole stream, `wait_stream`). Events of one
+stream are numbered in record order (`Stream.stamp`) and each stream keeps the newest number
+it waited on per stream, so the test is two integer comparisons. The clocks are merged all the
+same (the checker sees the order the skipped wait would have made). In steady state this drops
+the buffer fences of a forward (the manager's iteration end waits for both copy streams) and
+every reload's wait on its offload but the first of a backward (backward reloads groups in the
+reverse of their offload order). A stream whose queue may change between two records (CUDA's
+compute, the current stream) stamps its events untracked: they are always waited on, and its
+own numbers restart when its queue changes. PyTorch's CUDA sanitizer orders host waits the
+same way (an event synchronize makes every stream wait for the event).
 """
 
 from __future__ import annotations
@@ -120,15 +135,24 @@ class VectorClocks:
 class Event:
     """A point in one stream's work that other streams (or the host) can wait for."""
 
-    __slots__ = ("clocks", "mark")
+    __slots__ = ("clocks", "mark", "source", "seq")
 
     def __init__(self, clocks: dict[int, int] | None, mark: Mark | None) -> None:
         self.clocks = clocks
         self.mark = mark
+        self.source: Stream | None = None  # set by `Stream.stamp` when waits on it may be implied
+        self.seq = 0
 
     def synchronize(self) -> None:
         """Block the host until the event's work is done."""
         raise NotImplementedError
+
+    def host_waited(self) -> None:
+        """The host saw this event done: later waits on it or earlier events of its stream are
+        implied (NOTE [Implied waits]). Called by `synchronize` and a true `query`."""
+        source = self.source
+        if source is not None and self.seq > source.done_through:
+            source.done_through = self.seq
 
     def query(self) -> bool:
         """Whether the event's work is done, without blocking."""
@@ -145,6 +169,32 @@ class Stream:
         self.id = next(Stream._ids)
         self._vc = clocks
         clocks.register(self.id, name)
+        self.recorded = 0  # events stamped on this stream so far (NOTE [Implied waits])
+        self.done_through = 0  # of those, the newest the host saw done
+        self.after: dict[int, int] = {}  # stream id -> the newest of its events this stream waited on
+
+    def stamp(self, event: Event, tracked: bool = True) -> Event:
+        """Number ``event``, just recorded on this stream; ``tracked=False``: waits on it are
+        never implied (a stream whose queue may change, NOTE [Implied waits])."""
+        self.recorded += 1
+        event.source = self if tracked else None
+        event.seq = self.recorded
+        return event
+
+    def implies(self, event: Event) -> bool:
+        """Whether this stream is already after ``event`` (NOTE [Implied waits]): a wait on it
+        would order nothing. A backend's `wait_event` then only merges the clocks."""
+        source = event.source
+        if source is None:
+            return False
+        seq = event.seq
+        return seq <= source.done_through or seq <= self.after.get(source.id, 0)
+
+    def waited(self, event: Event) -> None:
+        """Note a wait on ``event`` issued to this stream (NOTE [Implied waits])."""
+        source = event.source
+        if source is not None and event.seq > self.after.get(source.id, 0):
+            self.after[source.id] = event.seq
 
     def launch(self, fn: Callable[[], None], *, timed: bool = False, nbytes: int = 0) -> tuple[Mark | None, Timing | None]:
         """Issue ``fn`` (which issues copies of ``nbytes`` bytes) in this stream's order; return its mark and timing."""

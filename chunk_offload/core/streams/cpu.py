@@ -55,6 +55,8 @@ class _CpuEvent(Event):
     def __init__(self, clocks, mark, done: bool = False) -> None:
         self.clocks = clocks  # `Event.__init__`, without the call (several events per group)
         self.mark = mark
+        self.source = None
+        self.seq = 0
         # None: done when made (the compute stream's events, several per group): no flag.
         self._done: _Flag | None = None if done else _Flag()
         self.error: BaseException | None = None
@@ -72,6 +74,7 @@ class _CpuEvent(Event):
         self.wait_done()
         if self.error is not None:
             raise ChunkOffloadError(f"a copy on a CPU copy stream failed: {self.error!r}") from self.error
+        self.host_waited()
 
     def query(self) -> bool:
         return self._done is None or self._done.is_set()
@@ -111,11 +114,11 @@ class _CpuComputeStream(Stream):
     def record_event(self) -> Event:
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
-        return _CpuEvent(clocks, mark, done=True)
+        return self.stamp(_CpuEvent(clocks, mark, done=True))
 
     def wait_event(self, event, *, timed=False):
         if not timed and self._delay.max_seconds == 0:  # twice per group: no clock reads, no delay call
-            event.synchronize()
+            event.synchronize()  # the host waits: NOTE [Implied waits] for every stream after it
             self._vc.merge(self.id, event.clocks)
             return None
         start = time.perf_counter()
@@ -224,7 +227,7 @@ class _CpuCopyStream(Stream):
         if self._stopped:
             self._raise_stopped()
         clocks = self._vc.snapshot(self.id)
-        event = _CpuEvent(clocks, None if clocks is None else Mark(self.id, clocks[self.id]))
+        event = self.stamp(_CpuEvent(clocks, None if clocks is None else Mark(self.id, clocks[self.id])))
         self._last_event = event
         batch, self._batch = self._batch, []
         batch.append((_RECORD, event, None, 0))
@@ -233,9 +236,10 @@ class _CpuCopyStream(Stream):
 
     def wait_event(self, event, *, timed=False):
         self._vc.merge(self.id, event.clocks)
-        if event._done is None or (event._done.is_set() and event.error is None):
-            return None  # done without an error: nothing for the worker to wait for (NOTE [Batched issue])
+        if self.implies(event) or event._done is None or (event._done.is_set() and event.error is None):
+            return None  # implied, or done without an error: nothing for the worker to wait for (NOTE [Batched issue])
         self._batch.append((_WAIT, event, None, 0))
+        self.waited(event)
         return None
 
     def retain(self, tensors):

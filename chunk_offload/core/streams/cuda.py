@@ -20,9 +20,13 @@ class _CudaEvent(Event):
 
     def synchronize(self) -> None:
         self.cuda_event.synchronize()
+        self.host_waited()
 
     def query(self) -> bool:
-        return self.cuda_event.query()
+        done = self.cuda_event.query()
+        if done:
+            self.host_waited()
+        return done
 
 
 class _CudaStream(Stream):
@@ -55,6 +59,7 @@ class _CudaStream(Stream):
         if data != self._current_data:
             self._current = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
             self._current_data = data
+            self.after = {}  # another queue: it waited on nothing yet (NOTE [Implied waits])
         return self._current
 
     def launch(self, fn, *, timed=False, nbytes=0):
@@ -81,10 +86,14 @@ class _CudaStream(Stream):
         event.record(self._raw())
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
-        return _CudaEvent(clocks, mark, event)
+        return self.stamp(_CudaEvent(clocks, mark, event), tracked=self._stream is not None)
 
     def wait_event(self, event, *, timed=False):
-        raw = self._raw()
+        raw = self._raw()  # first: it forgets the waits of a compute queue that changed
+        if self.implies(event):
+            self._vc.merge(self.id, event.clocks)
+            return None
+        self.waited(event)
         start = end = None
         if timed:
             start = torch.cuda.Event(enable_timing=True)
@@ -112,6 +121,8 @@ class _CudaStream(Stream):
         event.record(other._raw())
         self._raw().wait_event(event)
         self._vc.merge_stream(self.id, other.id)
+        if other._stream is not None:  # NOTE [Implied waits]: every event of ``other`` so far
+            self.after[other.id] = other.recorded
 
 
 class CudaStreams(StreamBackend):
