@@ -44,21 +44,28 @@ def view_device_bytes(ctx: "EngineContext", name: str, storages: Iterable[Storag
     and every save: d2h waits on compute after it (R1 covers the views too), and the offload
     requires it. A view made after d2h's wait would race the copy that reads it.
     """
-    stats = ctx.stats.group(name)
     copied: list[Storage] = []
+    tensors = 0
     for storage in storages:
         if storage.pinned:
             continue
-        refs = alive(storage)
-        tensor = refs[0].tensor
-        if len(refs) == 1 and tensor.nbytes == storage.nbytes and tensor.is_contiguous():
-            storage.device_bytes = tensor
+        first = storage.first() if storage.more is None and storage.first is not None else None
+        if first is not None:  # one view saved (the common case): no list of the live views
+            tensor, views = first.tensor, 1
+        else:
+            refs = alive(storage)
+            tensor, views = refs[0].tensor, len(refs)
+        if views == 1 and tensor.nbytes == storage.nbytes and tensor.is_contiguous():
+            # A group input is held as it is and may require grad: its copy must not record
+            # history (a copy into a pooled host buffer would keep the graph alive).
+            storage.device_bytes = tensor.detach() if tensor.requires_grad else tensor
             storage.layout = (tensor.dtype, tensor.shape)
         else:
             storage.device_bytes = byte_view(tensor, storage.start, storage.nbytes)
         storage.weak = weak_storage(tensor)  # NOTE [Storages held elsewhere]
-        stats.tensors_offloaded += len(refs)
+        tensors += views
         copied.append(storage)
+    ctx.stats.group(name).tensors_offloaded += tensors
     return copied, ctx.streams.compute.tick()
 
 
@@ -104,26 +111,29 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
     streams = ctx.streams
     h2d = streams.h2d
     device = streams.device
+    pairs = []
+    nbytes = 0
     for storage in storages:
         # NOTE [Reload allocation]: the reload buffer is allocated on the compute stream, so the
         # caching allocator frees it in compute order after its last use; the copy stream must
         # therefore wait on compute before writing it (R4).
         layout = storage.layout
         if layout is None:
-            storage.device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=device)
+            device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=device)
+            pairs.append((device_bytes, storage.host.view()))
         else:  # NOTE [Direct copies]
-            storage.device_bytes = torch.empty(layout[1], dtype=layout[0], device=device)
+            device_bytes = torch.empty(layout[1], dtype=layout[0], device=device)
+            pairs.append((device_bytes, storage.host.typed_view(*layout)))
+        storage.device_bytes = device_bytes
+        nbytes += storage.nbytes
     alloc_mark = streams.compute.tick()
     if "reload_after_alloc" not in ctx.skip_waits:
         h2d.wait_stream(streams.compute)
     wait(h2d, offload_event, "reload_after_offload")
     h2d.require(alloc_mark, rule="R4", what="reload of {!r} writing its device buffer", subject=name)
     h2d.require(offload_event.mark, rule="R4", what="reload of {!r} reading a host buffer before its offload finished", subject=name)
-    nbytes = 0
     for storage in storages:
-        nbytes += storage.nbytes
         storage.on_host = False
-    pairs = [(storage.device_bytes, host_view(storage)) for storage in storages]
     _, timing = h2d.launch(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
     ctx.stats.timing(name, "reload_time_s", timing)
     ctx.stats.group(name).bytes_reloaded += nbytes

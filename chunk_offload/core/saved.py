@@ -274,12 +274,7 @@ def byte_view(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
 
 
 def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src, non_blocking=True)`` for each ``(dst, src)``: one group's copies, issued in one launch.
-
-    Without autograd: a source may be the saved tensor itself (NOTE [Direct copies] in
-    copies.py), which can require grad, and a copy into a host buffer must not record history
-    (it would keep the graph alive through the pool).
-    """
-    with torch.no_grad():
-        for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
+    """``dst.copy_(src, non_blocking=True)`` for each ``(dst, src)``: one group's copies, issued
+    in one launch. No pair requires grad (`copies.view_device_bytes`), so no copy records history."""
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)
