@@ -64,13 +64,14 @@ class Mark(NamedTuple):
 class Timing:
     """Seconds spent by one launched copy or one compute wait, known once it is done."""
 
-    __slots__ = ("_seconds", "_start", "_end", "_done")
+    __slots__ = ("_seconds", "_start", "_end", "_done", "_recycle")
 
-    def __init__(self, seconds: float | None = None, start=None, end=None, done=None) -> None:
+    def __init__(self, seconds: float | None = None, start=None, end=None, done=None, recycle=None) -> None:
         self._seconds = seconds
         self._start = start
         self._end = end
         self._done = done  # CPU copy streams: a flag (``set``/``wait``) the worker sets once the work ran (or was skipped)
+        self._recycle = recycle  # takes the start and end events back once their elapsed time is read
 
     def seconds(self) -> float:
         """Block until the timed work is done and return its duration in seconds."""
@@ -79,6 +80,9 @@ class Timing:
         if self._seconds is None and self._start is not None:
             self._end.synchronize()
             self._seconds = self._start.elapsed_time(self._end) / 1000.0
+            if self._recycle is not None:
+                self._recycle(self._start, self._end)
+            self._start = self._end = None
         return self._seconds or 0.0
 
 

@@ -13,10 +13,44 @@ __all__ = ["CudaStreams"]
 # ----------------------------------------------------------------------------- CUDA
 
 
+class _EventPool:
+    """`torch.cuda.Event`s handed out again once nothing can use their last record.
+
+    NOTE [CUDA event pool]
+    Making an event costs a Python object, a ``cudaEventCreateWithFlags`` at its first record
+    and a ``cudaEventDestroy`` when it is freed: two per group, and eight more with
+    ``measure_time``. A synchronisation event comes back when its `_CudaEvent` is freed: no
+    group, buffer or later wait can reach it, and the waits issued on it captured its record
+    (``cudaStreamWaitEvent`` waits for the record made before it, whatever is recorded later).
+    A timing pair comes back once its elapsed time was read (`Timing.seconds`).
+    """
+
+    __slots__ = ("_free", "_timing")
+
+    def __init__(self, enable_timing: bool) -> None:
+        self._free: list[torch.cuda.Event] = []
+        self._timing = enable_timing
+
+    def take(self) -> torch.cuda.Event:
+        try:
+            return self._free.pop()
+        except IndexError:  # none free (a check first could race a free on another thread)
+            return torch.cuda.Event(enable_timing=self._timing)
+
+    def give(self, *events: torch.cuda.Event) -> None:
+        self._free.extend(events)
+
+
 class _CudaEvent(Event):
-    def __init__(self, clocks, mark, event: torch.cuda.Event) -> None:
+    __slots__ = ("cuda_event", "_pool")
+
+    def __init__(self, clocks, mark, event: torch.cuda.Event, pool: _EventPool) -> None:
         super().__init__(clocks, mark)
         self.cuda_event = event
+        self._pool = pool
+
+    def __del__(self) -> None:
+        self._pool.give(self.cuda_event)  # NOTE [CUDA event pool]
 
     def synchronize(self) -> None:
         self.cuda_event.synchronize()
@@ -51,6 +85,14 @@ class _CudaStream(Stream):
         self._current: torch.cuda.Stream | None = None  # compute: the current stream last seen, and its triple
         self._current_data: tuple[int, int, int] | None = None
         self._wait_events: dict[int, torch.cuda.Event] = {}  # by the id of the stream waited on
+        self._events = _EventPool(enable_timing=False)  # NOTE [CUDA event pool]
+        self._timing_events = _EventPool(enable_timing=True)
+
+    def _timing(self, raw: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """A timing pair from the pool, its start recorded on ``raw`` now."""
+        start, end = self._timing_events.take(), self._timing_events.take()
+        start.record(raw)
+        return start, end
 
     def _raw(self) -> torch.cuda.Stream:
         if self._stream is not None:
@@ -67,9 +109,7 @@ class _CudaStream(Stream):
         mark = self._vc.tick(self.id)
         start = end = None
         if timed:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(raw)
+            start, end = self._timing(raw)
         previous = current_stream_data(self._index)
         set_stream_data(self._data if self._data is not None else self._current_data)  # `_raw` just read it
         try:
@@ -78,15 +118,15 @@ class _CudaStream(Stream):
             set_stream_data(previous)
         if timed:
             end.record(raw)
-            return mark, Timing(start=start, end=end)
+            return mark, Timing(start=start, end=end, recycle=self._timing_events.give)
         return mark, None
 
     def record_event(self) -> Event:
-        event = torch.cuda.Event()
+        event = self._events.take()
         event.record(self._raw())
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
-        return self.stamp(_CudaEvent(clocks, mark, event), tracked=self._stream is not None)
+        return self.stamp(_CudaEvent(clocks, mark, event, self._events), tracked=self._stream is not None)
 
     def wait_event(self, event, *, timed=False):
         raw = self._raw()  # first: it forgets the waits of a compute queue that changed
@@ -96,15 +136,13 @@ class _CudaStream(Stream):
         self.waited(event)
         start = end = None
         if timed:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(raw)
+            start, end = self._timing(raw)
         raw.wait_event(event.cuda_event)
         self._vc.merge(self.id, event.clocks)
         if timed:
             # Elapsed time between two events around the wait is the time the stream stalled.
             end.record(raw)
-            return Timing(start=start, end=end)
+            return Timing(start=start, end=end, recycle=self._timing_events.give)
         return None
 
     def retain(self, tensors):

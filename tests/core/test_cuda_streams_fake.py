@@ -1,0 +1,119 @@
+"""`CudaStreams` on a fake ``torch.cuda`` (no GPU here): NOTE [CUDA event pool] and the CUDA side
+of NOTE [Implied waits], the parts of the CUDA path that no CPU backend runs.
+
+The fake records every event creation, record and stream wait, so the tests count the CUDA
+calls the wrapper makes. `tests/gpu` runs the same code on a real device.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+import torch
+
+from chunk_offload.core.streams import CudaStreams
+from chunk_offload.core.streams import cuda as cuda_module
+
+
+class FakeEvent:
+    made: list["FakeEvent"] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.records: list[int] = []
+        FakeEvent.made.append(self)
+
+    def record(self, stream: "FakeStream") -> None:
+        self.records.append(stream.stream_id)
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return 2.0  # milliseconds
+
+
+class FakeStream:
+    ids = itertools.count(100)
+    waits: list[tuple[int, FakeEvent]] = []
+
+    def __init__(self, device=None, *, stream_id: int | None = None, device_index: int = 0, device_type: int = 1) -> None:
+        self.stream_id = next(FakeStream.ids) if stream_id is None else stream_id
+        self.device_index = device_index
+        self.device_type = device_type
+
+    def wait_event(self, event: FakeEvent) -> None:
+        FakeStream.waits.append((self.stream_id, event))
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    FakeEvent.made.clear()
+    FakeStream.waits.clear()
+    current = {"data": (1, 0, 1)}  # the current (compute) stream's triple
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(cuda_module, "current_stream_data", lambda index: current["data"])
+    monkeypatch.setattr(cuda_module, "set_stream_data", lambda data: None)
+    backend = CudaStreams("cuda:0")
+    backend.current = current
+    return backend
+
+
+def test_a_freed_event_is_recorded_again_instead_of_made_anew(streams) -> None:
+    first = streams.d2h.record_event()
+    made = len(FakeEvent.made)
+    cuda_event = first.cuda_event
+    del first
+    gc.collect()
+    again = streams.d2h.record_event()
+    assert again.cuda_event is cuda_event and len(FakeEvent.made) == made
+    assert cuda_event.records == [streams.d2h._raw().stream_id] * 2
+    held = streams.d2h.record_event()  # `again` is alive: a new one
+    assert held.cuda_event is not cuda_event and len(FakeEvent.made) == made + 1
+
+
+def test_a_timing_pair_returns_once_read(streams) -> None:
+    _, timing = streams.d2h.launch(lambda: None, timed=True)
+    made = len(FakeEvent.made)
+    assert timing.seconds() == 0.002
+    _, again = streams.h2d.launch(lambda: None, timed=True)  # another stream: its own pool
+    _, third = streams.d2h.launch(lambda: None, timed=True)
+    assert len(FakeEvent.made) == made + 2  # the h2d pair only; d2h reused its pair
+    assert third.seconds() == again.seconds() == 0.002
+
+
+def test_waits_implied_by_a_later_wait_or_a_host_wait_are_not_issued(streams) -> None:
+    first, second = streams.d2h.record_event(), streams.d2h.record_event()
+    h2d = streams.h2d._raw().stream_id
+    streams.h2d.wait_event(second)
+    streams.h2d.wait_event(first)  # implied by the wait on `second`
+    assert FakeStream.waits == [(h2d, second.cuda_event)]
+    later = streams.d2h.record_event()
+    later.synchronize()  # a host wait: implied for every stream
+    streams.h2d.wait_event(later)
+    streams.compute.wait_event(first)
+    assert FakeStream.waits == [(h2d, second.cuda_event)]
+
+
+def test_compute_forgets_its_waits_when_the_current_stream_changes(streams) -> None:
+    reload = streams.h2d.record_event()
+    streams.compute.wait_event(reload)
+    streams.compute.wait_event(reload)  # implied: the same compute stream waited on it
+    assert [sid for sid, _ in FakeStream.waits] == [1]
+    streams.current["data"] = (2, 0, 1)  # another current stream: it has waited on nothing
+    streams.compute.wait_event(reload)
+    assert [sid for sid, _ in FakeStream.waits] == [1, 2]
+
+
+def test_events_of_compute_are_always_waited_on(streams) -> None:
+    """Compute is whatever stream is current: its events are untracked."""
+    first, second = streams.compute.record_event(), streams.compute.record_event()
+    streams.d2h.wait_event(second)
+    streams.d2h.wait_event(first)
+    assert [event for _, event in FakeStream.waits] == [second.cuda_event, first.cuda_event]
