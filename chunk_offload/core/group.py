@@ -20,7 +20,7 @@ import torch
 
 from ._torch_compat import free_weak_storage, storage_key
 from .copies import copy_to_device, copy_to_host, release_after_copy
-from .engine_context import NO_RANGE, EngineContext, profile_range
+from .engine_context import EngineContext, profile_range
 from .errors import internal_assert
 from .group_state import TRANSITIONS, GroupHandler, GroupState, state_error
 from .saved import KeptRef, SavedRef, Storage, alive, fix_spans
@@ -99,12 +99,17 @@ class OffloadGroup:
             raise state_error(self.name, self.handler.key, self.state, allowed, action)
 
     def _wait(self, stream, event: Event | None, name: str, timed_kind: str | None = None) -> None:
-        if event is None or name in self._ctx.skip_waits:
+        ctx = self._ctx
+        if event is None or name in ctx.skip_waits:
             return
-        with profile_range(self, _WAIT_RANGES[name]) if name in _WAIT_RANGES else NO_RANGE:
-            timing = stream.wait_event(event, timed=self._ctx.measure_time and timed_kind is not None)
-        if timed_kind is not None:
-            self._ctx.stats.timing(self.name, timed_kind, timing)
+        timed = ctx.measure_time and timed_kind is not None
+        if ctx.profile_ranges and name in _WAIT_RANGES:
+            with profile_range(self, _WAIT_RANGES[name]):
+                timing = stream.wait_event(event, timed=timed)
+        else:
+            timing = stream.wait_event(event, timed=timed)
+        if timing is not None:
+            ctx.stats.timing(self.name, timed_kind, timing)
 
     # ------------------------------------------------------------------ forward
     def save(self, tensor: torch.Tensor, key: int | None = None) -> SavedRef:
@@ -196,8 +201,12 @@ class OffloadGroup:
                 no_memory = ctx.empties.on(storage.device_bytes.device)
             storage.device_bytes = None
             storage.on_host = True
-            for ref in alive(storage):
-                ref.drop_original(no_memory)
+            first = storage.first() if storage.more is None and storage.first is not None else None
+            if first is not None:  # one view saved (the common case): no list of the live views
+                first.drop_original(no_memory)
+            else:
+                for ref in alive(storage):
+                    ref.drop_original(no_memory)
             nbytes += storage.nbytes
         ctx.resident.moved_to_host(nbytes)
         self._to(GroupState.ON_HOST)
@@ -272,11 +281,12 @@ class OffloadGroup:
                 ref.check_version(self.name)
             return tensor
         ref.check_version(self.name)
-        self.ensure_resident()
-        self._expect((GroupState.RESIDENT,), "unpack a tensor of")
-        compute = self._ctx.streams.compute
-        if self._h2d_event is not None:
-            compute.require(self._h2d_event.mark, rule="R2", what="use of a reloaded tensor of {!r}", subject=self.name)
+        if self.state is not GroupState.RESIDENT:  # its first unpack: wait for the reload
+            self.ensure_resident()
+            self._expect((GroupState.RESIDENT,), "unpack a tensor of")
+        event = self._h2d_event
+        if event is not None and event.mark is not None:
+            self._ctx.streams.compute.require(event.mark, rule="R2", what="use of a reloaded tensor of {!r}", subject=self.name)
         storage = ref.storage
         if storage.device_bytes is None:
             internal_assert(False, f"unpack of a freed storage in {self!r}")

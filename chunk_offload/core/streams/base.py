@@ -232,7 +232,8 @@ class Stream:
         ``what`` names the access; with ``subject`` it is a `str.format` template filled with
         it, so that the message costs nothing unless the check fails (it runs per saved tensor).
         """
-        self._vc.require(self.id, mark, rule, what, subject)
+        if mark is not None:  # None: the checker is off
+            self._vc.require(self.id, mark, rule, what, subject)
 
     def synchronize(self) -> None:
         """Block the host until all work issued to this stream is done."""
