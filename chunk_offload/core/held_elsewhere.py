@@ -125,7 +125,15 @@ class HeldElsewhere:
     def shared_groups(self, vp_stage: int, groups: Sequence[ProbedGroup]) -> list[tuple[int, ...]]:
         """The sets of a chunk's groups that saved one storage held nowhere else (neither pinned nor
         at a known place): copying some of a set frees nothing. Sorted; empty: none."""
-        owner: dict[int, int] = {}  # storage key -> index of the first group that saved it
+        seen: set[int] = set()
+        twice: set[int] = set()  # keys saved by more than one group: set operations, per group
+        for group in groups:
+            keys = group.storages.keys()
+            twice |= seen & keys
+            seen |= keys
+        if not twice:
+            return []
+        owner: dict[int, int] = {}  # storage key -> position of the first group it is eligible in
         parent = list(range(len(groups)))
 
         def root(i: int) -> int:
@@ -134,15 +142,16 @@ class HeldElsewhere:
             return i
 
         for position, group in enumerate(groups):
+            storages = group.storages
+            if twice.isdisjoint(storages):
+                continue
             held = self.kept(vp_stage, group.index, group.name)
-            for ordinal, (key, storage) in enumerate(group.storages.items()):
-                if storage.pinned or not storage.live or (held is not None and ordinal in held):
+            for ordinal, (key, storage) in enumerate(storages.items()):
+                if key not in twice or storage.pinned or not storage.live or (held is not None and ordinal in held):
                     continue
                 first = owner.setdefault(key, position)
                 if first != position:
                     parent[root(position)] = root(first)
-        if len(owner) == sum(len(g.storages) for g in groups):
-            return []
         sets: dict[int, list[int]] = {}
         for position, group in enumerate(groups):
             sets.setdefault(root(position), []).append(group.index)
