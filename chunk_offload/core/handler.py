@@ -88,7 +88,7 @@ class ChunkOffloadHandler:
         """Without ``offload``: learn at the forward's end, without copies, which saved storages
         another reference holds (NOTE [Storages held elsewhere])."""
         self._learned: list[int] = []  # per group: bytes found held elsewhere at the forward's end
-        self._shared: list[tuple[int, ...]] = []  # groups that saved one storage (`HeldElsewhere.shared_groups`)
+        self._shared: list[tuple[int, ...]] | None = None  # groups that saved one storage (`HeldElsewhere.shared_groups`); None: not looked for
         self.groups: list[OffloadGroup] = []
         self._states = _GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
@@ -175,7 +175,8 @@ class ChunkOffloadHandler:
             self._learned = [group.note_held_elsewhere() if group.state is GroupState.ON_HOST else 0 for group in self.groups]
         elif self.probe_held:
             self._learned = held.probe(self.key.vp_stage, self.groups)
-        self._shared = held.shared_groups(self.key.vp_stage, self.groups)
+        if self.offload or self.probe_held:  # what a device budget reads: not a kept chunk's cost
+            self._shared = held.shared_groups(self.key.vp_stage, self.groups)
 
     def _release_held(self) -> None:
         if self._holding:
@@ -229,9 +230,10 @@ class ChunkOffloadHandler:
         probed): kept on device from then on (NOTE [Storages held elsewhere])."""
         return self._learned or [0] * len(self.groups)
 
-    def group_shared(self) -> list[tuple[int, ...]]:
-        """The sets of groups that saved one storage held nowhere else (`HeldElsewhere.shared_groups`)."""
-        return list(self._shared)
+    def group_shared(self) -> list[tuple[int, ...]] | None:
+        """The sets of groups that saved one storage held nowhere else (`HeldElsewhere.shared_groups`),
+        found at the forward's end of a chunk that copies or probes; None in any other chunk."""
+        return None if self._shared is None else list(self._shared)
 
     def abort(self) -> None:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""

@@ -129,8 +129,10 @@ class HeldElsewhere:
         twice: set[int] = set()  # keys saved by more than one group: set operations, per group
         for group in groups:
             keys = group.storages.keys()
-            twice |= seen & keys
-            seen |= keys
+            common = seen.intersection(keys)  # iterates ``keys`` only (a group's few storages)
+            if common:
+                twice |= common
+            seen.update(keys)
         if not twice:
             return []
         owner: dict[int, int] = {}  # storage key -> position of the first group it is eligible in
@@ -141,21 +143,26 @@ class HeldElsewhere:
                 i = parent[i]
             return i
 
+        unioned: set[int] = set()
         for position, group in enumerate(groups):
             storages = group.storages
-            if twice.isdisjoint(storages):
+            keys = twice.intersection(storages)
+            if not keys:
                 continue
             held = self.kept(vp_stage, group.index, group.name)
-            for ordinal, (key, storage) in enumerate(storages.items()):
-                if key not in twice or storage.pinned or not storage.live or (held is not None and ordinal in held):
+            ordinals = None if held is None else {key: ordinal for ordinal, key in enumerate(storages)}
+            for key in keys:
+                storage = storages[key]
+                if storage.pinned or not storage.live or (ordinals is not None and ordinals[key] in held):
                     continue
                 first = owner.setdefault(key, position)
                 if first != position:
                     parent[root(position)] = root(first)
+                    unioned.update((position, first))
         sets: dict[int, list[int]] = {}
-        for position, group in enumerate(groups):
-            sets.setdefault(root(position), []).append(group.index)
-        return sorted(tuple(members) for members in sets.values() if len(members) > 1)
+        for position in sorted(unioned):
+            sets.setdefault(root(position), []).append(groups[position].index)
+        return sorted(tuple(members) for members in sets.values())
 
     def clear(self) -> None:
         """Forget every place (the offloaded modules changed); the next baseline probes again."""

@@ -132,7 +132,7 @@ class IterationWindow:
             group_names={tuple(h.key): [g.name for g in h.groups] for h in handlers},
             group_kept_bytes={tuple(h.key): h.group_kept_bytes() for h in handlers},
             group_learned_bytes={tuple(h.key): h.group_learned_bytes() for h in handlers},
-            group_shared={tuple(h.key): h.group_shared() for h in handlers if h.group_shared()},
+            group_shared={tuple(h.key): shared for h in handlers if (shared := h.group_shared()) is not None},
             groups=groups,
             order=list(self.order),
             action_starts_s=list(self.action_starts_s),

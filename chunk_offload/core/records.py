@@ -60,7 +60,9 @@ class IterationRecord:
     probed in a baseline): later chunks keep them on device (NOTE [Storages held elsewhere])."""
     group_shared: dict[tuple[int, int], list[tuple[int, ...]]] = field(default_factory=dict)
     """(microbatch, vp_stage) -> the sets of the chunk's groups that saved one storage held
-    nowhere else: a copy of some of a set frees nothing (chunks without such sets are left out)."""
+    nowhere else: a copy of some of a set frees nothing. Looked for in the chunks that copied or
+    were probed (NOTE [Storages held elsewhere]), an empty list where there are none; chunks kept
+    whole are left out (what a chunk shares does not change from one iteration to the next)."""
     action_starts_s: list[float] = field(default_factory=list)
     """For each entry of ``order``: seconds from the iteration's start at which that action
     began (host ``perf_counter``; on CUDA the host runs ahead of the device)."""

@@ -114,7 +114,7 @@ class Budgets:
         it) or measured (an iteration under a choice that fits peaked over it); None: not seen."""
         self._group_bytes: dict[tuple[int, int], list[int]] = {}
         self._kept_bytes: dict[tuple[int, int], list[int]] = {}  # of the latest record (NOTE [Storages held elsewhere])
-        self._shared: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # groups copied together, of the latest record
+        self._shared: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # groups copied together, of the latest record that looked
         self._choice_plan: Plan | None = None
         self._key: tuple | None = None
         self._lowest_key: tuple | None = None
@@ -162,7 +162,8 @@ class Budgets:
                 # What each group keeps on device from the next iteration on: the storages held
                 # elsewhere, those this record's chunks learned included (NOTE [Storages held elsewhere]).
                 self._kept_bytes = {chunk: record.kept_from_now_of(*chunk) for chunk in record.group_bytes}
-                self._shared = {chunk: list(sets) for chunk, sets in record.group_shared.items()}
+                # A new dict (``_choose``'s key compares it): chunks kept whole keep what an earlier record found.
+                self._shared = {**self._shared, **{chunk: list(sets) for chunk, sets in record.group_shared.items()}}
             budget = self._budget(plan, record, usable)
             if usable and budget is not None:
                 new_policy = self._choose(plan, record, budget, pp_rank=pp_rank)
