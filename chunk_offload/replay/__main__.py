@@ -12,8 +12,8 @@ mode on the same stage, plan, modules and seed (`chunk_offload.replay.compare`).
 A co-planned stage (``chunk-offload plan --co-plan``): its offload modules and megatron's selective
 recompute of its recompute modules, both modes built with the recompute::
 
-    python -m chunk_offload.replay --pp 4 --stage 0 --layers 8 --hidden 1024 --seq 1024 \\
-        --modules qkv_linear --recompute-modules core_attn
+    python -m chunk_offload.replay --pp 2 --stage 0 --layers 8 --hidden 1024 --heads 16 --seq 4096 \\
+        --microbatches 8 --attention local --modules attn_norm,qkv_linear --recompute-modules core_attn
 
 ``--recompute-modules`` takes the planner's names (`chunk_offload.planner.dims.RECOMPUTE_MODULES`)
 that the replay's dense GPT has: ``core_attn``. Megatron's other names are refused with the reason
