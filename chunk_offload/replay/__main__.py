@@ -59,7 +59,7 @@ _NOT_HERE = {
     "shared_experts": "it needs MoE shared experts, and the planner does not model it",
 }
 """Recompute names the replay refuses -> why: megatron's that the planner does not model, and moe."""
-_RECOMPUTE = [m for m in RECOMPUTE_MODULES if m not in _NOT_HERE]
+_RECOMPUTE = tuple(m for m in RECOMPUTE_MODULES if m not in _NOT_HERE)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -165,7 +165,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _recompute_module(name: str) -> str:
     """A ``--recompute-modules`` name; megatron's names the replay cannot run are refused with the reason."""
     if name in _NOT_HERE:
-        raise argparse.ArgumentTypeError(f"{name!r} cannot be recomputed in the replay: {_NOT_HERE[name]}; choose from {_RECOMPUTE}")
+        raise argparse.ArgumentTypeError(f"{name!r} cannot be recomputed in the replay: {_NOT_HERE[name]}; choose from {list(_RECOMPUTE)}")
     return name
 
 
