@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # GPU evidence in one command: environment, tests/gpu, tests/gpu under PyTorch's CUDA stream
 # sanitizer, the stage replay of stage 0 and of the last stage of PP=4 VPP=2 (hidden 4096, bf16)
-# side by side with megatron-core's built-in offload where the replay offers --compare, the PP=1
+# side by side with megatron-core's built-in offload where the replay offers --compare, the replay
+# of README's co-planned stage (offload and megatron's selective recompute together), the PP=1
 # comparison with megatron's built-in (bench/megatron_compare.py), the pinned-memcpy bandwidth
 # probe and the host-overhead bench with its profile. Every log and JSON goes under the output
 # folder, in at most 8 files: evidence.log (every step's output, in order, pytest's per-test
 # results included), summary.txt (one line per step: status, seconds, limit), replay.json,
-# replay_last.json, compare.json (hidden 4096), compare_host.json (the host-bound configuration),
-# bandwidth.json.
+# replay_last.json, replay_coplan.json, compare.json (hidden 4096), compare_host.json (the
+# host-bound configuration), bandwidth.json.
 #
 # Each step runs under its own time limit, in the order of what matters most; a failing step
 # does not stop the others; the exit status is 1 if any step failed or timed out. The steps took
 # 427 s on an H200 on 2026-11-26 with the sanitizer step cut at 120 s (it runs the parity tests
-# and the PP=1 replay test): about 7 to 8 minutes in all. A session's device time is 15 minutes,
+# and the PP=1 replay test), before replay_coplan (at most 60 s) was added: about 7 to 8 minutes in all. A session's device time is 15 minutes,
 # the machine's start included: run them in one call with a wall-clock limit of about 9 minutes;
 # what the finished steps wrote still comes back if the limit cuts the last ones.
 # Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
@@ -29,8 +30,8 @@
 # REPLAY_MODULES (default core_attn,qkv_linear).
 set -u -o pipefail
 
-readonly STEPS=(install env tests compare sanitizer replay overhead replay_last bandwidth sanitizer_pp4)
-declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=200 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=100 [bandwidth]=30 [sanitizer_pp4]=150)
+readonly STEPS=(install env tests compare sanitizer replay overhead replay_last replay_coplan bandwidth sanitizer_pp4)
+declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=200 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=100 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
@@ -39,6 +40,8 @@ declare -A CMD=(
     [replay]='replay_stage 0 replay.json'
     [compare]='compare_pp1'
     [replay_last]='replay_stage 3 replay_last.json'
+    # README's co-plan, stage 0: attn_norm,qkv_linear offloaded, core attention recomputed.
+    [replay_coplan]='"$PY" -m chunk_offload.replay --pp 2 --stage 0 --layers 8 --hidden 1024 --heads 16 --seq 4096 --microbatches 8 --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention local --modules attn_norm,qkv_linear --recompute-modules core_attn --iterations 3 --warmup 1 --json "$OUT_DIR/replay_coplan.json"'
     [bandwidth]='"$PY" bench/bandwidth.py --json "$OUT_DIR/bandwidth.json"'
     [overhead]='"$PY" bench/overhead.py --profile 5'
     [sanitizer_pp4]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_replay.py -k pp4_stage0'

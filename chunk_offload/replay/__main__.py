@@ -8,6 +8,17 @@ the CPU (peaks: the manager's accounting of saved bytes; ``--link-gbps`` simulat
 Exit status 3 when the device runs out of memory, so scripts can retry a smaller shape.
 ``--compare megatron`` adds megatron-core's own fine-grained activation offloading as a third
 mode on the same stage, plan, modules and seed (`chunk_offload.replay.compare`).
+
+A co-planned stage (``chunk-offload plan --co-plan``): its offload modules and megatron's selective
+recompute of its recompute modules, both modes built with the recompute::
+
+    python -m chunk_offload.replay --pp 2 --stage 0 --layers 8 --hidden 1024 --heads 16 --seq 4096 \\
+        --microbatches 8 --attention local --modules attn_norm,qkv_linear --recompute-modules core_attn
+
+``--recompute-modules`` takes the planner's names (`chunk_offload.planner.dims.RECOMPUTE_MODULES`)
+that the replay's dense GPT has: ``core_attn``. Megatron's other names are refused with the reason
+(``mlp`` hangs on CPU in megatron-core 0.16.1), and so are a module both recomputed and offloaded
+and the combinations `chunk_offload.module_names.combination_problem` refuses (exit status 2).
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ from ..core.option_table import option
 from ..core.streams import CpuStreams
 from ..devkit.gpt import ATTENTIONS, GPTShape
 from ..option_flags import argparse_keywords
+from ..module_names import check_combination
 from ..planner import PipelineConfig, canonical_modules
+from ..planner.dims import RECOMPUTE_MODULES
 from .compare import compare_with_megatron
 from .run import replay
 from .stage import megatron_stage
@@ -37,6 +50,16 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EXIT_OUT_OF_MEMORY = 3
+_NOT_HERE = {
+    "moe": "it recomputes MoE layers, and the replay builds a dense GPT (no MoE layers)",
+    "mlp": "megatron-core 0.16.1's mlp recompute hangs on CPU even without offload, and the planner does not model it",
+    "layernorm": "it needs Transformer Engine's layer spec, and the planner does not model it",
+    "moe_act": "it needs MoE layers with grouped GEMM, and the planner does not model it",
+    "mla_up_proj": "it needs multi-latent attention, and the planner does not model it",
+    "shared_experts": "it needs MoE shared experts, and the planner does not model it",
+}
+"""Recompute names the replay refuses -> why: megatron's that the planner does not model, and moe."""
+_RECOMPUTE = tuple(m for m in RECOMPUTE_MODULES if m not in _NOT_HERE)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("offload")
     g.add_argument("--modules", required=True, help="comma-separated offload module names, e.g. core_attn,qkv_linear")
     g.add_argument("--min-offload-bytes", **argparse_keywords(option("min-offload-bytes"), dest="min_offload_bytes"))
+    g.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        type=_recompute_module,
+        choices=_RECOMPUTE,
+        default=None,
+        help="megatron's selective recompute of these modules (--recompute-granularity selective) in both modes, the "
+        f"planner's names the replay's GPT has: {', '.join(_RECOMPUTE)}",
+    )
     g.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link, GB/s (copy time = bytes / rate)")
     g.add_argument("--d2h-gbps", type=float, default=None, help="CPU only: the simulated link to host, GB/s (default --link-gbps)")
     g.add_argument("--h2d-gbps", type=float, default=None, help="CPU only: the simulated link back, GB/s (default --link-gbps)")
@@ -107,7 +139,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.hidden % heads:
         p.error(f"--hidden must be divisible by the attention heads ({heads}), got {args.hidden}")
     try:
-        canonical_modules(args.modules)
+        modules = canonical_modules(args.modules)
         # megatron-core's own checks of the interleaved schedule (the planner's pipeline model).
         PipelineConfig(
             pipeline_parallel=args.pp,
@@ -117,6 +149,24 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except ChunkOffloadError as e:
         flag = "--modules" if "module" in str(e) else "--microbatches"
         p.error(f"{flag}: {e}")
+    recompute = args.recompute_modules or []
+    both = [m for m in modules if m in recompute]
+    if both:
+        p.error(
+            f"argument --recompute-modules: {','.join(both)} is offloaded too (--modules {args.modules}): a recomputed "
+            "module's forward saves nothing to offload; drop it from --modules or from --recompute-modules"
+        )
+    try:
+        check_combination(modules, recompute, modules_flag="--modules", recompute_flag="--recompute-modules")
+    except ChunkOffloadError as e:
+        p.error(str(e))
+
+
+def _recompute_module(name: str) -> str:
+    """A ``--recompute-modules`` name; megatron's names the replay cannot run are refused with the reason."""
+    if name in _NOT_HERE:
+        raise argparse.ArgumentTypeError(f"{name!r} cannot be recomputed in the replay: {_NOT_HERE[name]}; choose from {list(_RECOMPUTE)}")
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch_size=args.micro_batch_size,
         dtype=dtype,
         attention=args.attention,
+        recompute_granularity="selective" if args.recompute_modules else None,
+        recompute_modules=tuple(args.recompute_modules) if args.recompute_modules else None,
     )
     streams = None
     to_host = args.d2h_gbps if args.d2h_gbps is not None else args.link_gbps
@@ -164,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OUT_OF_MEMORY
     print(
         f"model: {layers} layers, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch_size}, {dtype}, "
-        f"{args.attention} attention"
+        f"{args.attention} attention" + (f", recompute {' '.join(args.recompute_modules)}" if args.recompute_modules else "")
     )
     print(result.format())
     if args.json is not None:

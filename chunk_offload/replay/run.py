@@ -91,6 +91,8 @@ class ReplayResult:
     """The actions replayed."""
     modules: list[str]
     """The offloaded module names."""
+    recompute_modules: list[str] = field(default_factory=list)
+    """megatron's selective recompute in the stage's chunks, in both modes (`MegatronStage.recompute_modules`)."""
     device: str
     """Where it ran."""
     baseline: ModeResult
@@ -162,6 +164,7 @@ class ReplayResult:
             "stage": self.stage,
             "plan": self.plan.format(),
             "modules": list(self.modules),
+            "recompute_modules": list(self.recompute_modules),
             "device": self.device,
             "schedule_policy": _policy_name(self.schedule_policy),
             "kept_chunks": [list(c) for c in self.simulation.kept],
@@ -194,7 +197,8 @@ class ReplayResult:
         peak_what = "device peak" if b.last.device_peak_bytes is not None else "saved-bytes peak"
         rows = [
             f"{self.stage}, {self.plan.source}, {len(self.plan.chunks)} chunk forwards, device {self.device}",
-            f"offloaded modules: {','.join(self.modules)}; policy: {_policy_name(self.schedule_policy)}"
+            f"offloaded modules: {','.join(self.modules)}; recomputed: {','.join(self.recompute_modules) or 'none'} "
+            f"(both columns); policy: {_policy_name(self.schedule_policy)}"
             + (f", {len(self.simulation.kept)} chunk(s) kept on device" if self.simulation.kept else ""),
             f"{'':<28}{'no offload':>14}{'offload':>14}{'ratio':>10}",
             f"{'step time (ms)':<28}{b.step_time_s * 1e3:>14.2f}{o.step_time_s * 1e3:>14.2f}{self.step_time_ratio:>10.3f}",
@@ -288,6 +292,7 @@ def replay(
         stage=f"stage {stage.pp_rank} of {stage.pp_size}" + (f" ({stage.vp_size} chunks)" if stage.vp_size > 1 else ""),
         plan=plan,
         modules=list(manager.offload_modules),
+        recompute_modules=stage.recompute_modules,
         device=str(stage.device),
         baseline=baseline,
         offload=offloaded,

@@ -85,6 +85,12 @@ class MegatronStage:
         )
 
     @property
+    def recompute_modules(self) -> list[str]:
+        """The modules megatron's selective recompute covers in the chunks (their TransformerConfig); [] without."""
+        config = self.chunks[0].config
+        return list(config.recompute_modules or []) if config.recompute_granularity == "selective" else []
+
+    @property
     def activation_shape(self) -> tuple[int, int, int]:
         """``[seq, micro batch, hidden]``: what a chunk sends to the next stage."""
         return (self.shape.seq_length, self.shape.micro_batch_size, self.shape.hidden_size)

@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_evidence.sh"
-STEPS = ("install", "env", "tests", "compare", "sanitizer", "replay", "overhead", "replay_last", "bandwidth", "sanitizer_pp4")
+STEPS = ("install", "env", "tests", "compare", "sanitizer", "replay", "overhead", "replay_last", "replay_coplan", "bandwidth",
+         "sanitizer_pp4")  # fmt: skip
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 
@@ -38,6 +39,7 @@ def test_dry_run_lists_every_step_and_writes_nothing(tmp_path: Path) -> None:
     assert [line.split()[0] for line in lines[2:]] == list(STEPS)
     assert "TORCH_CUDA_SANITIZER=1" in lines[2 + STEPS.index("sanitizer")]
     assert "--pp 4 --vpp 2 --stage 0" in lines[2 + STEPS.index("replay")]
+    assert "--modules attn_norm,qkv_linear --recompute-modules core_attn" in lines[2 + STEPS.index("replay_coplan")]
     assert not out.exists()
 
 

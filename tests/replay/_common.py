@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-__all__ = ["needs_megatron_on_cpu", "run_cli"]
+__all__ = ["assert_equal_tensors", "needs_megatron_on_cpu", "run_cli"]
 
 needs_megatron_on_cpu = [
     pytest.mark.skipif(
@@ -32,3 +32,11 @@ def run_cli(capsys, out: Path, *argv: str) -> tuple[str, dict]:
 
     assert main([*_TINY, *argv, "--json", str(out)]) == 0
     return capsys.readouterr().out, json.loads(out.read_text())
+
+
+def assert_equal_tensors(a: dict, b: dict, what: str) -> None:
+    """``a`` and ``b`` have the same keys, at least one, and equal tensors bit for bit (`torch.equal`)."""
+    assert a.keys() == b.keys(), f"{what}: different keys"
+    assert a, f"{what}: nothing to compare"
+    differing = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differing, f"{what} differ: {differing[:5]}"

@@ -32,7 +32,7 @@ import torch
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.devkit.gpt import GPTShape
 
-from ._common import needs_megatron_on_cpu, run_cli
+from ._common import assert_equal_tensors, needs_megatron_on_cpu, run_cli
 from chunk_offload.schedule.megatron import megatron_plan
 
 pytestmark = needs_megatron_on_cpu
@@ -59,13 +59,6 @@ def _replay(pp: int, stage: int, vp: int, policy, shape: GPTShape = _SHAPE, micr
             built, modules=_MODULES, num_microbatches=microbatches, schedule_policy=policy, min_offload_bytes=1, keep_tensors=True, **kwargs
         )
     return structure, dtypes, result
-
-
-def _assert_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), f"{what}: different keys"
-    assert a, f"{what}: nothing to compare"
-    differing = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differing, f"{what} differ: {differing[:5]}"
 
 
 @pytest.mark.parametrize(
@@ -96,16 +89,16 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
     last_stage = stage == pp - 1
     assert len(base.losses) == len(off.losses) == (_MICROBATCHES if last_stage else 0)
     assert all(torch.equal(x, y) for x, y in zip(base.losses, off.losses, strict=True))
-    _assert_equal(base.grads, off.grads, "parameter gradients")
+    assert_equal_tensors(base.grads, off.grads, "parameter gradients")
     assert sum(int(g.count_nonzero()) for g in base.grads.values()) > 0
     received = {c for c in plan.chunks if not (stage == 0 and c[1] == 0)}
     assert set(base.input_grads) == received
     if received:
-        _assert_equal(base.input_grads, off.input_grads, "gradients of the received activations")
+        assert_equal_tensors(base.input_grads, off.input_grads, "gradients of the received activations")
     sent = {c for c in plan.chunks if not (last_stage and c[1] == vp - 1)}
     assert set(base.outputs) == sent
     if sent:
-        _assert_equal(base.outputs, off.outputs, "chunk outputs")
+        assert_equal_tensors(base.outputs, off.outputs, "chunk outputs")
 
     # Bytes: the offload iteration moves every saved byte of the groups of the chunks it
     # offloads there and back; the baseline tracks the same groups and copies nothing.
@@ -184,11 +177,11 @@ def test_replay_in_half_precision(monkeypatch, dtype: torch.dtype, stage: int) -
     assert off.bytes_offloaded > 0 and {t for t in offloaded if t[0] != dtype} == {lse}
     assert len(base.losses) == len(off.losses) == (2 if stage == 1 else 0)
     assert all(x.dtype == torch.float32 and torch.equal(x, y) for x, y in zip(base.losses, off.losses, strict=True))
-    _assert_equal(base.grads, off.grads, "parameter gradients")
+    assert_equal_tensors(base.grads, off.grads, "parameter gradients")
     assert base.grads.keys() == dtypes.keys() and {g.dtype for g in base.grads.values()} == {dtype}
     for what, tensors in (("outputs", (base.outputs, off.outputs)), ("input_grads", (base.input_grads, off.input_grads))):
         if tensors[0]:
-            _assert_equal(*tensors, what)
+            assert_equal_tensors(*tensors, what)
             assert {t.dtype for t in tensors[0].values()} == {dtype}, what
     assert set(base.outputs) == ({(0, 0), (1, 0)} if stage == 0 else set())
     assert set(base.input_grads) == ({(0, 0), (1, 0)} if stage == 1 else set())
