@@ -268,7 +268,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         modules = [m for m in present if m != "moe_act"]
     else:
         modules = canonical_modules(args.modules)
-        check_combination(modules, modules_flag="--modules", recompute_flag="--recompute-modules")
+        check_combination(modules, args.recompute_modules or (), modules_flag="--modules", recompute_flag="--recompute-modules")
         check_modelled(modules)
         missing = [m for m in modules if m not in present]
         if missing:

@@ -131,6 +131,7 @@ def test_the_command_line_prints_and_writes_the_plan(tmp_path: Path, capsys) -> 
         (["--co-plan", "--budget-gb", "1", "--recompute-modules", "core_attn"], "argument --co-plan: cannot be combined with --recompute-modules"),
         (["--h2d-gbps", "0"], "--h2d-gbps must be a finite number > 0, got 0.0"),
         (["--recompute-modules", "mlp"], "argument --recompute-modules: invalid choice: 'mlp'"),
+        (["--modules", "attn_proj"], "--modules attn_proj: "),
     ],
 )
 def test_command_line_usage_errors(extra: list[str], message: str, capsys) -> None:
@@ -140,3 +141,10 @@ def test_command_line_usage_errors(extra: list[str], message: str, capsys) -> No
         status = e.code
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+def test_attn_proj_is_offloaded_where_core_attn_is_recomputed(capsys) -> None:
+    """Megatron's rule, as the launcher and the replay apply it: attn_proj's input is core
+    attention's output, which a recomputed core_attn does not keep."""
+    assert main([*_ARGS, "--modules", "attn_proj", "--recompute-modules", "core_attn"]) == 0
+    assert "attn_proj" in capsys.readouterr().out
