@@ -49,9 +49,9 @@ def view_device_bytes(ctx: "EngineContext", name: str, storages: Iterable[Storag
     for storage in storages:
         if storage.pinned:
             continue
-        first = storage.first() if storage.more is None and storage.first is not None else None
-        if first is not None:  # one view saved (the common case): no list of the live views
-            tensor, views = first.tensor, 1
+        only = storage.only_view()
+        if only is not None:
+            tensor, views = only.tensor, 1
         else:
             refs = alive(storage)
             tensor, views = refs[0].tensor, len(refs)

@@ -201,9 +201,9 @@ class OffloadGroup:
                 no_memory = ctx.empties.on(storage.device_bytes.device)
             storage.device_bytes = None
             storage.on_host = True
-            first = storage.first() if storage.more is None and storage.first is not None else None
-            if first is not None:  # one view saved (the common case): no list of the live views
-                first.drop_original(no_memory)
+            only = storage.only_view()
+            if only is not None:
+                only.drop_original(no_memory)
             else:
                 for ref in alive(storage):
                     ref.drop_original(no_memory)

@@ -69,9 +69,9 @@ class Storage:
     def fix_span(self) -> int:
         """Set ``start`` and ``nbytes`` to the byte span the live views use (its start aligned to
         `SPAN_ALIGN`): what is copied. Returns how many views are alive (0: autograd dropped all)."""
-        first = self.first() if self.first is not None else None
-        if self.more is None and first is not None:  # the common case: one view saved
-            start, end = first.span()
+        only = self.only_view()
+        if only is not None:  # the common case: one view saved
+            start, end = only.span()
             views = 1
         else:
             refs = alive(self)
@@ -84,6 +84,12 @@ class Storage:
         self.start = start
         self.nbytes = end - start if end > start else 0
         return views
+
+    def only_view(self) -> "SavedRef | None":
+        """The live SavedRef when exactly one view was saved in this storage (the common case,
+        read without building `alive`'s list); None otherwise."""
+        first = self.first
+        return first() if first is not None and self.more is None else None
 
     def forget_refs(self) -> None:
         """Stop listing the saved views (the storage was freed or discarded)."""
