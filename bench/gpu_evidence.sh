@@ -10,12 +10,15 @@
 # replay_last.json, replay_coplan.json, compare.json (hidden 4096), compare_host.json (the
 # host-bound configuration), bandwidth.json.
 #
-# Each step runs under its own time limit, in the order of what matters most; a failing step
-# does not stop the others; the exit status is 1 if any step failed or timed out. The steps took
-# 427 s on an H200 on 2026-11-26 with the sanitizer step cut at 120 s (it runs the parity tests
-# and the PP=1 replay test), before replay_coplan (at most 60 s) was added: about 7 to 8 minutes in all. A session's device time is 15 minutes,
-# the machine's start included: run them in one call with a wall-clock limit of about 9 minutes;
-# what the finished steps wrote still comes back if the limit cuts the last ones.
+# Each step runs under its own time limit, in the order of what matters most (correctness under
+# the sanitizer and the host cost first: the host path changed since the last GPU run); a failing
+# step does not stop the others; the exit status is 1 if any step failed or timed out. The steps
+# took 427 s on an H200 on 2026-11-26 with the sanitizer step cut at 120 s (it runs the parity
+# tests and the PP=1 replay test), before replay_coplan (at most 60 s) and the comparison's timed
+# reload-ahead runs (which replace its fixed 256 MiB ones) were added: about 8 to 9 minutes in
+# all. A session's device time is 15 minutes, the machine's start included: run them in one call
+# with a wall-clock limit of about 9 minutes; what the finished steps wrote still comes back if
+# the limit cuts the last ones (replay_last and bandwidth ran on 2026-11-26).
 # Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
@@ -30,7 +33,7 @@
 # REPLAY_MODULES (default core_attn,qkv_linear).
 set -u -o pipefail
 
-readonly STEPS=(install env tests compare sanitizer replay overhead replay_last replay_coplan bandwidth sanitizer_pp4)
+readonly STEPS=(install env tests sanitizer overhead compare replay replay_coplan sanitizer_pp4 replay_last bandwidth)
 declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=200 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=100 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'
@@ -48,7 +51,7 @@ declare -A CMD=(
 )
 # Issue 26's configurations, both module sets each: 8 layers at hidden 4096, seq 4096, 4
 # microbatches (compute-bound), then 16 layers at hidden 1024, seq 1024, 8 microbatches (host-bound).
-readonly COMPARE_COMMON='--reload-ahead-bytes 268435456 --timed-reload-ahead --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
+readonly COMPARE_COMMON='--timed-reload-ahead --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
 export COMPARE_COMMON
 # What the function steps run, for the plan that --dry-run prints.
 declare -A DESCRIBE=(
