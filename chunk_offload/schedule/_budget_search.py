@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ._budget_layout import Chunk, Layout as _Layout
+from ._budget_layout import Chunk, Layout as _Layout, Profile as _Profile
 from .plan import Plan
 
 __all__ = ["SearchResult", "model_peak", "search_offload"]
@@ -30,52 +30,6 @@ _RULES = ("reach", "peak", "reverse")
 # How many of the chosen groups, largest first, `_Search.swap` tries to replace by cheaper ones.
 _SWAPS = 16
 
-
-
-class _Profile:
-    """Resident bytes at every position for the current choice; groups added and removed."""
-
-    def __init__(self, layout: _Layout) -> None:
-        self.layout = layout
-        self.values = layout.baseline.copy()
-        self.copied: dict[Chunk, set[int]] = {chunk: set() for chunk in layout.sizes}
-        self.spans: dict[Chunk, dict[int, tuple[int, int]]] = {chunk: {} for chunk in layout.sizes}
-
-    def spans_for(self, chunk: Chunk, copied: set[int]) -> dict[int, tuple[int, int]]:
-        release, sizes = self.layout.release[chunk], self.layout.sizes[chunk]
-        return {g: (release[g], at) for g, at in self.layout.reloads(chunk, copied).items() if sizes[g] > 0}
-
-    def set(self, chunk: Chunk, copied: set[int]) -> int:
-        """Copy exactly the groups ``copied`` of ``chunk`` (only the spans that change are redrawn);
-        returns the highest value where bytes came back on device (-1 if nowhere)."""
-        old, new = self.spans[chunk], self.spans_for(chunk, copied)
-        sizes, values, raised = self.layout.sizes[chunk], self.values, -1
-        for g, span in old.items():
-            if new.get(g) != span:
-                values[span[0] : span[1]] += sizes[g]
-        for g, span in new.items():
-            if old.get(g) != span:
-                values[span[0] : span[1]] -= sizes[g]
-        for g, span in old.items():
-            if new.get(g) != span and span[0] < span[1]:
-                raised = max(raised, int(values[span[0] : span[1]].max()))
-        self.copied[chunk], self.spans[chunk] = set(copied), new
-        return raised
-
-    def clone(self) -> "_Profile":
-        """An independent copy of this choice."""
-        other = _Profile.__new__(_Profile)
-        other.layout, other.values = self.layout, self.values.copy()
-        other.copied = {chunk: set(groups) for chunk, groups in self.copied.items()}
-        other.spans = {chunk: dict(spans) for chunk, spans in self.spans.items()}
-        return other
-
-    def covered(self, chunk: Chunk, spans: dict[int, tuple[int, int]], position: int) -> int:
-        sizes = self.layout.sizes[chunk]
-        return sum(sizes[g] for g, (start, end) in spans.items() if start <= position < end)
-
-    def peak(self) -> int:
-        return max(int(self.values.max()), 0) if self.layout.positions else 0
 
 
 class _Search:
