@@ -37,6 +37,7 @@ from typing import Mapping, Sequence
 
 from ..core.actions import ActionKind
 from ..core.errors import ChunkOffloadError, internal_assert
+from ._budget_link import Link
 from ._budget_search import search_offload
 from .choice import CopyTiming, OffloadChoice
 from .plan import Plan
@@ -90,6 +91,7 @@ def choose_offload(
         slack=_slack(plan, sizes, timing),
         kept=kept,
         shared=shared,
+        link=None if timing is None else Link(timing, _steps(plan), plan.chunks),
     )
     # The search works on a model of simulate's accounting; the choice is checked by simulate itself.
     policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, offload_groups=found.offloaded)
@@ -105,16 +107,23 @@ def choose_offload(
         baseline_peak_bytes=predicted.peak_saved_bytes,
         lowest_peak_bytes=found.lowest_peak,
         bytes_offloaded=predicted.bytes_offloaded,
+        exposed_s=found.exposed_s,
     )
+
+
+def _steps(plan: Plan) -> dict[tuple[int, int], tuple[int, int]]:
+    """Per chunk: the plan indices of its forward and its backward."""
+    step = {(a.kind, a.chunk): i for i, a in enumerate(plan.actions)}
+    return {chunk: (step[(ActionKind.FORWARD, chunk)], step[(ActionKind.BACKWARD, chunk)]) for chunk in plan.chunks}
 
 
 def _slack(plan: Plan, sizes: Mapping[tuple[int, int], Sequence[int]], timing: CopyTiming | None) -> dict[tuple[int, int], list[float]]:
     """Per group: how well its copy hides (>= 0: hides; larger: better): with ``timing`` the
     compute seconds left over its copy out and back, else the chunk's lifespan in actions - 1."""
-    step = {(a.kind, a.chunk): i for i, a in enumerate(plan.actions)}
+    steps = _steps(plan)
     out = {}
     for chunk, bs in sizes.items():
-        forward, backward = step[(ActionKind.FORWARD, chunk)], step[(ActionKind.BACKWARD, chunk)]
+        forward, backward = steps[chunk]
         if timing is None:
             out[chunk] = [float(backward - forward - 2)] * len(bs)  # the lifespan - 1
         else:
