@@ -28,13 +28,16 @@ class Link:
     def __init__(self, timing: "CopyTiming", steps: Mapping[Chunk, tuple[int, int]], order: Sequence[Chunk]) -> None:
         """``steps``: per chunk, the plan indices of its forward and backward; ``order``: the
         chunks in the order the search numbers them (`_Search.order`)."""
-        self.timing, self.steps = timing, dict(steps)
-        self.windows = np.array([timing.window_s(*self.steps[chunk]) for chunk in order], dtype=np.float64)
-        """Each chunk's window in seconds, by its index in ``order``."""
+        self.timing = timing
+        self.window = {chunk: timing.window_s(*steps[chunk]) for chunk in order}
+        """Each chunk's window in seconds (`CopyTiming.window_s`)."""
+        self.windows = np.array([self.window[chunk] for chunk in order], dtype=np.float64)
+        """The same, by each chunk's index in ``order``."""
 
     def exposed(self, chunk: Chunk, nbytes: int) -> float:
-        """Seconds of ``chunk``'s copies of ``nbytes`` in all that its window does not hide."""
-        return self.timing.exposed_s(*self.steps[chunk], nbytes) if nbytes else 0.0
+        """Seconds of ``chunk``'s copies of ``nbytes`` in all that its window does not hide
+        (`CopyTiming.exposed_s`'s arithmetic, the window computed once)."""
+        return max(0.0, self.timing.round_trip_s(nbytes) - self.window[chunk]) if nbytes else 0.0
 
     def added(self, chunk: Chunk, before: int, change: int) -> float:
         """Exposed seconds that ``change`` more copied bytes add to a chunk copying ``before``

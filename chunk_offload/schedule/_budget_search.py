@@ -91,7 +91,7 @@ class _Search(Groups):
         the fewest exposed seconds, then bytes, and units that do not hide rank by the excess
         removed per exposed second instead of per byte.
         """
-        exposed = [self.unit_exposed(profile, u[2]) for u in units] if self.link is not None else None
+        exposed = [self.unit_exposed(profile, u) for u in units] if self.link is not None else None
 
         def late(k: int) -> tuple[bool, float | None]:  # (does not hide, exposed seconds it adds if it does not)
             if exposed is None:

@@ -52,16 +52,14 @@ class Groups:
         """The groups of ``chunk`` copied together with ``g`` (``g`` alone when it shares nothing)."""
         return self.together.get((chunk, g)) or frozenset((g,))
 
-    def _members(self, profile: Profile, indices: Sequence[int]) -> tuple[Chunk, set[int]]:
-        """The chunk of a unit (its groups share one) and the groups adding it copies (shared sets whole)."""
-        chunk = self.keys[indices[0]][0]
-        members = set().union(*(self.set_of(*self.keys[i]) for i in indices))
-        return chunk, members - profile.copied[chunk]
-
-    def unit_exposed(self, profile: Profile, indices: Sequence[int]) -> float:
-        """Exposed seconds adding the unit of ``indices`` adds to its chunk (`Link.added`)."""
-        chunk, members = self._members(profile, indices)
-        return self.link.added(chunk, profile.moved[chunk], sum(self.layout.sizes[chunk][h] for h in members))
+    def unit_exposed(self, profile: Profile, unit: tuple[int, int, list[int]]) -> float:
+        """Exposed seconds adding ``unit`` (bytes, gain, group indices) adds to its chunk (`Link.added`)."""
+        chunk = self.keys[unit[2][0]][0]  # a unit's groups share one chunk
+        more = unit[0]
+        if self.together:  # shared sets come whole
+            members = set().union(*(self.set_of(*self.keys[i]) for i in unit[2])) - profile.copied[chunk]
+            more = sum(self.layout.sizes[chunk][h] for h in members)
+        return self.link.added(chunk, profile.moved[chunk], more)
 
     def units(self, profile: Profile, chosen: np.ndarray, position: int, excess: int) -> list[tuple[int, int, list[int]]]:
         """(bytes, bytes lowered at ``position``, group indices) for each way to lower the peak
