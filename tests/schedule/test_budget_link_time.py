@@ -11,9 +11,8 @@ import random
 
 import pytest
 
-from chunk_offload.schedule import CopyTiming, Plan, PlanPolicy, choose_offload, megatron_plan, simulate
-from chunk_offload.schedule._budget_search import model_peak
-from tests.schedule.test_budget_search import _grouped
+from chunk_offload.schedule import CopyTiming, Plan, PlanPolicy, choose_offload, simulate
+from tests.schedule.test_budget_search import grouped, least, small_case
 
 # LIFO: chunk 0's window runs from F1 to B0 (long), chunk 1's from F2 to B1 (short).
 PLAN = Plan.from_order(["0F0", "0F1", "0F2", "0B2", "0B1", "0B0"], source="t")
@@ -70,22 +69,12 @@ def test_the_optimum_on_small_cases():
     rates: the least exposed seconds, then the fewest bytes, in at least 3 cases of 4 (all 30
     today), and never a choice that does not fit."""
     rng = random.Random(5)
-    plans = [megatron_plan(pp_size=3, pp_rank=0, num_microbatches=3), megatron_plan(pp_size=2, pp_rank=0, num_microbatches=2, vp_size=2)]
     optimal = exposing = 0
     for _ in range(30):
-        plan = rng.choice(plans)
-        sizes = {chunk: [rng.choice([10, 30, 50, 100]) for _ in range(3)] for chunk in plan.chunks}
+        plan, sizes, budget = small_case(rng)
         starts = list(itertools.accumulate(rng.choice([0.5, 1.0, 2.0]) for _ in plan.actions[1:]))
         timing = CopyTiming(bytes_per_s=rng.choice([20.0, 50.0, 100.0]), action_starts_s=(0.0, *starts), iteration_s=starts[-1] + 1)
-        everything = choose_offload(plan, sizes, 0)
-        budget = rng.randint(everything.lowest_peak_bytes, everything.baseline_peak_bytes)
-        keys = [(chunk, g) for chunk in plan.chunks for g in range(3)]
-        best = min(
-            _cost(plan, sizes, timing, subset)
-            for k in range(len(keys) + 1)
-            for subset in itertools.combinations(keys, k)
-            if model_peak(plan, sizes, _grouped(subset)) <= budget
-        )
+        best = least(plan, sizes, budget, lambda subset: _cost(plan, sizes, timing, subset))
         choice = choose_offload(plan, sizes, budget, timing=timing)
         got = (round(choice.exposed_s, 9), choice.bytes_offloaded)
         assert choice.fits and got >= best
@@ -99,7 +88,6 @@ def _cost(plan: Plan, sizes, timing: CopyTiming, subset) -> tuple[float, int]:
     """(exposed seconds to the nanosecond, bytes) of a subset of (chunk, group)s."""
     exposed = sum(
         timing.exposed_s(plan.index("F", *chunk), plan.index("B", *chunk), sum(sizes[chunk][g] for g in groups))
-        for chunk, groups in _grouped(subset).items()
+        for chunk, groups in grouped(subset).items()
     )
     return round(exposed, 9), sum(sizes[c][g] for c, g in subset)
-
