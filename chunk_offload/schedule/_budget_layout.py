@@ -4,6 +4,7 @@
 release that follows each commit, the reload points of each backward group, the prefetch points,
 the frees; saves and frees give the baseline profile of resident bytes, and `reloads` runs the
 engine's reload rules (`prefetch_selection`, `reload_ahead_selection`) for one chunk's choice.
+`Profile` draws one choice on a layout: resident bytes at every position, changed chunk by chunk.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..core import GroupState, prefetch_selection, reload_ahead_selection
 from ..core.actions import ActionKind
 from .plan import Plan
 
-__all__ = ["Chunk", "Layout"]
+__all__ = ["Chunk", "Layout", "Profile"]
 
 Chunk = tuple[int, int]
 _ON_HOST, _RESIDENT = GroupState.ON_HOST, GroupState.RESIDENT
@@ -138,3 +139,52 @@ class Layout:
             for i in reload_ahead_selection(list(zip(states, self.saved[chunk])), g, budget):
                 states[i], at[i] = _RESIDENT, ra[g]
         return at
+
+
+class Profile:
+    """Resident bytes at every position of a `Layout` for one choice; groups added and removed."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.values = layout.baseline.copy()
+        self.copied: dict[Chunk, set[int]] = {chunk: set() for chunk in layout.sizes}
+        self.moved: dict[Chunk, int] = dict.fromkeys(layout.sizes, 0)
+        """Bytes each chunk's copied groups move: what its link time is counted on (`_budget_link`)."""
+        self.spans: dict[Chunk, dict[int, tuple[int, int]]] = {chunk: {} for chunk in layout.sizes}
+
+    def spans_for(self, chunk: Chunk, copied: set[int]) -> dict[int, tuple[int, int]]:
+        release, sizes = self.layout.release[chunk], self.layout.sizes[chunk]
+        return {g: (release[g], at) for g, at in self.layout.reloads(chunk, copied).items() if sizes[g] > 0}
+
+    def set(self, chunk: Chunk, copied: set[int]) -> int:
+        """Copy exactly the groups ``copied`` of ``chunk`` (only the spans that change are redrawn);
+        returns the highest value where bytes came back on device (-1 if nowhere)."""
+        old, new = self.spans[chunk], self.spans_for(chunk, copied)
+        sizes, values, raised = self.layout.sizes[chunk], self.values, -1
+        for g, span in old.items():
+            if new.get(g) != span:
+                values[span[0] : span[1]] += sizes[g]
+        for g, span in new.items():
+            if old.get(g) != span:
+                values[span[0] : span[1]] -= sizes[g]
+        for g, span in old.items():
+            if new.get(g) != span and span[0] < span[1]:
+                raised = max(raised, int(values[span[0] : span[1]].max()))
+        self.copied[chunk], self.spans[chunk] = set(copied), new
+        self.moved[chunk] = sum(sizes[g] for g in copied)
+        return raised
+
+    def clone(self) -> "Profile":
+        """An independent copy of this choice."""
+        other = Profile.__new__(Profile)
+        other.layout, other.values, other.moved = self.layout, self.values.copy(), dict(self.moved)
+        other.copied = {chunk: set(groups) for chunk, groups in self.copied.items()}
+        other.spans = {chunk: dict(spans) for chunk, spans in self.spans.items()}
+        return other
+
+    def covered(self, chunk: Chunk, spans: dict[int, tuple[int, int]], position: int) -> int:
+        sizes = self.layout.sizes[chunk]
+        return sum(sizes[g] for g, (start, end) in spans.items() if start <= position < end)
+
+    def peak(self) -> int:
+        return max(int(self.values.max()), 0) if self.layout.positions else 0

@@ -14,71 +14,30 @@ with `simulate` itself.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from ._budget_layout import Chunk, Layout as _Layout
+from ._budget_layout import Chunk, Layout as _Layout, Profile as _Profile
+from ._budget_link import Link
+from ._budget_units import Groups
 from .plan import Plan
 
 __all__ = ["SearchResult", "model_peak", "search_offload"]
 
-# The searches tried, best (fewest bytes) taken, the first of equals: additions at the peak by
-# reach, additions at the peak cheapest first (each then pruned), and pruning from every group copied.
+# The searches tried, the cheapest taken (`_Search.cost`), the first of equals: additions at the
+# peak by reach, additions at the peak cheapest first (each then pruned), and pruning from every
+# group copied.
 _RULES = ("reach", "peak", "reverse")
-# How many of the chosen groups, largest first, `_Search.swap` tries to replace by cheaper ones.
+# How many of the chosen groups, costliest first, `_Search.swap` tries to replace by cheaper ones.
 _SWAPS = 16
+# Exposed seconds are compared to the nanosecond, so that sums in another order tie.
+_SECONDS_DIGITS = 9
 
 
-
-class _Profile:
-    """Resident bytes at every position for the current choice; groups added and removed."""
-
-    def __init__(self, layout: _Layout) -> None:
-        self.layout = layout
-        self.values = layout.baseline.copy()
-        self.copied: dict[Chunk, set[int]] = {chunk: set() for chunk in layout.sizes}
-        self.spans: dict[Chunk, dict[int, tuple[int, int]]] = {chunk: {} for chunk in layout.sizes}
-
-    def spans_for(self, chunk: Chunk, copied: set[int]) -> dict[int, tuple[int, int]]:
-        release, sizes = self.layout.release[chunk], self.layout.sizes[chunk]
-        return {g: (release[g], at) for g, at in self.layout.reloads(chunk, copied).items() if sizes[g] > 0}
-
-    def set(self, chunk: Chunk, copied: set[int]) -> int:
-        """Copy exactly the groups ``copied`` of ``chunk`` (only the spans that change are redrawn);
-        returns the highest value where bytes came back on device (-1 if nowhere)."""
-        old, new = self.spans[chunk], self.spans_for(chunk, copied)
-        sizes, values, raised = self.layout.sizes[chunk], self.values, -1
-        for g, span in old.items():
-            if new.get(g) != span:
-                values[span[0] : span[1]] += sizes[g]
-        for g, span in new.items():
-            if old.get(g) != span:
-                values[span[0] : span[1]] -= sizes[g]
-        for g, span in old.items():
-            if new.get(g) != span and span[0] < span[1]:
-                raised = max(raised, int(values[span[0] : span[1]].max()))
-        self.copied[chunk], self.spans[chunk] = set(copied), new
-        return raised
-
-    def clone(self) -> "_Profile":
-        """An independent copy of this choice."""
-        other = _Profile.__new__(_Profile)
-        other.layout, other.values = self.layout, self.values.copy()
-        other.copied = {chunk: set(groups) for chunk, groups in self.copied.items()}
-        other.spans = {chunk: dict(spans) for chunk, spans in self.spans.items()}
-        return other
-
-    def covered(self, chunk: Chunk, spans: dict[int, tuple[int, int]], position: int) -> int:
-        sizes = self.layout.sizes[chunk]
-        return sum(sizes[g] for g, (start, end) in spans.items() if start <= position < end)
-
-    def peak(self) -> int:
-        return max(int(self.values.max()), 0) if self.layout.positions else 0
-
-
-class _Search:
+class _Search(Groups):
     """Greedy additions at the peak, then pruning (NOTE [Budget choice])."""
 
     def __init__(
@@ -88,26 +47,10 @@ class _Search:
         slack: Mapping[Chunk, Sequence[float]],
         target: int,
         shared: Mapping[Chunk, Sequence[Sequence[int]]] | None = None,
+        link: Link | None = None,
     ) -> None:
-        self.layout, self.order, self.target = layout, order, target
-        self.keys = [(chunk, g) for chunk in order for g in range(len(layout.sizes[chunk]))]
-        self.nbytes = np.array([layout.sizes[c][g] for c, g in self.keys], dtype=np.int64)
-        self.slack = np.array([slack[c][g] for c, g in self.keys], dtype=np.float64)
-        self.release = np.array([layout.release[c][g] for c, g in self.keys], dtype=np.int64)
-        self.free = np.array([layout.free[c][g] for c, g in self.keys], dtype=np.int64)
-        self.early = np.array([layout.earliest_reload(c, g) for c, g in self.keys], dtype=np.int64)
-        self.latest = np.array([layout.latest_reload(c, g) for c, g in self.keys], dtype=np.int64)
-        self.index = {key: i for i, key in enumerate(self.keys)}
-        # Groups that saved one storage are copied together or not at all: each group's set,
-        # itself alone when it shares nothing (NOTE [Storages held elsewhere]).
-        self.together: dict[tuple[Chunk, int], frozenset[int]] = {}
-        for chunk, sets in (shared or {}).items():
-            for members in sets:
-                for g in members:
-                    self.together[(chunk, g)] = frozenset(members)
-
-    def _set_of(self, chunk: Chunk, g: int) -> frozenset[int]:
-        return self.together.get((chunk, g)) or frozenset((g,))
+        super().__init__(layout, order, slack, shared, link)
+        self.target = target
 
     def forward(self, rule: str, start: _Profile | None = None, banned: frozenset[int] = frozenset()) -> _Profile | None:
         """Add groups at the peak until it fits (``rule``: which unit first, see `_pick`), from
@@ -125,12 +68,12 @@ class _Search:
             excess = profile.peak() - self.target
             if excess <= 0:
                 return profile
-            units = self._units(profile, chosen, position)
+            units = self.units(profile, chosen, position, excess)
             if not units:
                 return None
             for i in self._pick(rule, units, profile, excess):
                 chunk, g = self.keys[i]
-                members = self._set_of(chunk, g)
+                members = self.set_of(chunk, g)
                 if any(chosen[self.index[(chunk, h)]] and h not in profile.copied[chunk] for h in members):
                     chosen[i] = True  # a banned group would come with it: never this one
                     continue
@@ -144,106 +87,40 @@ class _Search:
         ``"peak"``: the cheapest unit that covers the excess alone, else the one that lowers the
         peak most. ``"reach"``: the most excess removed per byte copied over the unit's whole
         time off device (it may lower later peaks too), the excess counted up to the peak's.
+        With a `Link`, a unit hides when it adds no exposed seconds to its chunk; "cheapest" is
+        the fewest exposed seconds, then bytes, and units that do not hide rank by the excess
+        removed per exposed second instead of per byte.
         """
+        exposed = [self.unit_exposed(profile, u) for u in units] if self.link is not None else None
+
+        def late(k: int) -> tuple[bool, float | None]:  # (does not hide, exposed seconds it adds if it does not)
+            if exposed is None:
+                return bool(self.slack[units[k][2][0]] < 0), None
+            return exposed[k] > 0, exposed[k] if exposed[k] > 0 else None
+
+        def tail(k: int) -> tuple:
+            return (units[k][0], -self.slack[units[k][2][0]], units[k][2][0])
+
         if rule == "reach":
             over = np.concatenate(([0], np.cumsum(np.clip(profile.values - self.target, 0, excess))))
 
-            def key(unit):
-                nbytes, gain, (i, *_) = unit
+            def key(k: int) -> tuple:
+                nbytes, gain, (i, *_) = units[k]
                 start, end = self.release[i], self.latest[i]
                 value = min(int(over[end] - over[start]), gain * int(end - start))
-                return (self.slack[i] < 0, -value / nbytes, nbytes, -self.slack[i], i)
+                hides_not, per = late(k)
+                return (hides_not, -value / (nbytes if per is None else per), *tail(k))
 
-            return min(units, key=key)[2]
-        covering = [u for u in units if u[1] >= excess]
+            return units[min(range(len(units)), key=key)][2]
+        covering = [k for k in range(len(units)) if units[k][1] >= excess]
         if covering:
-            return min(covering, key=lambda u: (self.slack[u[2][0]] < 0, u[0], -self.slack[u[2][0]], u[2][0]))[2]
-        return min(units, key=lambda u: (self.slack[u[2][0]] < 0, -u[1], u[0], -self.slack[u[2][0]], u[2][0]))[2]
+            return units[min(covering, key=lambda k: (late(k)[0] if exposed is None else exposed[k], *tail(k)))][2]
 
-    def _units(self, profile: _Profile, chosen: np.ndarray, position: int) -> list[tuple[int, int, list[int]]]:
-        """(bytes, bytes lowered at ``position``, group indices) for each way to lower the peak."""
-        live = ~chosen & (self.nbytes > 0) & (self.release <= position) & (position < self.free)
-        safe = live & (position < self.early)  # on host at the peak whatever else is copied
-        units = []
-        for pick in self._best_safe(np.nonzero(safe)[0], profile.peak() - self.target):
-            units.append((int(self.nbytes[pick]), int(self.nbytes[pick]), [int(pick)]))
-        unsure: dict[Chunk, list[int]] = {}
-        for i in np.nonzero(live & ~safe)[0]:
-            unsure.setdefault(self.keys[i][0], []).append(int(i))
-        for chunk, indices in unsure.items():
-            units.extend(self._chunk_units(profile, chunk, indices, position))
-        return units
+        def lowering(k: int) -> tuple:
+            hides_not, per = late(k)
+            return (hides_not, -units[k][1] if per is None else -units[k][1] / per, *tail(k))
 
-    def _best_safe(self, indices: np.ndarray, excess: int) -> list[int]:
-        """The cheapest safe group covering ``excess`` and the largest one, by preference."""
-        if not len(indices):
-            return []
-        hides_not = self.slack[indices] < 0
-        size = self.nbytes[indices]
-        picks = [int(indices[np.lexsort((indices, -self.slack[indices], -size, hides_not))[0]])]
-        covering = size >= excess
-        if covering.any():
-            sub = indices[covering]
-            picks.append(int(sub[np.lexsort((sub, -self.slack[sub], self.nbytes[sub], self.slack[sub] < 0))[0]]))
-        return picks
-
-    def _chunk_units(self, profile: _Profile, chunk: Chunk, indices: list[int], position: int) -> list[tuple[int, int, list[int]]]:
-        """Units from a chunk whose reloads may start before the peak: one group, or a group with
-        the cheapest group above it (which then takes the prefetch that would bring it back)."""
-        layout = self.layout
-        copied = profile.copied[chunk]
-        sizes = layout.sizes[chunk]
-        cheapest: list[tuple[int, int] | None] = [None] * (len(sizes) + 1)  # (bytes, group) above each group
-        for h in reversed(range(len(sizes))):
-            here = (sizes[h], h) if h not in copied and sizes[h] > 0 else None
-            cheapest[h] = min(filter(None, (here, cheapest[h + 1])), default=None)
-        prefetch = layout.prefetch.get(chunk)
-        if layout.reload_ahead_bytes is None and (prefetch is None or prefetch[1] is None):
-            gain_of = self._one_ahead_gains(chunk, copied, position)
-        else:
-            now = profile.covered(chunk, profile.spans[chunk], position)
-
-            def gain_of(*added: int) -> int:
-                return profile.covered(chunk, profile.spans_for(chunk, copied | set(added)), position) - now
-
-        units = []
-        for i in indices:
-            g = self.keys[i][1]
-            gain = gain_of(g)
-            if gain > 0:
-                units.append((sizes[g], gain, [i]))
-                continue
-            shield = cheapest[g + 1]
-            if shield is not None:
-                nbytes, h = shield
-                gain = gain_of(g, h)
-                if gain > 0:
-                    units.append((sizes[g] + nbytes, gain, [i, self.index[(chunk, h)]]))
-        return units
-
-    def _one_ahead_gains(self, chunk: Chunk, copied: set[int], position: int):
-        """Bytes on host at ``position`` that copying one or two more groups adds, in O(1), under
-        the default reloads: a prefetch of the highest copied group, one group ahead in backward."""
-        layout = self.layout
-        sizes, rs, ra = layout.sizes[chunk], layout.reload_self[chunk], layout.reload_ahead[chunk]
-        n = len(sizes)
-        prefetch = layout.prefetch.get(chunk)
-        top = max((g for g in copied if sizes[g] > 0), default=None)
-
-        def away(h: int, prefetched: bool) -> int:  # h's bytes if h is on host at the position
-            back = prefetch[0] if prefetched else ra[h + 1] if h + 1 < n else rs[h]
-            return sizes[h] if back > position else 0
-
-        def gain(*added: int) -> int:
-            if prefetch is None:
-                return sum(away(g, False) for g in added)
-            new_top = max(added) if top is None else max(top, *added)
-            total = sum(away(g, g == new_top) for g in added)
-            if top is not None and new_top != top:  # the prefetch now brings back the new top instead
-                total += away(top, False) - away(top, True)
-            return total
-
-        return gain
+        return units[min(range(len(units)), key=lowering)][2]
 
     def everything(self) -> _Profile:
         profile = _Profile(self.layout)
@@ -252,35 +129,64 @@ class _Search:
         return profile
 
     def prune(self, profile: _Profile) -> _Profile:
-        """Keep on device again, largest (then least hiding) first, every group the peak fits without.
+        """Keep on device again, costliest first (`_give_back`), every group the peak fits without.
 
-        The profile fits before each try, so only where bytes came back can it stop fitting."""
-        copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
-        for i in sorted(copied, key=lambda i: (-int(self.nbytes[i]), self.slack[i] >= 0, self.slack[i], -i)):
+        The profile fits before each try, so only where bytes came back can it stop fitting. A
+        group's exposed seconds only fall as others of its chunk go back, so a key popped is
+        recomputed and the group tried only once its key still holds (a lazy heap)."""
+        heap = [(self._give_back(profile, i), i) for chunk, groups in profile.copied.items() for i in (self.index[(chunk, g)] for g in groups)]
+        heapq.heapify(heap)
+        while heap:
+            key, i = heapq.heappop(heap)
             chunk, g = self.keys[i]
-            members = self._set_of(chunk, g)
-            if g in profile.copied[chunk] and profile.set(chunk, profile.copied[chunk] - members) > self.target:
+            if g not in profile.copied[chunk]:
+                continue  # went back with its shared set
+            if self.link is not None and (now := self._give_back(profile, i)) != key:
+                heapq.heappush(heap, (now, i))
+                continue
+            members = self.set_of(chunk, g)
+            if profile.set(chunk, profile.copied[chunk] - members) > self.target:
                 profile.set(chunk, profile.copied[chunk] | members)
         return profile
 
+    def _give_back(self, profile: _Profile, i: int) -> tuple:
+        """Prune order of copied group ``i``: largest, then least hiding, first; with a `Link`,
+        the most exposed seconds keeping it (its set) on device gives back, first of all."""
+        key = (-int(self.nbytes[i]), bool(self.slack[i] >= 0), float(self.slack[i]), -i)
+        if self.link is None:
+            return key
+        chunk, g = self.keys[i]
+        back = sum(self.layout.sizes[chunk][h] for h in self.set_of(chunk, g) & profile.copied[chunk])
+        return (self.link.added(chunk, profile.moved[chunk], -back), *key)
+
     def swap(self, profile: _Profile) -> _Profile:
-        """Keep one copied group on device again (the `_SWAPS` largest, one at a time) and cover
-        the excess it leaves with other groups (additions at the peak, then pruning); taken when
-        fewer bytes are copied. Pruning leaves no group the peak fits without, but a large group
-        may still be worth less than the smaller ones that would replace it."""
-        best, best_bytes = profile, self.copied_bytes(profile)
+        """Keep one copied group on device again (the `_SWAPS` costliest in prune order, one at a
+        time) and cover the excess it leaves with other groups (additions at the peak, then
+        pruning); taken when cheaper (`cost`). Pruning leaves no group the peak fits without, but
+        a large group may still be worth less than the smaller ones that would replace it."""
+        best, best_cost = profile, self.cost(profile)
         copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
-        for i in sorted(copied, key=lambda i: (-int(self.nbytes[i]), i))[:_SWAPS]:
+        for i in sorted(copied, key=lambda i: self._swap_order(profile, i))[:_SWAPS]:
             chunk, g = self.keys[i]
-            members = self._set_of(chunk, g)
+            members = self.set_of(chunk, g)
             trial = best.clone()
             trial.set(chunk, trial.copied[chunk] - members)
             grown = self.forward("peak", trial, banned=frozenset(self.index[(chunk, h)] for h in members))
             if grown is not None:
                 grown = self.prune(grown)
-                if self.copied_bytes(grown) < best_bytes:
-                    best, best_bytes = grown, self.copied_bytes(grown)
+                if self.cost(grown) < best_cost:
+                    best, best_cost = grown, self.cost(grown)
         return best
+
+    def _swap_order(self, profile: _Profile, i: int) -> tuple:
+        key = (-int(self.nbytes[i]), i)  # largest first; with a `Link`, most exposed seconds first
+        return key if self.link is None else (self._give_back(profile, i)[0], *key)
+
+    def cost(self, profile: _Profile) -> int | tuple[float, int]:
+        """What the search minimises: bytes copied; with a `Link`, exposed seconds, then bytes."""
+        if self.link is None:
+            return self.copied_bytes(profile)
+        return round(self.link.total(profile.moved), _SECONDS_DIGITS), self.copied_bytes(profile)
 
     def copied_bytes(self, profile: _Profile) -> int:
         return sum(self.layout.sizes[chunk][g] for chunk, groups in profile.copied.items() for g in groups)
@@ -292,6 +198,8 @@ class SearchResult:
     peak: int
     baseline_peak: int
     lowest_peak: int
+    exposed_s: float | None = None
+    """With a `Link`: the choice's exposed link seconds (`Link.total`)."""
 
 
 def search_offload(
@@ -304,25 +212,27 @@ def search_offload(
     slack: Mapping[Chunk, Sequence[float]],
     kept: Mapping[Chunk, Sequence[int]] | None = None,
     shared: Mapping[Chunk, Sequence[Sequence[int]]] | None = None,
+    link: Link | None = None,
 ) -> SearchResult:
     """Groups to copy so that the predicted peak is at most ``budget`` (else the lowest peak),
-    copying few bytes: nothing if the baseline fits; else greedy additions at the peak, then
-    pruning (from every group copied where the greedy finds no group or pair that lowers the peak).
-    ``shared``: per chunk, sets of groups copied together or not at all."""
+    copying few bytes (with ``link``: exposing few link seconds, then few bytes): nothing if the
+    baseline fits; else greedy additions at the peak, then pruning (from every group copied
+    where the greedy finds no group or pair that lowers the peak). ``shared``: per chunk, sets
+    of groups copied together or not at all."""
     layout = _Layout(plan, sizes, prefetch_bytes, reload_ahead_bytes, kept)
-    search = _Search(layout, plan.chunks, slack, budget, shared)
+    search = _Search(layout, plan.chunks, slack, budget, shared, link)
     everything = search.everything()
     baseline, lowest = _Profile(layout).peak(), everything.peak()
     if baseline <= budget:
-        return SearchResult({}, baseline, baseline, lowest)
+        return SearchResult({}, baseline, baseline, lowest, None if link is None else 0.0)
     search.target = max(budget, lowest)
     results = []
     for rule in _RULES:
         grown = search.forward(rule) if rule != "reverse" else None
         results.append(search.prune(grown if grown is not None else search.everything()))
-    best = search.swap(min(results, key=search.copied_bytes))  # the first of equals
+    best = search.swap(min(results, key=search.cost))  # the first of equals
     offloaded = {chunk: frozenset(groups) for chunk, groups in best.copied.items() if groups}
-    return SearchResult(offloaded, best.peak(), baseline, lowest)
+    return SearchResult(offloaded, best.peak(), baseline, lowest, None if link is None else link.total(best.moved))
 
 
 def model_peak(

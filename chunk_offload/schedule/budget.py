@@ -9,26 +9,36 @@ pipeline can meet ('auto'), `budget_shortfall_message` the error or warning for 
 cannot meet its budget, `budget_exceeded_message` the warning for a measured peak above it.
 
 NOTE [Budget choice]
-A rank whose baseline peak fits offloads nothing. Otherwise, starting from nothing offloaded,
-while the predicted peak exceeds the budget, a unit is added at the moment of the peak: a group
-live then that would be on host at that moment if copied (or such a group with the cheapest
-group above it in its chunk, when alone it would be the one its chunk's prefetch brings back).
-Two rules pick the unit: "peak" (if one unit alone covers the excess, the cheapest such, else
-the one lowering the peak most) and "reach" (the most excess removed per byte over the unit's
-whole time on host, so one copy lowers several later peaks). Units whose copy hides behind
-compute come first under both (`CopyTiming`: a copy out and back takes less time than the
-measured compute between the chunk's forward and its backward; without timing, a longer
-lifespan in actions). Each result, and every group copied, is then pruned: a group is kept on
-device again, largest first, wherever the peak still fits without it. The result copying the
-fewest bytes is taken, then swapped (`_Search.swap`): each of its largest groups in turn is kept
-on device and the excess it leaves covered by additions at the peak (cheapest covering first),
-then pruned; a swap copying fewer bytes is taken. Pruning alone leaves every chosen group needed,
-but a large group may still cost more than the smaller ones at the same peak. Groups that saved
-one storage (``shared``) are added and kept back together: a copy of only some of them frees
-nothing (NOTE [Storages held elsewhere]). The peak is `simulate`'s, prefetch and reload-ahead budgets included
-(the search runs on an exact model of it, `_budget_search`; the final choice is simulated).
-Deterministic; on a 70B-like plan (PP=8, VPP=2, 32 microbatches, 3,200 groups) about a second
-of CPU at most.
+A rank whose baseline peak fits offloads nothing. Otherwise the choice meets the budget at the
+least cost. Without timing the cost is the bytes copied. With a `CopyTiming` it is the link
+time compute does not hide, then bytes: a chunk's copied groups share the link inside its
+window (the compute from the action after its forward to its backward), so the chunk exposes
+``max(0, round trip of all its copied bytes - window)`` seconds (`CopyTiming.exposed_s`, each
+direction at its rate), a choice the sum over its chunks (compared to the nanosecond), and a
+group's cost is what it adds to its chunk's exposure: none while the chunk's copies fit. (Chunks
+whose windows overlap also share the link; the sum does not see that, so copies spread over
+overlapping windows may expose more than predicted.)
+Starting from nothing offloaded, while the predicted peak exceeds the budget, a unit is added
+at the moment of the peak: a group live then that would be on host at that moment if copied
+(or such a group with the cheapest group above it in its chunk, when alone it would be the one
+its chunk's prefetch brings back). Two rules pick the unit: "peak" (if one unit alone covers
+the excess, the cheapest such, else the one lowering the peak most) and "reach" (the most
+excess removed per byte over the unit's whole time on host, so one copy lowers several later
+peaks). Units whose copy hides behind compute come first under both (with timing: adding no
+exposed seconds; without, a longer lifespan in actions); with timing "cheapest" is the fewest
+exposed seconds, then bytes, and units that do not hide rank by excess removed per exposed
+second instead of per byte. Each result, and every group copied, is then pruned: a group is
+kept on device again wherever the peak still fits without it, largest first (with timing, the
+one whose return gives back the most exposed seconds first, re-ranked as its chunk changes).
+The cheapest result is taken, then swapped (`_Search.swap`): each of its costliest groups in
+turn (the largest; with timing, the most exposed seconds first) is kept on device and the excess it leaves covered by additions at the
+peak (cheapest covering first), then pruned; a cheaper swap is taken. Pruning alone leaves every
+chosen group needed, but a large group may still cost more than the smaller ones at the same
+peak. Groups that saved one storage (``shared``) are added and kept back together: a copy of
+only some of them frees nothing (NOTE [Storages held elsewhere]). The peak is `simulate`'s,
+prefetch and reload-ahead budgets included (the search runs on an exact model of it,
+`_budget_search`; the final choice is simulated). Deterministic; on a 70B-like plan (PP=8,
+VPP=2, 32 microbatches, 3,200 groups) about a second of CPU at most, with timing or without.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from typing import Mapping, Sequence
 
 from ..core.actions import ActionKind
 from ..core.errors import ChunkOffloadError, internal_assert
+from ._budget_link import Link
 from ._budget_search import search_offload
 from .choice import CopyTiming, OffloadChoice
 from .plan import Plan
@@ -57,7 +68,8 @@ def choose_offload(
     kept_bytes: GroupBytes | None = None,
     shared: Mapping[tuple[int, int], Sequence[Sequence[int]]] | None = None,
 ) -> OffloadChoice:
-    """The fewest bytes to copy so that ``plan``'s predicted peak fits ``budget_bytes``.
+    """The fewest bytes to copy so that ``plan``'s predicted peak fits ``budget_bytes``; with
+    ``timing``, the least link time not hidden by compute, then the fewest bytes.
 
     See NOTE [Budget choice]. ``group_bytes`` and ``kept_bytes`` as `simulate` takes them; ``prefetch_bytes`` and
     ``reload_ahead_bytes`` as the `PlanPolicy` that will apply the choice. ``shared``: per chunk, the
@@ -90,6 +102,7 @@ def choose_offload(
         slack=_slack(plan, sizes, timing),
         kept=kept,
         shared=shared,
+        link=None if timing is None else Link(timing, _steps(plan), plan.chunks),
     )
     # The search works on a model of simulate's accounting; the choice is checked by simulate itself.
     policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, offload_groups=found.offloaded)
@@ -105,16 +118,23 @@ def choose_offload(
         baseline_peak_bytes=predicted.peak_saved_bytes,
         lowest_peak_bytes=found.lowest_peak,
         bytes_offloaded=predicted.bytes_offloaded,
+        exposed_s=found.exposed_s,
     )
+
+
+def _steps(plan: Plan) -> dict[tuple[int, int], tuple[int, int]]:
+    """Per chunk: the plan indices of its forward and its backward."""
+    step = {(a.kind, a.chunk): i for i, a in enumerate(plan.actions)}
+    return {chunk: (step[(ActionKind.FORWARD, chunk)], step[(ActionKind.BACKWARD, chunk)]) for chunk in plan.chunks}
 
 
 def _slack(plan: Plan, sizes: Mapping[tuple[int, int], Sequence[int]], timing: CopyTiming | None) -> dict[tuple[int, int], list[float]]:
     """Per group: how well its copy hides (>= 0: hides; larger: better): with ``timing`` the
     compute seconds left over its copy out and back, else the chunk's lifespan in actions - 1."""
-    step = {(a.kind, a.chunk): i for i, a in enumerate(plan.actions)}
+    steps = _steps(plan)
     out = {}
     for chunk, bs in sizes.items():
-        forward, backward = step[(ActionKind.FORWARD, chunk)], step[(ActionKind.BACKWARD, chunk)]
+        forward, backward = steps[chunk]
         if timing is None:
             out[chunk] = [float(backward - forward - 2)] * len(bs)  # the lifespan - 1
         else:

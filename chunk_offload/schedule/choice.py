@@ -62,8 +62,17 @@ class CopyTiming:
 
     def slack_s(self, forward: int, backward: int, nbytes: int) -> float:
         """`hides` for a chunk whose forward and backward are actions ``forward`` and ``backward`` of the plan."""
-        window = self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
-        return window - self.round_trip_s(nbytes)
+        return self.window_s(forward, backward) - self.round_trip_s(nbytes)
+
+    def window_s(self, forward: int, backward: int) -> float:
+        """Compute seconds a copy of the chunk with these forward and backward actions can hide
+        behind: from the start of the action after its forward to the start of its backward."""
+        return self.action_starts_s[backward] - self.action_starts_s[min(forward + 1, backward)]
+
+    def exposed_s(self, forward: int, backward: int, nbytes: int) -> float:
+        """Seconds of a round trip of ``nbytes`` (all the bytes one chunk copies: they share the
+        link) that its window does not hide, ``max(0, -slack_s)``: NOTE [Budget choice]."""
+        return max(0.0, self.round_trip_s(nbytes) - self.window_s(forward, backward))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +90,10 @@ class OffloadChoice:
     """The peak with every group offloaded (prefetch and reload-ahead budgets included)."""
     bytes_offloaded: int
     """Bytes copied to host per iteration with this choice."""
+    exposed_s: float | None = None
+    """With a `CopyTiming`: the predicted seconds of link time per iteration that compute does
+    not hide, summed over chunks (`CopyTiming.exposed_s` of each chunk's copied bytes), which the
+    choice minimised before bytes (NOTE [Budget choice]); None when chosen without timing."""
 
     @property
     def fits(self) -> bool:

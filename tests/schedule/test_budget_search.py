@@ -6,10 +6,12 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from typing import Any, Callable
 
 import pytest
 
-from chunk_offload.schedule import Plan, PlanPolicy, choose_offload, megatron_plan, simulate
+from chunk_offload.core.actions import ActionKind
+from chunk_offload.schedule import CopyTiming, Plan, PlanPolicy, choose_offload, megatron_plan, simulate
 from chunk_offload.schedule._budget_search import model_peak
 
 PLANS = [
@@ -61,25 +63,37 @@ def test_close_to_the_optimum_on_small_cases():
     """Against every subset of groups (brute force, up to 12 groups): never more than 1.5x the
     fewest bytes that fit, and the optimum in most cases."""
     rng = random.Random(5)
-    plans = [megatron_plan(pp_size=3, pp_rank=0, num_microbatches=3), megatron_plan(pp_size=2, pp_rank=0, num_microbatches=2, vp_size=2)]
     optimal = cases = 0
     for _ in range(30):
-        plan = rng.choice(plans)
-        sizes = {chunk: [rng.choice([10, 30, 50, 100]) for _ in range(3)] for chunk in plan.chunks}
-        keys = [(chunk, g) for chunk in plan.chunks for g in range(3)]
-        everything = choose_offload(plan, sizes, 0)
-        budget = rng.randint(everything.lowest_peak_bytes, everything.baseline_peak_bytes)
-        best = min(
-            sum(sizes[c][g] for c, g in subset)
-            for k in range(len(keys) + 1)
-            for subset in itertools.combinations(keys, k)
-            if model_peak(plan, sizes, _grouped(subset)) <= budget
-        )
+        plan, sizes, budget = small_case(rng)
+        best = least(plan, sizes, budget, lambda subset: sum(sizes[c][g] for c, g in subset))
         choice = choose_offload(plan, sizes, budget)
         assert choice.fits and choice.bytes_offloaded <= 1.5 * best
         optimal += choice.bytes_offloaded == best
         cases += 1
     assert optimal >= 0.75 * cases
+
+
+def small_case(rng: random.Random) -> tuple[Plan, dict[tuple[int, int], list[int]], int]:
+    """A small plan (6 chunks of 3 groups), its sizes and a budget between its lowest and baseline peaks."""
+    plan = rng.choice(_SMALL_PLANS)
+    sizes = {chunk: [rng.choice([10, 30, 50, 100]) for _ in range(3)] for chunk in plan.chunks}
+    everything = choose_offload(plan, sizes, 0)
+    return plan, sizes, rng.randint(everything.lowest_peak_bytes, everything.baseline_peak_bytes)
+
+
+def least(plan: Plan, sizes: dict[tuple[int, int], list[int]], budget: int, cost: Callable[[tuple], Any]) -> Any:
+    """The least ``cost`` of a subset of (chunk, group)s whose peak fits ``budget`` (brute force)."""
+    keys = [(chunk, g) for chunk in plan.chunks for g in range(len(sizes[chunk]))]
+    return min(
+        cost(subset)
+        for k in range(len(keys) + 1)
+        for subset in itertools.combinations(keys, k)
+        if model_peak(plan, sizes, grouped(subset)) <= budget
+    )
+
+
+_SMALL_PLANS = [megatron_plan(pp_size=3, pp_rank=0, num_microbatches=3), megatron_plan(pp_size=2, pp_rank=0, num_microbatches=2, vp_size=2)]
 
 
 def test_a_large_group_gives_way_to_a_cheaper_one_on_the_peak():
@@ -95,21 +109,35 @@ def test_a_large_group_gives_way_to_a_cheaper_one_on_the_peak():
     assert simulated.peak_resident_bytes == choice.predicted_peak_bytes == 540 <= 559 < simulated.peak_saved_bytes == 640
 
 
-def _grouped(subset) -> dict[tuple[int, int], set[int]]:
+def grouped(subset) -> dict[tuple[int, int], set[int]]:
     out: dict[tuple[int, int], set[int]] = {}
     for chunk, g in subset:
         out.setdefault(chunk, set()).add(g)
     return out
 
 
-def test_fast_on_a_70b_like_plan():
-    """PP=8, 32 microbatches, VPP=2, 5 layers of 10 groups per chunk (3,200 groups on rank 0)."""
+@pytest.mark.parametrize("link_bytes_per_s", [None, 2e9], ids=["bytes", "link-time"])
+def test_fast_on_a_70b_like_plan(link_bytes_per_s):
+    """PP=8, 32 microbatches, VPP=2, 5 layers of 10 groups per chunk (3,200 groups on rank 0); with
+    a timing (forwards 10 ms, backwards 20 ms, 2 GB/s each way: the copies of many chunks cannot
+    hide whole) the choice exposes less link time than the fewest-bytes one, in the same CPU time."""
     layer = [16, 48, 64, 16, 16, 16, 64, 64, 32, 8]
     sizes = {vp: [b << 20 for b in layer * 5] for vp in range(2)}
     first, last = (megatron_plan(pp_size=8, pp_rank=r, num_microbatches=32, vp_size=2) for r in (0, 7))
     budget = (simulate(first, sizes, offload=False).peak_saved_bytes + simulate(last, sizes, offload=False).peak_saved_bytes) // 2
+    timing = None
+    if link_bytes_per_s is not None:
+        starts = itertools.accumulate((0.010 if a.kind is ActionKind.FORWARD else 0.020 for a in first.actions[:-1]), initial=0.0)
+        timing = CopyTiming(bytes_per_s=link_bytes_per_s, action_starts_s=tuple(starts), iteration_s=1.0)
     started = time.process_time()
-    choice = choose_offload(first, sizes, budget)
+    choice = choose_offload(first, sizes, budget, timing=timing)
     seconds = time.process_time() - started
     assert choice.fits and 0 < choice.bytes_offloaded
     assert seconds < 5, f"choose_offload took {seconds:.2f} s of CPU"
+    if timing is not None:
+        fewest = choose_offload(first, sizes, budget)
+        exposed = sum(
+            timing.exposed_s(first.index("F", *chunk), first.index("B", *chunk), sum(sizes[chunk[1]][g] for g in groups))
+            for chunk, groups in fewest.offloaded.items()
+        )
+        assert choice.exposed_s < exposed and choice.bytes_offloaded > fewest.bytes_offloaded
