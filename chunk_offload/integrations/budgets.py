@@ -230,11 +230,12 @@ class Budgets:
         # One line per decision and rank: several ranks share a pipeline stage (data and expert
         # parallelism), so the line names the global rank; a budget given as "auto" stays "auto".
         given = f"auto (levelled to {self.leveled_budget} bytes)" if self.device_budget == "auto" else f"{self.device_budget} bytes"
+        exposed = self.choice.exposed_s
         logger.info(
             "chunk_offload: rank %d (pipeline rank %d): device budget %s, activation budget %d bytes, predicted peak %d, "
-            "%d bytes offloaded per iteration",
+            "%d bytes offloaded per iteration%s",
             dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, pp_rank, given, budget, self.choice.predicted_peak_bytes,
-            self.choice.bytes_offloaded,
+            self.choice.bytes_offloaded, "" if exposed is None else f", {exposed * 1e3:.1f} ms of copies not hidden by compute (predicted)",
         )
         return self.policy(plan)
 
