@@ -126,16 +126,14 @@ class HeldElsewhere:
         """The sets of a chunk's groups that saved one storage held nowhere else (neither pinned nor
         at a known place): copying some of a set frees nothing. Sorted; empty: none."""
         seen: set[int] = set()
-        twice: set[int] = set()  # keys saved by more than one group: set operations, per group
-        for group in groups:
+        saved = 0
+        for group in groups:  # no storage saved twice (the common case): found with set operations
             keys = group.storages.keys()
-            common = seen.intersection(keys)  # iterates ``keys`` only (a group's few storages)
-            if common:
-                twice |= common
+            saved += len(keys)
             seen.update(keys)
-        if not twice:
+        if len(seen) == saved:
             return []
-        owner: dict[int, int] = {}  # storage key -> position of the first group it is eligible in
+        owner: dict[int, int] = {}  # storage key -> index of the first group that saved it
         parent = list(range(len(groups)))
 
         def root(i: int) -> int:
@@ -143,26 +141,18 @@ class HeldElsewhere:
                 i = parent[i]
             return i
 
-        unioned: set[int] = set()
         for position, group in enumerate(groups):
-            storages = group.storages
-            keys = twice.intersection(storages)
-            if not keys:
-                continue
             held = self.kept(vp_stage, group.index, group.name)
-            ordinals = None if held is None else {key: ordinal for ordinal, key in enumerate(storages)}
-            for key in keys:
-                storage = storages[key]
-                if storage.pinned or not storage.live or (ordinals is not None and ordinals[key] in held):
+            for ordinal, (key, storage) in enumerate(group.storages.items()):
+                if storage.pinned or not storage.live or (held is not None and ordinal in held):
                     continue
                 first = owner.setdefault(key, position)
                 if first != position:
                     parent[root(position)] = root(first)
-                    unioned.update((position, first))
         sets: dict[int, list[int]] = {}
-        for position in sorted(unioned):
-            sets.setdefault(root(position), []).append(groups[position].index)
-        return sorted(tuple(members) for members in sets.values())
+        for position, group in enumerate(groups):
+            sets.setdefault(root(position), []).append(group.index)
+        return sorted(tuple(members) for members in sets.values() if len(members) > 1)
 
     def clear(self) -> None:
         """Forget every place (the offloaded modules changed); the next baseline probes again."""
