@@ -290,12 +290,7 @@ class OffloadGroup:
         storage = ref.storage
         if storage.device_bytes is None:
             internal_assert(False, f"unpack of a freed storage in {self!r}")
-        if storage.layout is not None:  # copied as the saved view itself: NOTE [Direct copies] in copies.py
-            return storage.device_bytes
-        offset = (ref.offset_bytes - storage.start) // ref.dtype.itemsize
-        return torch.empty(0, dtype=ref.dtype, device=storage.device_bytes.device).set_(
-            storage.device_bytes.untyped_storage(), offset, ref.size, ref.stride
-        )
+        return storage.view_of(ref)
 
     # ------------------------------------------------------------------ lifetime
     def storage_freed(self, storage: Storage) -> None:

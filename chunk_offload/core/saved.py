@@ -91,6 +91,17 @@ class Storage:
         first = self.first
         return first() if first is not None and self.more is None else None
 
+    def view_of(self, ref: "SavedRef") -> torch.Tensor:
+        """``ref``'s saved view on the device copy: the copy itself where the storage was copied
+        as that view (NOTE [Direct copies] in copies.py), else rebuilt on the byte span."""
+        device_bytes = self.device_bytes
+        if self.layout is not None:
+            return device_bytes
+        offset = (ref.offset_bytes - self.start) // ref.dtype.itemsize
+        return torch.empty(0, dtype=ref.dtype, device=device_bytes.device).set_(
+            device_bytes.untyped_storage(), offset, ref.size, ref.stride
+        )
+
     def forget_refs(self) -> None:
         """Stop listing the saved views (the storage was freed or discarded)."""
         self.first = self.more = None
