@@ -83,7 +83,7 @@ FLAG_ROWS: tuple[Option, ...] = tuple(row for row in OPTIONS if row.flag)
 """The option table's rows that are launcher flags, in the order of ``--help``."""
 DESTS = {row.name: row.dest for row in FLAG_ROWS}
 """Flag suffix -> destination in the parsed namespace. See NOTE [Flag names]."""
-PLANNED_FLAGS = ("prefetch-bytes", "reload-ahead-bytes", "device-budget")
+PLANNED_FLAGS = ("prefetch-bytes", "reload-ahead-bytes", "timed-reload-ahead", "device-budget")
 """Flags only the plan's policy reads (``--chunk-offload-schedule plan``)."""
 BUDGET_FLAGS = ("device-budget", "host-budget", "host-pool-bytes", "prefetch-bytes", "reload-ahead-bytes")
 """Flags that bound what offload does: without --chunk-offload-modules (or with --chunk-offload-baseline) nothing uses them."""

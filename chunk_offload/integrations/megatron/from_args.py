@@ -49,14 +49,22 @@ def _typed(args: argparse.Namespace, suffix: str) -> str:
 
 
 def _given(args: argparse.Namespace, suffixes: Sequence[str]) -> list[str]:
-    """``--flag value`` as typed for each of ``suffixes`` set on the command line (their defaults are None)."""
-    return [_typed(args, suffix) for suffix in suffixes if getattr(args, DESTS[suffix], None) is not None]
+    """``--flag value`` as typed for each of ``suffixes`` set on the command line (their defaults
+    are None; a switch's is False, and a switch given is named alone)."""
+    given = []
+    for suffix in suffixes:
+        value = getattr(args, DESTS[suffix], None)
+        if value is True:
+            given.append(LONG_PREFIX + suffix)
+        elif value is not None and value is not False:
+            given.append(_typed(args, suffix))
+    return given
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
     """Check the parsed ``--chunk-offload-*`` flags against each other, naming them as typed.
 
-    - plan-only flags (prefetch, reload-ahead, device budget) under ``--chunk-offload-schedule
+    - plan-only flags (prefetch, reload-ahead, timed reload-ahead, device budget) under ``--chunk-offload-schedule
       group-start``, which never reads them: an error;
     - budget flags without ``--chunk-offload-modules``: nothing is offloaded, so they do nothing:
       a usage error at the command line (``parser`` given: exit status 2), a warning otherwise;
