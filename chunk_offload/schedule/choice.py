@@ -6,7 +6,7 @@ applies them, and reads a `CopyTiming` for NOTE [Kept tail]), so that neither im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..core.actions import Action, ActionKind
@@ -90,10 +90,12 @@ class OffloadChoice:
     """The peak with every group offloaded (prefetch and reload-ahead budgets included)."""
     bytes_offloaded: int
     """Bytes copied to host per iteration with this choice."""
-    exposed_s: float | None = None
+    exposed_s: float | None = field(default=None, compare=False)
     """With a `CopyTiming`: the predicted seconds of link time per iteration that compute does
     not hide, summed over chunks (`CopyTiming.exposed_s` of each chunk's copied bytes), which the
-    choice minimised before bytes (NOTE [Budget choice]); None when chosen without timing."""
+    choice minimised before bytes (NOTE [Budget choice]); None when chosen without timing. A
+    prediction from measured times, not part of the decision: two choices of the same groups and
+    peaks are equal whatever it reads."""
 
     @property
     def fits(self) -> bool:
