@@ -16,7 +16,7 @@ import pytest
 
 from chunk_offload.core.actions import NOTATION
 from chunk_offload.megatron_lm.closing import close_run
-from chunk_offload.megatron_lm.run import _close
+from chunk_offload.megatron_lm.cli import _close
 from chunk_offload.megatron_lm.summary import StageSummary, stage_summary, why_nothing
 from chunk_offload.report import format_table, read_json
 from tests.report._reports import sample_report

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from chunk_offload.megatron_lm.preflight import preflight, unwritable
-from chunk_offload.megatron_lm.run import main
+from chunk_offload.megatron_lm.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 PROG = "python -m chunk_offload.megatron_lm"

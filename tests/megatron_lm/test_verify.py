@@ -13,7 +13,7 @@ import torch
 from chunk_offload.bit_identity import StepRecord
 from chunk_offload.megatron_lm import verify
 from chunk_offload.megatron_lm.recording import save_record
-from chunk_offload.megatron_lm.run import _console
+from chunk_offload.megatron_lm.cli import _console
 from chunk_offload.megatron_lm.verify import reference_args, run_verify, verified_args
 
 PROG = "python -m chunk_offload.megatron_lm"
