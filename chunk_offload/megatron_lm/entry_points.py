@@ -54,7 +54,7 @@ from .summary import stage_summary
 
 __all__ = ["EntryPoints"]
 
-logger = logging.getLogger(__name__)  # the launcher's console (run.py) prints what it says
+logger = logging.getLogger(__name__)  # the launcher's console (cli.py) prints what it says
 
 _ARGS_ENTRY_POINTS = ("parse_and_validate_args", "initialize_megatron")
 _BINDING_MODULES = (

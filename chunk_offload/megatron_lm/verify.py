@@ -44,7 +44,7 @@ from .recording import load_record
 
 __all__ = ["die_with_parent", "reference_args", "run_verify", "verified_args"]
 
-logger = logging.getLogger(__name__)  # the launcher's console (run.py) prints what it says
+logger = logging.getLogger(__name__)  # the launcher's console (cli.py) prints what it says
 
 _PREFIX = "--chunk-offload-"
 _ROWS = {row.name: row for row in OPTIONS if row.flag}
