@@ -194,21 +194,11 @@ class OffloadGroup:
         ctx = self._ctx
         moved = [storage for storage in self._storages.values() if storage.live and not storage.pinned]
         release_after_copy(ctx, self.name, moved, self._d2h_event, self._wait, "release of offloaded tensors of {!r}")
-        nbytes = 0
-        no_memory = None
-        for storage in moved:
-            if no_memory is None:
-                no_memory = ctx.empties.on(storage.device_bytes.device)
-            storage.device_bytes = None
-            storage.on_host = True
-            only = storage.only_view()
-            if only is not None:
-                only.drop_original(no_memory)
-            else:
-                for ref in alive(storage):
-                    ref.drop_original(no_memory)
-            nbytes += storage.nbytes
-        ctx.resident.moved_to_host(nbytes)
+        if moved:
+            no_memory = ctx.empties.on(moved[0].device_bytes.device)
+            for storage in moved:
+                storage.moved_to_host(no_memory)
+            ctx.resident.moved_to_host(sum(storage.nbytes for storage in moved))
         self._to(GroupState.ON_HOST)
 
     def note_held_elsewhere(self) -> int:

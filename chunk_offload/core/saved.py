@@ -91,6 +91,18 @@ class Storage:
         first = self.first
         return first() if first is not None and self.more is None else None
 
+    def moved_to_host(self, no_memory: torch.Tensor) -> None:
+        """The host copy became the only one: drop the device span and every live view's original
+        (``no_memory``: `SavedRef.drop_original`'s empty tensor on their device)."""
+        self.device_bytes = None
+        self.on_host = True
+        only = self.only_view()
+        if only is not None:
+            only.drop_original(no_memory)
+        else:
+            for ref in alive(self):
+                ref.drop_original(no_memory)
+
     def view_of(self, ref: "SavedRef") -> torch.Tensor:
         """``ref``'s saved view on the device copy: the copy itself where the storage was copied
         as that view (NOTE [Direct copies] in copies.py), else rebuilt on the byte span."""

@@ -12,7 +12,8 @@ activations and gradients, with and without offload side by side in one process:
 Command line: ``python -m chunk_offload.replay --help``.
 """
 
-from .run import ModeResult, ReplayResult, replay
+from .result import ModeResult, ReplayResult
+from .run import replay
 from .stage import MegatronStage, megatron_stage
 
 __all__ = ["MegatronStage", "ModeResult", "ReplayResult", "megatron_stage", "replay"]

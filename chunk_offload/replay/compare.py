@@ -25,7 +25,8 @@ from ..core.streams import StreamBackend
 from ..devkit.gpt import GPTShape
 from ..module_names import canonical_modules
 from .megatron_builtin import BuiltinResult, builtin_config, builtin_unavailable, run_builtin
-from .run import ReplayResult, replay
+from .result import ReplayResult
+from .run import replay
 from .stage import megatron_stage
 
 __all__ = ["Comparison", "compare_with_megatron"]
