@@ -40,7 +40,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence
 
 from ._torch_compat import free_weak_storage, storage_expired, storage_use_count
-from .saved import alive
 
 if TYPE_CHECKING:
     from .saved import Storage
@@ -102,21 +101,22 @@ class HeldElsewhere:
         Each original a group holds becomes a detached alias (same storage and version counter);
         a storage with strong references beyond the chunk's aliases is held elsewhere.
         """
-        aliases: dict[int, int] = {}
+        aliases: dict[int, int] = {}  # storage key -> the chunk's aliases of it
+        held = []  # per group: (ordinal, key, storage, one of its aliases)
         for group in groups:
-            for key, storage in group.storages.items():
-                for ref in alive(storage):
-                    if ref.tensor is not None:
-                        ref.tensor = ref.tensor.detach()
-                        aliases[key] = aliases.get(key, 0) + 1
-        learned = []
-        for group in groups:
-            nbytes = 0
+            storages = []
             for ordinal, (key, storage) in enumerate(group.storages.items()):
-                tensor = next((ref.tensor for ref in alive(storage) if ref.tensor is not None), None)
-                if storage.pinned or tensor is None:
+                count, alias = storage.hold_aliases()
+                aliases[key] = aliases.get(key, 0) + count
+                storages.append((ordinal, key, storage, alias))
+            held.append(storages)
+        learned = []
+        for group, storages in zip(groups, held):
+            nbytes = 0
+            for ordinal, key, storage, alias in storages:
+                if storage.pinned or alias is None:
                     continue
-                if storage_use_count(tensor) > aliases[key]:
+                if storage_use_count(alias) > aliases[key]:
                     self.note(vp_stage, group.index, group.name, ordinal)
                     nbytes += storage.nbytes
             learned.append(nbytes)

@@ -91,6 +91,17 @@ class Storage:
         first = self.first
         return first() if first is not None and self.more is None else None
 
+    def hold_aliases(self) -> "tuple[int, torch.Tensor | None]":
+        """Hold each live view's original as a detached alias (same storage and version counter,
+        nothing else kept alive: NOTE [Storages held elsewhere]'s probe counts references to the
+        storage); how many, and one of them (None: no original held)."""
+        count, alias = 0, None
+        for ref in alive(self):
+            if ref.tensor is not None:
+                ref.tensor = alias = ref.tensor.detach()
+                count += 1
+        return count, alias
+
     def moved_to_host(self, no_memory: torch.Tensor) -> None:
         """The host copy became the only one: drop the device span and every live view's original
         (``no_memory``: `SavedRef.drop_original`'s empty tensor on their device)."""
