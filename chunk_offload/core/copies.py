@@ -120,10 +120,9 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
         layout = storage.layout
         if layout is None:
             device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=device)
-            pairs.append((device_bytes, storage.host.view()))
         else:  # NOTE [Direct copies]
             device_bytes = torch.empty(layout[1], dtype=layout[0], device=device)
-            pairs.append((device_bytes, storage.host.typed_view(*layout)))
+        pairs.append((device_bytes, host_view(storage)))
         storage.device_bytes = device_bytes
         nbytes += storage.nbytes
     alloc_mark = streams.compute.tick()
