@@ -47,6 +47,7 @@ from torch import nn
 from ..integrations.megatron import MegatronOffloadManager, add_arguments, attach_from_args
 from ..integrations.megatron.args import has_arguments
 from ..report import ReportFiles, gather_objects
+from ..option_flags import typed_flag
 from ..planner.coplan import CoPlan
 from .closing import Closing, close_run
 from .plan import apply_plan, describe, resolve_plan, stage_modules
@@ -243,7 +244,9 @@ class EntryPoints:
             return
         path = getattr(args, "chunk_offload_report", None)
         planned_nothing = self.plan is not None and self.manager is None
-        summaries = gather_objects(stage_summary(self.manager, requested=list(requested), report=bool(path), planned_nothing=planned_nothing))
+        flag = typed_flag(args, "chunk_offload_min_offload_bytes", "--chunk-offload-min-offload-bytes")
+        summary = stage_summary(self.manager, requested=list(requested), report=bool(path), planned_nothing=planned_nothing, min_offload_flag=flag)
+        summaries = gather_objects(summary)
         if summaries is not None:
             self.closing = close_run(summaries, report_path=path)
             self.report_files = self.closing.files

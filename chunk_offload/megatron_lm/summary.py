@@ -63,6 +63,10 @@ class StageSummary:
     """Time compute waited on copies in it, in milliseconds."""
     min_offload_bytes: int = 0
     """``--chunk-offload-min-offload-bytes``."""
+    min_offload_flag: str = ""
+    """That flag and its value as the command line typed it (``--chunk-offload-min-offload-bytes 1MiB``),
+    for the messages that quote it (`chunk_offload.option_flags.typed_flag`); empty: not known,
+    the messages quote ``min_offload_bytes``."""
     budget_fits: bool | None = None
     """With a device budget: whether its choice fits (None: no budget, or no choice yet)."""
     report: StageReport | None = None
@@ -79,10 +83,17 @@ class StageSummary:
 
 
 def stage_summary(
-    manager: MegatronOffloadManager | None, *, requested: list[str], report: bool, planned_nothing: bool = False
+    manager: MegatronOffloadManager | None,
+    *,
+    requested: list[str],
+    report: bool,
+    planned_nothing: bool = False,
+    min_offload_flag: str | None = None,
 ) -> StageSummary:
     """This rank's `StageSummary`; ``manager`` None: nothing was attached (no model built, or
     ``planned_nothing``: the plan offloads nothing on this stage, which then needs no report).
+    ``min_offload_flag``: ``--chunk-offload-min-offload-bytes`` as typed (None: the flag and the
+    manager's parsed value).
 
     ``report``: build the rank's `StageReport` too (``--chunk-offload-report``). In auto mode
     the open iteration, complete after training, is closed first.
@@ -110,6 +121,7 @@ def stage_summary(
     summary.training_calls = manager.training_calls
     summary.baseline = not manager.config.offload
     summary.min_offload_bytes = manager.config.min_offload_bytes
+    summary.min_offload_flag = min_offload_flag or ""
     if manager.plan is not None:
         summary.pp_rank, summary.pp_size = manager.plan.pp_rank, manager.plan.pp_size
     if record is None:
@@ -153,10 +165,10 @@ def why_nothing(summary: StageSummary) -> str | None:
             "copy would free nothing and it stays on device (NOTE [Storages held elsewhere] in core/held_elsewhere.py)"
         )
     if summary.saved_peak_bytes == 0:
+        flag = summary.min_offload_flag or f"--chunk-offload-min-offload-bytes {summary.min_offload_bytes}"
         return (
-            f"no saved tensor of {','.join(n for n, k in summary.groups.items() if k)} reached "
-            f"--chunk-offload-min-offload-bytes {summary.min_offload_bytes} (default 1 MiB); a small model needs a "
-            "lower threshold, e.g. --chunk-offload-min-offload-bytes 0"
+            f"no saved tensor of {','.join(n for n, k in summary.groups.items() if k)} reached {flag} (default 1 MiB); "
+            "a small model needs a lower threshold, e.g. --chunk-offload-min-offload-bytes 0"
         )
     if summary.budget_fits:
         return "its peak without offload fits --chunk-offload-device-budget"

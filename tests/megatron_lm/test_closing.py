@@ -151,18 +151,20 @@ if not _NO_MEGATRON:
 
 
 @pytest.mark.skipif(_NO_MEGATRON, reason="megatron-core is not installed")
-@pytest.mark.parametrize("min_offload_bytes, reason", [
-    (1, "another reference holds what the offloaded modules saved"),
-    (1 << 20, "no saved tensor of qkv_linear reached --chunk-offload-min-offload-bytes 1048576"),
+@pytest.mark.parametrize("min_offload_bytes, typed, reason", [
+    (1, None, "another reference holds what the offloaded modules saved"),
+    (1 << 20, None, "no saved tensor of qkv_linear reached --chunk-offload-min-offload-bytes 1048576 (default 1 MiB)"),
+    (1 << 20, "--chunk-offload-min-offload-bytes 1MiB", "no saved tensor of qkv_linear reached --chunk-offload-min-offload-bytes 1MiB (default"),
 ])  # fmt: skip
-def test_stage_summary_reads_the_managers_record_and_report(managed, min_offload_bytes: int, reason: str) -> None:
-    """Three auto iterations (the first a baseline) of a chunk whose qkv inputs another reference holds."""
+def test_stage_summary_reads_the_managers_record_and_report(managed, min_offload_bytes: int, typed: str | None, reason: str) -> None:
+    """Three auto iterations (the first a baseline) of a chunk whose qkv inputs another reference
+    holds; the threshold is quoted as typed when the launcher passes it so."""
     from tests.integrations.megatron._auto_iterations import train_step
 
     chunk, manager = managed(iterations="auto", num_microbatches=2, baseline_iterations=1, trace=True, min_offload_bytes=min_offload_bytes)
     for first in (0, 2, 4):
         train_step(chunk, 2, first=first)
-    summary = stage_summary(manager, requested=["qkv_linear", "core_attn"], report=True)
+    summary = stage_summary(manager, requested=["qkv_linear", "core_attn"], report=True, min_offload_flag=typed)
     assert manager.training_calls == summary.training_calls == 3  # the last iteration was closed
     assert (summary.rank, summary.pp_rank, summary.pp_size, summary.attached, summary.offload) == (0, 0, 1, True, True)
     assert summary.registered == {"qkv_linear": 2} and summary.groups == {"qkv_linear": 4}

@@ -237,9 +237,10 @@ ONE_STAGE = COMMON[: COMMON.index("--train-iters")] + ["--train-iters", "2", "--
 
 
 def test_without_matplotlib_and_with_nothing_offloaded_the_run_succeeds_and_says_why(tmp_path: Path) -> None:
-    """PP=1, the default minimum size (a tiny model saves nothing that large), a module the dense model lacks."""
+    """PP=1, the default minimum size typed out (a tiny model saves nothing that large), a module the dense model lacks."""
     report = tmp_path / "r"
     ours = ["--chunk-offload-modules", "core_attn,expert_fc1", "--chunk-offload-device-budget", "auto", "--chunk-offload-report", str(report)]
+    ours += ["--chunk-offload-min-offload-bytes", "1MiB"]  # quoted back as typed
     returncode, out, err = _run_one_rank(ONE_STAGE + ours, tmp_path, TEST_NO_MATPLOTLIB="1")
     assert returncode == 0, (out + err)[-6000:]
     assert "Traceback" not in err
@@ -253,7 +254,7 @@ def test_without_matplotlib_and_with_nothing_offloaded_the_run_succeeds_and_says
     assert f"{PROG}: warning: --chunk-offload-modules expert_fc1 matches no submodule on rank 0: nothing of it is offloaded there\n" in err
     assert (
         f"{PROG}: warning: nothing was offloaded on rank 0: no saved tensor of core_attn reached --chunk-offload-min-offload-bytes "
-        "1048576 (default 1 MiB); a small model needs a lower threshold, e.g. --chunk-offload-min-offload-bytes 0\n"
+        "1MiB (default 1 MiB); a small model needs a lower threshold, e.g. --chunk-offload-min-offload-bytes 0\n"
     ) in err
     # Megatron-LM's argument dump shows what runs; each of our lines appears once.
     assert re.search(r"^  chunk_offload_iterations \.+ auto$", out, flags=re.MULTILINE), out[:4000]
