@@ -11,7 +11,8 @@ model from the same seed (so the same weights and inputs):
   NOTE [Kept tail] in chunk_offload/core/ordering.py);
 - chunk-offload budget: the same with ``device_budget_bytes`` (``--budget-bytes``; default:
   megatron's measured peak for these modules on CUDA, i.e. the same memory, else half of
-  chunk-offload's saved peak);
+  chunk-offload's saved peak); with ``--timed-reload-ahead`` also ``timed_reload_ahead=True``
+  (its chunks reload ahead by the timing where the predicted peak stays within the budget);
 - chunk-offload reload-ahead (only with ``--reload-ahead-bytes``): the default run with that
   `PlanPolicy` reload-ahead budget (in backward, earlier groups are reloaded while their bytes fit);
 - chunk-offload timed (only with ``--timed-reload-ahead``): the default run with
@@ -112,7 +113,7 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
         manager = attach([model], modules, config=OffloadConfig(min_offload_bytes=args.min_offload_bytes),
                          device_budget_bytes=budget if run.endswith("budget") else None,
                          reload_ahead_bytes=args.reload_ahead_bytes if run.endswith("reload-ahead") else None,
-                         timed_reload_ahead=run.endswith("timed"))  # fmt: skip
+                         timed_reload_ahead=run.endswith("timed") or (run.endswith("budget") and args.timed_reload_ahead))  # fmt: skip
         stack.callback(manager.close)
         stack.callback(manager.detach)
         return manager.wrap(forward_backward), gpt_forward_step, manager, seen

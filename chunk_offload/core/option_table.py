@@ -165,7 +165,8 @@ OPTIONS: tuple[Option, ...] = (
         help=(
             "With --chunk-offload-schedule plan and no --chunk-offload-reload-ahead-bytes: set each chunk's "
             "reload-ahead bytes from the previous iteration's measured reload rate and backward time, the fewest "
-            "under which its reloads are predicted to wait least. Peak memory then follows each run's timing."
+            "under which its reloads are predicted to wait least (with --chunk-offload-device-budget, only where the "
+            "predicted peak stays within it). Peak memory then follows each run's timing."
         ),
     ),
     Option(

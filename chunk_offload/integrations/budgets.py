@@ -32,6 +32,10 @@ NOTE [Device budget]
   an iteration run under it exceeded (its measured peak: ``device_peak_bytes`` on CUDA, the
   resident saved bytes on CPU) warns once too (`budget_exceeded_message`). Either way the
   report's ``budget_shortfall_bytes`` says by how much.
+- With ``timed_reload_ahead``, after each offloaded iteration the choice's chunks get the
+  reload-ahead budgets its `CopyTiming` gives, as far as the predicted peak stays within the
+  budget (`fit_reload_ahead`): a choice is made reloading one group ahead, and reloading more
+  ahead may raise a backward's peak. They change when reloads start, never what is copied.
 - ``"auto"``: every pipeline rank's lowest peak (plus its overhead) is all-gathered over the
   pipeline (`Exchange`, NOTE [Deferred exchanges]); the budget is `level_budget` of them, the
   smallest every rank meets. Until it is known every group is offloaded.
@@ -60,6 +64,7 @@ from ..schedule import (
     budget_exceeded_message,
     budget_shortfall_message,
     choose_offload,
+    fit_reload_ahead,
     level_budget,
     simulate,
     split_host_budget,
@@ -90,6 +95,7 @@ class Budgets:
         host_budget_bytes: int | None,
         prefetch_bytes: int | None,
         reload_ahead_bytes: int | None,
+        timed_reload_ahead: bool = False,
     ) -> None:
         self.device_budget = check_device_budget(device_budget_bytes)
         """The device budget as given: bytes, ``"auto"`` or None."""
@@ -97,6 +103,10 @@ class Budgets:
         """The node's host budget as given, or None."""
         self.plan_budgets = PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
         """`PlanPolicy`'s prefetch and reload-ahead budgets (checked), for every policy built from the plan."""
+        self.timed_reload_ahead = timed_reload_ahead and reload_ahead_bytes is None
+        """Whether the choice's chunks reload ahead by the latest timing (a given ``reload_ahead_bytes`` wins)."""
+        self.chunk_reload_ahead: dict[tuple[int, int], int] = {}
+        """The choice's per-chunk reload-ahead bytes from the latest timing (`fit_reload_ahead`)."""
         self.leveled_budget: int | None = None
         """``"auto"``: the levelled budget (the largest lowest peak of the pipeline), once known."""
         self.choice: OffloadChoice | None = None
@@ -145,7 +155,7 @@ class Budgets:
     def policy(self, plan: Plan) -> PlanPolicy:
         """The policy for ``plan``: the choice made for it, else every group offloaded."""
         if self.choice is not None and self._choice_plan is plan:
-            return PlanPolicy(plan, offload_groups=self.choice, **self.plan_budgets)
+            return PlanPolicy(plan, offload_groups=self.choice, chunk_reload_ahead=self.chunk_reload_ahead, **self.plan_budgets)
         return PlanPolicy(plan, min_lifespan=0, **self.plan_budgets)
 
     def after_iteration(self, plan: Plan | None, record: IterationRecord | None, policy: SchedulePolicy, *, pp_rank: int) -> PlanPolicy | None:
@@ -216,8 +226,9 @@ class Budgets:
         sizes = {c: list(b) for c, b in self._group_bytes.items()}  # a copy: the running maxima change in place
         key = (plan, sizes, self._kept_bytes, self._shared, budget, timing is not None)
         if key == self._key:
-            return None
+            return self._fit_reload_ahead(plan, timing)
         self._key = key
+        self.chunk_reload_ahead = {}
         self.choice = choose_offload(
             plan, sizes, budget, timing=timing, kept_bytes=self._kept_bytes, shared=self._shared, **self.plan_budgets
         )
@@ -237,6 +248,19 @@ class Budgets:
             dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, pp_rank, given, budget, self.choice.predicted_peak_bytes,
             self.choice.bytes_offloaded, "" if exposed is None else f", {exposed * 1e3:.1f} ms of copies not hidden by compute (predicted)",
         )
+        return self._fit_reload_ahead(plan, timing) or self.policy(plan)
+
+    def _fit_reload_ahead(self, plan: Plan, timing: CopyTiming | None) -> PlanPolicy | None:
+        """With ``timed_reload_ahead`` and a timing: the choice's policy with the reload-ahead
+        budgets ``timing`` gives that keep it within the budget, if they changed; else None."""
+        if not self.timed_reload_ahead or timing is None:
+            return None
+        fitted = fit_reload_ahead(
+            self.choice, plan, self._group_bytes, timing, prefetch_bytes=self.plan_budgets["prefetch_bytes"], kept_bytes=self._kept_bytes
+        )
+        if fitted == self.chunk_reload_ahead:
+            return None
+        self.chunk_reload_ahead = fitted
         return self.policy(plan)
 
     def _split_host(self, plan: Plan | None, record: IterationRecord | None, policy: SchedulePolicy, usable: bool) -> None:

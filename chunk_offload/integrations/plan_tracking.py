@@ -25,8 +25,8 @@
   of records between runs, would vary from run to run. Hence not the default: a switch of the
   option table (``--chunk-offload-timed-reload-ahead``) turns it on where the link is the
   bottleneck (five modules per layer on a GPU: issue 26); a given ``reload_ahead_bytes`` wins
-  over it. Without a device budget only: a choice's predicted peak holds for the reload-ahead it
-  was made with.
+  over it. Under a device budget the choice's chunks get them as far as its predicted peak stays
+  within the budget (NOTE [Device budget] in budgets.py).
   `session.TrainingSession` calls them in order.
 
 A plan read from a schedule's tables is checked against the order the schedule really ran; on a
@@ -76,11 +76,14 @@ class PlanTracking:
         check_schedule_policy(schedule_policy)
         self.from_plan = isinstance(schedule_policy, str)
         """Whether the engine's policy is built from the plan (``schedule_policy="plan"``)."""
+        self.timed_reload_ahead = check_value(option("ScheduleOptions.timed_reload_ahead"), options.timed_reload_ahead)
+        """Whether the plan's policy sets reload-ahead budgets from the latest iteration's timing."""
         self.budgets = Budgets(
             device_budget_bytes=options.device_budget_bytes,
             host_budget_bytes=options.host_budget_bytes,
             prefetch_bytes=options.prefetch_bytes,
             reload_ahead_bytes=options.reload_ahead_bytes,
+            timed_reload_ahead=self.timed_reload_ahead,
         )
         """The rank's device and host budget decisions."""
         planned = (
@@ -98,8 +101,6 @@ class PlanTracking:
                 "(--chunk-offload-schedule group-start): prefetch and reload-ahead budgets and the device budget are "
                 "planned; drop them or use the plan"
             )
-        self.timed_reload_ahead = check_value(option("ScheduleOptions.timed_reload_ahead"), options.timed_reload_ahead)
-        """Whether the plan's policy sets reload-ahead budgets from the latest iteration's timing."""
         self.engine_policy: SchedulePolicy | None = None if self.from_plan else schedule_policy
         """The policy the engine starts with (None: the engine's default)."""
         self._engine: OffloadManager | None = None

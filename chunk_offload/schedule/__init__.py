@@ -6,11 +6,19 @@
 - `simulate`: the saved-bytes accounting a plan gives, exact against the engine's;
 - `choose_offload`: the groups to copy so that a rank's predicted peak fits a device budget
   (`OffloadChoice`, `CopyTiming`, `level_budget`, `budget_shortfall_message`,
-  `budget_exceeded_message`);
+  `budget_exceeded_message`), and `fit_reload_ahead`: timed reload-ahead budgets that keep it;
 - `split_host_budget`, `node_host_cap`: a node's host-memory budget split among its ranks by need.
 """
 
-from .budget import CopyTiming, OffloadChoice, budget_exceeded_message, budget_shortfall_message, choose_offload, level_budget
+from .budget import (
+    CopyTiming,
+    OffloadChoice,
+    budget_exceeded_message,
+    budget_shortfall_message,
+    choose_offload,
+    fit_reload_ahead,
+    level_budget,
+)
 from .host_budget import all_gather_host_needs, node_host_cap, split_host_budget
 from .megatron import megatron_plan
 from .plan import Plan
@@ -27,6 +35,7 @@ __all__ = [
     "budget_exceeded_message",
     "budget_shortfall_message",
     "choose_offload",
+    "fit_reload_ahead",
     "level_budget",
     "megatron_plan",
     "node_host_cap",

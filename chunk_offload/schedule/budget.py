@@ -54,7 +54,15 @@ from .plan import Plan
 from .plan_policy import PlanPolicy
 from .simulate import GroupBytes, _lookup, simulate
 
-__all__ = ["CopyTiming", "OffloadChoice", "budget_exceeded_message", "budget_shortfall_message", "choose_offload", "level_budget"]
+__all__ = [
+    "CopyTiming",
+    "OffloadChoice",
+    "budget_exceeded_message",
+    "budget_shortfall_message",
+    "choose_offload",
+    "fit_reload_ahead",
+    "level_budget",
+]
 
 
 def choose_offload(
@@ -120,6 +128,42 @@ def choose_offload(
         bytes_offloaded=predicted.bytes_offloaded,
         exposed_s=found.exposed_s,
     )
+
+
+def fit_reload_ahead(
+    choice: OffloadChoice,
+    plan: Plan,
+    group_bytes: GroupBytes,
+    timing: CopyTiming,
+    *,
+    prefetch_bytes: int | None = None,
+    kept_bytes: GroupBytes | None = None,
+) -> dict[tuple[int, int], int]:
+    """Per chunk, the reload-ahead bytes ``timing`` gives the groups ``choice`` copies (NOTE
+    [Timed reload ahead] in core/ordering.py), kept where the predicted peak stays within the
+    choice's budget (or, for a budget out of reach, its predicted peak).
+
+    A choice is made reloading one group ahead; more bytes ahead start reloads earlier and may
+    raise a backward's peak. All of them when `simulate` predicts the peak still fits, else
+    chunk by chunk in the order their backwards run, each kept only if the peak still fits with
+    it; for `PlanPolicy`'s ``chunk_reload_ahead``. Empty where one group ahead waits least.
+    """
+    lookup = _lookup(group_bytes)
+    sizes = {chunk: lookup(*chunk) for chunk in plan.chunks}
+    timed = PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes).reload_ahead_from(sizes, timing)
+    limit = max(choice.budget_bytes, choice.predicted_peak_bytes)
+
+    def fits(budgets: dict[tuple[int, int], int]) -> bool:
+        policy = PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes, chunk_reload_ahead=budgets)
+        return simulate(plan, sizes, policy=policy, kept_bytes=kept_bytes).peak_resident_bytes <= limit
+
+    if not timed or fits(timed):
+        return timed
+    fitted: dict[tuple[int, int], int] = {}
+    for action in plan.actions:
+        if action.kind is ActionKind.BACKWARD and action.chunk in timed and fits({**fitted, action.chunk: timed[action.chunk]}):
+            fitted[action.chunk] = timed[action.chunk]
+    return fitted
 
 
 def _steps(plan: Plan) -> dict[tuple[int, int], tuple[int, int]]:

@@ -23,8 +23,11 @@
   least, or without a timing. It changes when reloads start, never what is copied.
 - Per-group decisions (``offload_groups``, e.g. a `chunk_offload.schedule.OffloadChoice` for a
   device budget): exactly the listed groups of each chunk are copied, every other group stays
-  on device; the lifespan rule and the timed reload ahead are then not applied (the choice
-  already weighed them, and its predicted peak holds for the reload-ahead it was made with).
+  on device; the lifespan rule is then not applied (the choice already weighed it). The
+  choice's predicted peak holds for the reload ahead it was made with, so no timing sets the
+  budgets here: budgets derived from one (`PlanPolicy.reload_ahead_from`) may raise that peak,
+  and under a device budget they are given per chunk (``chunk_reload_ahead``), as
+  `chunk_offload.schedule.fit_reload_ahead` fits them under it.
 
 `chunk_offload.schedule.simulate` predicts the resident bytes these decisions give.
 """
@@ -71,6 +74,9 @@ class PlanPolicy(SchedulePolicy):
             set its reload-ahead budget; None: the last group, one group ahead.
         reload_timing: a measured `CopyTiming` for the reload-ahead budgets alone (the lifespan
             rule does not read it, so the bytes copied stay as without a timing); None: ``timing``.
+        chunk_reload_ahead: (microbatch, vp_stage) -> that chunk's reload-ahead bytes, in place
+            of any derived from a timing (`fit_reload_ahead`'s under a device budget); the other
+            chunks reload ``reload_ahead_bytes`` ahead.
     """
 
     def __init__(
@@ -84,6 +90,7 @@ class PlanPolicy(SchedulePolicy):
         group_bytes: GroupBytes | None = None,
         timing: "CopyTiming | None" = None,
         reload_timing: "CopyTiming | None" = None,
+        chunk_reload_ahead: Mapping[tuple[int, int], int] | None = None,
     ) -> None:
         if not isinstance(plan, Plan):
             raise ChunkOffloadError(f"PlanPolicy needs a chunk_offload.schedule.Plan, got {type(plan).__name__}")
@@ -114,10 +121,15 @@ class PlanPolicy(SchedulePolicy):
         self.reload_timing = timing if reload_timing is None else reload_timing
         """The measured timing the reload-ahead budgets read (None: not known)."""
         self.timed_reload_ahead: dict[tuple[int, int], int] = {}
-        """Chunks whose reload-ahead budget the timing set (NOTE [Timed reload ahead]); the others
-        reload ``reload_ahead_bytes`` ahead (None: one group)."""
-        if reload_ahead_bytes is None and self.offload_groups is None and group_bytes is not None and self.reload_timing is not None:
-            self.timed_reload_ahead = self._timed_reload_ahead(group_bytes, self.reload_timing)
+        """Chunks whose reload-ahead budget the timing set (NOTE [Timed reload ahead]), or
+        ``chunk_reload_ahead``; the others reload ``reload_ahead_bytes`` ahead (None: one group)."""
+        if chunk_reload_ahead is not None:
+            row = option("ScheduleOptions.reload_ahead_bytes")
+            self.timed_reload_ahead = {
+                tuple(chunk): check_value(row, nbytes, name=f"chunk_reload_ahead[{tuple(chunk)}]") for chunk, nbytes in chunk_reload_ahead.items()
+            }
+        elif reload_ahead_bytes is None and self.offload_groups is None and group_bytes is not None and self.reload_timing is not None:
+            self.timed_reload_ahead = self.reload_ahead_from(group_bytes, self.reload_timing)
 
     @staticmethod
     def check_budgets(**budgets: int | None) -> dict[str, int | None]:
@@ -162,10 +174,11 @@ class PlanPolicy(SchedulePolicy):
             return ()
         return ((ChunkKey(*following.chunk), self.prefetch_bytes),)
 
-    def _timed_reload_ahead(self, group_bytes: GroupBytes, timing: "CopyTiming") -> dict[tuple[int, int], int]:
+    def reload_ahead_from(self, group_bytes: GroupBytes, timing: "CopyTiming") -> dict[tuple[int, int], int]:
         """Each offloaded chunk's reload-ahead budget from ``timing`` where one group ahead would wait
-        (NOTE [Timed reload ahead]): its groups as its backward finds them (copied ones on host, a
-        prefetch during the action before reloading), the link rate back, its backward seconds."""
+        (NOTE [Timed reload ahead]) under this policy's decisions: its groups as its backward finds
+        them (copied ones on host, a prefetch during the action before reloading), the link rate
+        back, its backward seconds."""
         lookup = _lookup(group_bytes)
         rate = timing.bytes_per_s if timing.reload_bytes_per_s is None else timing.reload_bytes_per_s
         budgets = {}

@@ -6,6 +6,7 @@ in ``megatron/test_budget.py`` and ``pipelining/test_budget.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -184,3 +185,41 @@ def test_choices_use_the_largest_bytes_each_group_saved_so_far() -> None:
     fewer = _record(plan, [500, 500], offload=True)  # other group counts: start over from these bytes
     budgets.after_iteration(plan, fewer, policy, pp_rank=0)
     assert budgets.choice == choose_offload(plan, fewer.group_bytes, budget)
+
+
+def _timed_record(plan: Plan, group_bytes: list[int], backward_s: float, peak_bytes: int) -> IterationRecord:
+    """An offloaded iteration of ``plan`` peaking at ``peak_bytes``: forwards 1 s, backwards
+    ``backward_s``, 1000 B/s out and 40 B/s back."""
+    from chunk_offload.core import GroupStats
+
+    starts, now = [], 0.0
+    for action in plan.actions:
+        starts.append(now)
+        now += backward_s if action.kind is ActionKind.BACKWARD else 1.0
+    stats = GroupStats(bytes_offloaded=1000, offload_time_s=1.0, bytes_reloaded=40, reload_time_s=1.0)
+    record = _record(plan, group_bytes, offload=True)
+    return dataclasses.replace(record, groups={"g": stats}, action_starts_s=starts, wall_time_s=now, peak_resident_bytes=peak_bytes)
+
+
+@pytest.mark.parametrize("timed", [True, False], ids=["timed", "one_ahead"])
+def test_timed_reload_ahead_under_a_budget_keeps_the_choices_peak(timed: bool) -> None:
+    """NOTE [Device budget]: with ``timed_reload_ahead`` the choice's chunks reload ahead by the
+    latest timing where its predicted peak stays within the budget (`fit_reload_ahead`), and
+    follow each new timing without a new choice; without it, one group ahead."""
+    plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
+    budgets = Budgets(device_budget_bytes=220, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None, timed_reload_ahead=timed)
+    policy = budgets.after_iteration(plan, _timed_record(plan, [100, 10, 10], 3.0, 220), budgets.policy(plan), pp_rank=0)
+    choice = budgets.choice
+    assert choice.predicted_peak_bytes == 220
+    assert policy.timed_reload_ahead == budgets.chunk_reload_ahead == ({(1, 0): 110} if timed else {})
+    assert simulate(plan, {0: [100, 10, 10]}, policy=policy).peak_resident_bytes == 220
+    again = budgets.after_iteration(plan, _timed_record(plan, [100, 10, 10], 3.0, 220), policy, pp_rank=0)
+    assert again is None  # the same timing: nothing changed
+    slow_compute = budgets.after_iteration(plan, _timed_record(plan, [100, 10, 10], 30.0, 220), policy, pp_rank=0)
+    assert budgets.choice is choice  # the same choice, reloads now hidden one group ahead
+    if timed:
+        assert slow_compute.timed_reload_ahead == {} and slow_compute.offload_groups == policy.offload_groups
+    else:
+        assert slow_compute is None
+    given = Budgets(device_budget_bytes=220, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=0, timed_reload_ahead=True)
+    assert not given.timed_reload_ahead  # a given reload_ahead_bytes wins
