@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from chunk_offload import ChunkOffloadError
-from chunk_offload.core import Action, ActionKind, HostPool, IterationRecord
+from chunk_offload import ChunkOffloadError, OffloadConfig, OffloadManager
+from chunk_offload.core import Action, ActionKind, GroupStats, HostPool, IterationRecord
 from chunk_offload.integrations.attached import ScheduleOptions
 from chunk_offload.integrations.budgets import Budgets
 from chunk_offload.integrations.exchange import Exchange
@@ -22,6 +22,8 @@ from chunk_offload.integrations.megatron import attach as megatron_attach
 from chunk_offload.integrations.pipelining import attach as pipelining_attach
 from chunk_offload.integrations.plan_tracking import PlanTracking
 from chunk_offload.schedule import Plan, budget_exceeded_message, choose_offload, megatron_plan, simulate
+from tests._driver import Hooks, assert_identical, drive
+from tests._slow_link import LAYOUT, UNIT, chain, register, slow_streams
 
 ATTACHES = {"megatron": lambda **kw: megatron_attach(nn.Linear(2, 2), "core_attn", **kw), "pipelining": lambda **kw: pipelining_attach(object(), ["x"], **kw)}
 
@@ -190,8 +192,6 @@ def test_choices_use_the_largest_bytes_each_group_saved_so_far() -> None:
 def _timed_record(plan: Plan, group_bytes: list[int], backward_s: float, peak_bytes: int) -> IterationRecord:
     """An offloaded iteration of ``plan`` peaking at ``peak_bytes``: forwards 1 s, backwards
     ``backward_s``, 1000 B/s out and 40 B/s back."""
-    from chunk_offload.core import GroupStats
-
     starts, now = [], 0.0
     for action in plan.actions:
         starts.append(now)
@@ -223,3 +223,45 @@ def test_timed_reload_ahead_under_a_budget_keeps_the_choices_peak(timed: bool) -
         assert slow_compute is None
     given = Budgets(device_budget_bytes=220, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=0, timed_reload_ahead=True)
     assert not given.timed_reload_ahead  # a given reload_ahead_bytes wins
+
+
+def test_timed_reload_ahead_under_a_budget_waits_less_at_the_same_peak() -> None:
+    """Stage 0 of PP=2, 4 microbatches, on a slow reload link (`tests._slow_link`), under a budget
+    halfway between the lowest peak and the baseline's: a baseline, then `Budgets` decides after
+    each iteration as the integrations do. With ``timed_reload_ahead`` the last iteration reloads
+    ahead in the chunks where the peak allows: it peaks exactly where one group ahead does (the
+    choice's prediction, within the budget), compute waits less, and losses and gradients are
+    those of training without offload."""
+    plan = megatron_plan(pp_size=2, pp_rank=0, num_microbatches=4)
+    run = dict(inputs=[torch.linspace(-1.0, 1.0, UNIT) + m for m in range(4)], order=plan.actions, iterations=3, lr=0.01)
+    reference = drive(chain(), **run)
+    sizes = {0: [4 * UNIT * k for k in LAYOUT]}
+    everything = choose_offload(plan, sizes, 0)
+    budget = (everything.lowest_peak_bytes + everything.baseline_peak_bytes) // 2
+    runs = {}
+    for timed in (False, True):
+        model, manager = chain(), OffloadManager(OffloadConfig(min_offload_bytes=1), streams=slow_streams())
+        register(manager, model)
+        budgets = Budgets(device_budget_bytes=budget, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None, timed_reload_ahead=timed)
+        manager.schedule_policy = budgets.policy(plan)
+        records = []
+
+        def after(manager, iteration, budgets=budgets, records=records):
+            records.append(manager.last_iteration)
+            policy = budgets.after_iteration(plan, records[-1], manager.schedule_policy, pp_rank=0)
+            if policy is not None:
+                manager.schedule_policy = policy
+
+        try:
+            result = drive(model, manager=manager, offload=lambda it: it > 0, hooks=Hooks(after_iteration=after), **run)
+        finally:
+            manager.close()
+        assert_identical(reference, result)
+        runs[timed] = (budgets, records[-1])
+    (one_ahead, plain), (timed, fitted) = runs[False], runs[True]
+    assert one_ahead.chunk_reload_ahead == {} and timed.chunk_reload_ahead  # some chunks reload ahead, not all
+    assert len(timed.chunk_reload_ahead) < len(plan.chunks)
+    assert timed.choice == one_ahead.choice and timed.choice.fits
+    assert fitted.peak_resident_bytes == plain.peak_resident_bytes == timed.choice.predicted_peak_bytes <= budget
+    waits = [sum(g.wait_time_s for g in record.groups.values()) for record in (plain, fitted)]
+    assert waits[0] > 2 * waits[1], waits

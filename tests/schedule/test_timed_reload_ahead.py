@@ -6,16 +6,14 @@ a measurement on CPU streams whose reload link and backward compute take real (s
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from torch import nn
 
-from chunk_offload import CpuStreams, OffloadConfig, OffloadManager
+from chunk_offload import OffloadConfig, OffloadManager
 from chunk_offload.core import ChunkKey
 from chunk_offload.schedule import CopyTiming, PlanPolicy, megatron_plan, simulate
 from tests._driver import Hooks, assert_identical, drive
+from tests._slow_link import LAYOUT, UNIT, chain, register, slow_streams
 from tests.schedule._train import train_plan
 
 
@@ -78,43 +76,6 @@ def test_simulate_predicts_the_engine_with_per_chunk_budgets(plan_kwargs):
         assert predicted.bytes_offloaded == sum(g.bytes_offloaded for g in measured.groups.values())
 
 
-UNIT = 16384  # floats: a small group saves 64 KiB, a large one 640 KiB
-SECONDS_PER_UNIT = 0.01  # backward compute per unit saved
-LINK = 4 * UNIT / 0.005  # bytes/s back: 5 ms per unit, twice as fast as compute
-LAYOUT = (1, 10) * 4  # units saved per group, forward order: small in front of large; the last stays
-
-
-class _Sleepy(torch.autograd.Function):
-    """``x * w``, saving ``k`` copies of ``x``; its backward sleeps ``k`` units of compute."""
-
-    @staticmethod
-    def forward(ctx, x, w, k):
-        ctx.k, ctx.w = k, w.item()  # the weight as a number: only the copies of x are saved
-        ctx.save_for_backward(x.repeat(k))
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.k * SECONDS_PER_UNIT)
-        (saved,) = ctx.saved_tensors
-        x = saved[: grad.numel()]
-        return grad * ctx.w, (grad * x).sum().reshape(1), None
-
-
-class _Group(nn.Module):
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.k = k
-        self.w = nn.Parameter(torch.full((1,), 1.0 + 0.01 * k))
-
-    def forward(self, x):
-        return _Sleepy.apply(x, self.w, self.k)
-
-
-def _chain() -> nn.Sequential:
-    return nn.Sequential(*[_Group(k) for k in LAYOUT])
-
-
 def test_timed_budget_waits_less_than_one_group_ahead_on_a_slow_link():
     """PP=1, two microbatches. One group ahead, each large reload (50 ms) starts when the small
     group after it starts its 10 ms backward: about 40 ms of wait per large group but the kept
@@ -124,14 +85,11 @@ def test_timed_budget_waits_less_than_one_group_ahead_on_a_slow_link():
     plan = megatron_plan(pp_size=1, pp_rank=0, num_microbatches=2)
     inputs = [torch.linspace(-1.0, 1.0, UNIT) + m for m in range(2)]
     run = dict(inputs=inputs, order=plan.actions, iterations=3, lr=0.01)
-    reference = drive(_chain(), **run)
+    reference = drive(chain(), **run)
 
-    model = _chain()
-    manager = OffloadManager(
-        OffloadConfig(min_offload_bytes=1), streams=CpuStreams(link_bytes_per_s=1e9, reload_link_bytes_per_s=LINK)
-    )
-    for group in model:
-        manager.offload_module(group, "large" if group.k > 1 else "small")
+    model = chain()
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=slow_streams())
+    register(manager, model)
     records, policies = [], []
 
     def after(manager, iteration):
