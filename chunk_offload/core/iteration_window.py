@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -22,7 +22,8 @@ from .handler import ChunkOffloadHandler
 from .schedule_policy import SchedulePolicy
 from .records import IterationRecord
 from .stats import GroupStats, ResidentBytes, StatsRecorder
-from .streams import StreamBackend
+from .streams import StreamBackend, TimeMark
+from .streams.base import host_time_mark
 
 __all__ = ["IterationWindow"]
 
@@ -60,8 +61,11 @@ class IterationWindow:
         self._probing = None  # the places a baseline's chunks probe (NOTE [Storages held elsewhere])
         self.order: list[Action] = []
         """The F and B actions so far, as the engine saw chunks start forward and backward."""
-        self.action_starts_s: list[float] = []
-        """For each entry of ``order``: seconds from the iteration's start at which it began."""
+        # When each entry of ``order`` began, on compute's timeline (NOTE [Action times]): device
+        # marks only with measure_time, whose end-of-iteration sync reads them for free.
+        self._time_mark: Callable[[], TimeMark] = streams.time_mark if config.measure_time else host_time_mark
+        self._action_marks: list[TimeMark] = []
+        self._start_mark = self._time_mark()
         self._started = time.perf_counter()
 
     def open_chunk(self, ctx: EngineContext, policy: SchedulePolicy, key: ChunkKey) -> ChunkOffloadHandler:
@@ -101,7 +105,7 @@ class IterationWindow:
 
     def note_action(self, action: Action) -> None:
         """A chunk starts forward, or backward first reached one of its groups."""
-        self.action_starts_s.append(time.perf_counter() - self._started)
+        self._action_marks.append(self._time_mark())
         self.order.append(action)
 
     def finish(self) -> IterationRecord:
@@ -135,6 +139,6 @@ class IterationWindow:
             group_shared={tuple(h.key): shared for h in handlers if (shared := h.group_shared()) is not None},
             groups=groups,
             order=list(self.order),
-            action_starts_s=list(self.action_starts_s),
+            action_starts_s=[mark.seconds_since(self._start_mark) for mark in self._action_marks],
             wall_time_s=wall,
         )

@@ -19,14 +19,19 @@ from chunk_offload.core.streams import cuda as cuda_module
 
 class FakeEvent:
     made: list["FakeEvent"] = []
+    clock_ms = 0.0  # the fake device's time: each record is `step_ms` after the one before
+    step_ms = 2.0
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.enable_timing = enable_timing
         self.records: list[int] = []
+        self.at_ms = 0.0
         FakeEvent.made.append(self)
 
     def record(self, stream: "FakeStream") -> None:
         self.records.append(stream.stream_id)
+        FakeEvent.clock_ms += FakeEvent.step_ms
+        self.at_ms = FakeEvent.clock_ms
 
     def synchronize(self) -> None:
         return None
@@ -35,7 +40,8 @@ class FakeEvent:
         return True
 
     def elapsed_time(self, end: "FakeEvent") -> float:
-        return 2.0  # milliseconds
+        assert self.enable_timing and end.enable_timing, "elapsed_time needs timing events"
+        return end.at_ms - self.at_ms  # milliseconds
 
 
 class FakeStream:
@@ -86,6 +92,26 @@ def test_a_timing_pair_returns_once_read(streams) -> None:
     _, third = streams.d2h.launch(lambda: None, timed=True)
     assert len(FakeEvent.made) == made + 2  # the h2d pair only; d2h reused its pair
     assert third.seconds() == again.seconds() == 0.002
+
+
+def test_action_times_are_read_from_timing_events_on_compute(streams) -> None:
+    """NOTE [Action times]: a time mark is a timing event recorded on the current stream; the
+    seconds between two are the device's; a freed mark's event is recorded again."""
+    start = streams.time_mark()
+    FakeEvent.step_ms = 250.0  # the device reaches the next mark 250 ms later, whatever the host did
+    try:
+        later = streams.time_mark()
+    finally:
+        FakeEvent.step_ms = 2.0
+    assert later.seconds_since(start) == 0.25
+    assert start._event.records == later._event.records == [1]  # on compute (the current stream)
+    event, made = later._event, len(FakeEvent.made)
+    del later
+    gc.collect()
+    again = streams.time_mark()
+    assert again._event is event and len(FakeEvent.made) == made
+    streams.current["data"] = (2, 0, 1)
+    assert streams.time_mark()._event.records == [2]
 
 
 def test_waits_implied_by_a_later_wait_or_a_host_wait_are_not_issued(streams) -> None:

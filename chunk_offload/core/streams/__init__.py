@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from .base import Event, Mark, Stream, StreamBackend, Timing, VectorClocks
+from .base import Event, Mark, Stream, StreamBackend, TimeMark, Timing, VectorClocks
 from .cpu import CpuStreams
 from .cuda import CudaStreams
 
-__all__ = ["CpuStreams", "CudaStreams", "Event", "Mark", "Stream", "StreamBackend", "Timing", "VectorClocks", "default_streams"]
+__all__ = ["CpuStreams", "CudaStreams", "Event", "Mark", "Stream", "StreamBackend", "TimeMark", "Timing", "VectorClocks", "default_streams"]
 
 
 def default_streams(device: torch.device | int | str | None = None) -> StreamBackend:

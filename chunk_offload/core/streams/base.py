@@ -45,13 +45,14 @@ same way (an event synchronize makes every stream wait for the event).
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Callable, NamedTuple
 
 import torch
 
 from ..errors import HappensBeforeError
 
-__all__ = ["Event", "Mark", "Stream", "StreamBackend", "Timing", "VectorClocks"]
+__all__ = ["Event", "Mark", "Stream", "StreamBackend", "TimeMark", "Timing", "VectorClocks"]
 
 
 class Mark(NamedTuple):
@@ -84,6 +85,35 @@ class Timing:
                 self._recycle(self._start, self._end)
             self._start = self._end = None
         return self._seconds or 0.0
+
+
+class TimeMark:
+    """A moment on the compute stream's timeline (`StreamBackend.time_mark`).
+
+    NOTE [Action times]
+    The iteration record's action starts (`IterationRecord.action_starts_s`), which a
+    `chunk_offload.schedule.CopyTiming` compares with copy durations, are read where compute
+    runs. On CPU that is the host's clock. On CUDA, with ``measure_time``, each is a timing event
+    recorded on the compute stream, read at the iteration's end after the device synchronised:
+    the host runs ahead of the device by up to a queue of kernels and does not see the device
+    wait in a pipeline's bubbles, so host times would shorten or shift the windows the copies
+    hide in, while the copy durations are device times (events on their streams). Without
+    ``measure_time`` the host's clock: no event, no sync, and no copy times either.
+    """
+
+    __slots__ = ("_seconds",)
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self._seconds = seconds
+
+    def seconds_since(self, earlier: "TimeMark") -> float:
+        """Seconds from ``earlier`` to this moment (for a device mark: once compute reached it)."""
+        return self._seconds - earlier._seconds
+
+
+def host_time_mark() -> TimeMark:
+    """Now on the host's clock (NOTE [Action times])."""
+    return TimeMark(time.perf_counter())
 
 
 class VectorClocks:
@@ -256,6 +286,11 @@ class StreamBackend:
         """Block until both copy streams are idle."""
         self.d2h.synchronize()
         self.h2d.synchronize()
+
+    def time_mark(self) -> TimeMark:
+        """Now on the compute stream's timeline (NOTE [Action times]): the host's clock, where
+        compute runs on the host."""
+        return host_time_mark()
 
     def close(self) -> None:
         """Release threads or other resources; the backend is unusable afterwards."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._torch_compat import current_stream_data, set_stream_data
-from .base import Event, Mark, Stream, StreamBackend, Timing, VectorClocks
+from .base import Event, Mark, Stream, StreamBackend, TimeMark, Timing, VectorClocks
 
 __all__ = ["CudaStreams"]
 
@@ -61,6 +61,24 @@ class _CudaEvent(Event):
         if done:
             self.host_waited()
         return done
+
+
+class _CudaTimeMark(TimeMark):
+    """A timing event recorded on the compute stream (NOTE [Action times]); back to its pool once freed."""
+
+    __slots__ = ("_event", "_pool")
+
+    def __init__(self, event: torch.cuda.Event, pool: _EventPool) -> None:
+        super().__init__()
+        self._event = event
+        self._pool = pool
+
+    def __del__(self) -> None:
+        self._pool.give(self._event)  # NOTE [CUDA event pool]
+
+    def seconds_since(self, earlier: TimeMark) -> float:
+        self._event.synchronize()
+        return earlier._event.elapsed_time(self._event) / 1000.0
 
 
 class _CudaStream(Stream):
@@ -121,6 +139,12 @@ class _CudaStream(Stream):
             return mark, Timing(start=start, end=end, recycle=self._timing_events.give)
         return mark, None
 
+    def time_mark(self) -> TimeMark:
+        """A timing event recorded on this stream now (NOTE [Action times])."""
+        event = self._timing_events.take()
+        event.record(self._raw())
+        return _CudaTimeMark(event, self._timing_events)
+
     def record_event(self) -> Event:
         event = self._events.take()
         event.record(self._raw())
@@ -176,3 +200,7 @@ class CudaStreams(StreamBackend):
         self.compute = _CudaStream("compute", self._clocks, None, index)
         self.d2h = _CudaStream("d2h", self._clocks, torch.cuda.Stream(self.device), index)
         self.h2d = _CudaStream("h2d", self._clocks, torch.cuda.Stream(self.device), index)
+
+    def time_mark(self) -> TimeMark:
+        """A timing event recorded on the current (compute) stream now (NOTE [Action times])."""
+        return self.compute.time_mark()
