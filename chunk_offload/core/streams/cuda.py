@@ -77,6 +77,7 @@ class _CudaTimeMark(TimeMark):
         self._pool.give(self._event)  # NOTE [CUDA event pool]
 
     def seconds_since(self, earlier: TimeMark) -> float:
+        earlier._event.synchronize()  # elapsed_time needs both done (they may sit on two streams)
         self._event.synchronize()
         return earlier._event.elapsed_time(self._event) / 1000.0
 
