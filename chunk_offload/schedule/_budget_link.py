@@ -24,6 +24,10 @@ The walk's state is the shift (the delay so far), the queues' free times and the
 the chunks in flight; all are maxima and sums of the inputs, so more bytes never expose less.
 `added_each` walks candidate changes as arrays, from the first one's offload to the end; the
 steps before it are the choice's own, recorded once per choice (`_Base`).
+Still a chunk alone in its window: `CopyTiming.slack_s` (`hides`, `exposed_s`), which the search
+reads only to order groups that tie on this cost (`budget._slack`), and `PlanPolicy`'s kept tail
+and timed reload ahead (NOTE [Kept tail], NOTE [Timed reload ahead]), which plan one chunk's
+copies and reloads.
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ class _Base:
     already evaluated on it. Made from the previous choice, it walks again only from the first
     changed chunk's offload on."""
 
-    def __init__(self, link: "Link", moved: np.ndarray, previous: "_Base | None") -> None:
-        self.moved = moved
-        self.seconds = link.seconds(moved.tolist())
+    def __init__(self, link: "Link", values: list[int], previous: "_Base | None") -> None:
+        self.values, self.moved = values, np.array(values, dtype=np.int64)
+        """Each chunk's copied bytes, a list and an array."""
+        self.seconds = link.seconds(values)
         """Per chunk: (seconds its offload takes, seconds its reload takes)."""
         self.memo: dict[int, float] = {}
         """Seconds added, by change * chunks + chunk index (`Link.added`)."""
@@ -72,9 +77,9 @@ class _Base:
         """Per chunk its exposure, walked when asked for (`Link.total`)."""
         if previous is None:
             at, self.states = 0, []
-            state = _State(0.0, _IDLE, _IDLE, [_IDLE] * len(moved))
+            state = _State(0.0, _IDLE, _IDLE, [_IDLE] * len(values))
         else:
-            at = min(link.first[k] for k in np.flatnonzero(previous.moved != moved).tolist())
+            at = min(link.first[k] for k, (a, b) in enumerate(zip(previous.values, values)) if a != b)
             self.states = previous.states[:at]
             state = _State(*previous.states[at], list(previous.out_end))
         link.walk(state, at, self.seconds, max, self.states)
@@ -173,7 +178,7 @@ class Link:
         key = change * len(self.order) + chunk
         if key not in base.memo:
             seconds = list(base.seconds)
-            seconds[chunk] = self.seconds([int(base.moved[chunk]) + change])[0]
+            seconds[chunk] = self.seconds([base.values[chunk] + change])[0]
             state = base.start(self.first[chunk])
             self.walk(state, self.first[chunk], seconds, max)
             base.memo[key] = state.shift - base.shift
@@ -183,28 +188,22 @@ class Link:
         """`added` for many changes at once (``chunks``, ``change``: arrays): one walk from the
         first one's offload, arrays over the distinct changes not evaluated on this choice yet."""
         base, n = self._base_for(moved), len(self.order)
-        keys, inverse = np.unique(change.astype(np.int64) * n + chunks, return_inverse=True)  # one per (chunk, change), as `added`'s
-        if base.memo:
-            gains = np.array([base.memo.get(key, math.nan) for key in keys.tolist()], dtype=np.float64)
-            todo = np.flatnonzero(np.isnan(gains))
-        else:
-            gains, todo = np.empty(len(keys), dtype=np.float64), np.arange(len(keys))
-        if len(todo):
-            cand = keys[todo] % n
-            new = self.seconds([keys[todo] // n + base.moved[cand]])[0]
+        keys = (change.astype(np.int64) * n + chunks).tolist()  # one per (chunk, change), as `added`'s
+        todo = [key for key in dict.fromkeys(keys) if key not in base.memo]
+        if todo:
+            cand = np.array(todo, dtype=np.int64) % n
+            new = np.array(self.seconds([np.array(todo, dtype=np.int64) // n + base.moved[cand]])[0])  # (2, candidates)
             seconds = list(base.seconds)
             for k in set(cand.tolist()):
-                mine = cand == k
-                seconds[k] = (np.where(mine, new[0], seconds[k][0]), np.where(mine, new[1], seconds[k][1]))
+                seconds[k] = np.where(cand == k, new, np.array(seconds[k])[:, None])
             first = min(self.first[k] for k in set(cand.tolist()))
             state = base.start(first, lambda value: np.full(len(todo), value))
             self.walk(state, first, seconds, np.maximum)
-            gains[todo] = state.shift - base.shift
-            base.memo.update(zip(keys[todo].tolist(), gains[todo].tolist()))
-        return gains[inverse]
+            base.memo.update(zip(todo, (state.shift - base.shift).tolist()))
+        return np.fromiter(map(base.memo.__getitem__, keys), dtype=np.float64, count=len(keys))
 
     def _base_for(self, moved: Mapping[Chunk, int]) -> _Base:
-        values = np.fromiter(moved.values(), dtype=np.int64, count=len(self.order))
-        if self._base is None or not np.array_equal(self._base.moved, values):
+        values = list(moved.values())
+        if self._base is None or self._base.values != values:
             self._base = _Base(self, values, self._base)
         return self._base

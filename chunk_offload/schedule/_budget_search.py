@@ -87,7 +87,7 @@ class _Search(Groups):
         ``"peak"``: the cheapest unit that covers the excess alone, else the one that lowers the
         peak most. ``"reach"``: the most excess removed per byte copied over the unit's whole
         time off device (it may lower later peaks too), the excess counted up to the peak's.
-        With a `Link`, a unit hides when it adds no exposed seconds to its chunk; "cheapest" is
+        With a `Link`, a unit hides when it adds no exposed seconds to the choice; "cheapest" is
         the fewest exposed seconds, then bytes, and units that do not hide rank by the excess
         removed per exposed second instead of per byte.
         """
@@ -136,19 +136,22 @@ class _Search(Groups):
         link, NOTE [Link queue]), so a key popped is recomputed and the group tried only once its
         key still holds (a lazy heap)."""
         copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
-        heap = list(zip(self._give_back(profile, copied), copied))
+        heap = [(key, i, 0) for key, i in zip(self._give_back(profile, copied), copied)]  # (key, group, choice it was found on)
         heapq.heapify(heap)
+        changes = 0  # groups kept back so far: the choice a key was found on
         while heap:
-            key, i = heapq.heappop(heap)
+            key, i, seen = heapq.heappop(heap)
             chunk, g = self.keys[i]
             if g not in profile.copied[chunk]:
                 continue  # went back with its shared set
-            if self.link is not None and (now := self._give_back(profile, [i])[0]) != key:
-                heapq.heappush(heap, (now, i))
+            if self.link is not None and seen != changes and (now := self._give_back(profile, [i])[0]) != key:
+                heapq.heappush(heap, (now, i, changes))
                 continue
             members = self.set_of(chunk, g)
             if profile.set(chunk, profile.copied[chunk] - members) > self.target:
                 profile.set(chunk, profile.copied[chunk] | members)
+            else:
+                changes += 1
         return profile
 
     def _give_back(self, profile: _Profile, indices: list[int]) -> list[tuple]:
