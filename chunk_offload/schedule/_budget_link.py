@@ -33,7 +33,7 @@ copies and reloads.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class _Base:
         self.shift, self.out_end = state.shift, state.out_end
         """The walk's end: its shift, and per chunk its offload end."""
 
-    def start(self, at: int, fill=float) -> _State:
+    def start(self, at: int, fill: Callable = float) -> _State:
         """The state before step ``at``, its three values made by ``fill`` (a float or an array)."""
         return _State(*map(fill, self.states[at]), list(self.out_end))
 
@@ -121,11 +121,11 @@ class Link:
                 self.first[k] = j
         self._base: _Base | None = None
 
-    def seconds(self, nbytes):
+    def seconds(self, nbytes: Sequence) -> list[tuple]:
         """Per chunk (``nbytes`` a list of ints or arrays): seconds its offload and its reload take."""
         return [(m / self.out_rate, m / self.back_rate) for m in nbytes]
 
-    def walk(self, state: _State, first: int, seconds: list, maximum, record: list | None = None) -> None:
+    def walk(self, state: _State, first: int, seconds: list, maximum: Callable, record: list | None = None) -> None:
         """Walk the steps from ``first`` on ``state`` (changed in place): ``seconds[k]`` is chunk
         ``k``'s (`seconds`), floats or arrays over candidates (``maximum``: `max`, or `np.maximum`
         for arrays); ``record`` gets (shift, out free, back free) before each step. Exposures are
