@@ -87,11 +87,11 @@ class _Search(Groups):
         ``"peak"``: the cheapest unit that covers the excess alone, else the one that lowers the
         peak most. ``"reach"``: the most excess removed per byte copied over the unit's whole
         time off device (it may lower later peaks too), the excess counted up to the peak's.
-        With a `Link`, a unit hides when it adds no exposed seconds to its chunk; "cheapest" is
+        With a `Link`, a unit hides when it adds no exposed seconds to the choice; "cheapest" is
         the fewest exposed seconds, then bytes, and units that do not hide rank by the excess
         removed per exposed second instead of per byte.
         """
-        exposed = [self.unit_exposed(profile, u) for u in units] if self.link is not None else None
+        exposed = self.units_exposed(profile, units).tolist() if self.link is not None else None
 
         def late(k: int) -> tuple[bool, float | None]:  # (does not hide, exposed seconds it adds if it does not)
             if exposed is None:
@@ -132,32 +132,43 @@ class _Search(Groups):
         """Keep on device again, costliest first (`_give_back`), every group the peak fits without.
 
         The profile fits before each try, so only where bytes came back can it stop fitting. A
-        group's exposed seconds only fall as others of its chunk go back, so a key popped is
-        recomputed and the group tried only once its key still holds (a lazy heap)."""
-        heap = [(self._give_back(profile, i), i) for chunk, groups in profile.copied.items() for i in (self.index[(chunk, g)] for g in groups)]
+        group's exposed seconds change as other groups go back (of any chunk: they share the
+        link, NOTE [Link queue]), so a key popped is recomputed and the group tried only once its
+        key still holds (a lazy heap)."""
+        copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
+        heap = [(key, i, 0) for key, i in zip(self._give_back(profile, copied), copied)]  # (key, group, choice it was found on)
         heapq.heapify(heap)
+        changes = 0  # groups kept back so far: the choice a key was found on
         while heap:
-            key, i = heapq.heappop(heap)
+            key, i, seen = heapq.heappop(heap)
             chunk, g = self.keys[i]
             if g not in profile.copied[chunk]:
                 continue  # went back with its shared set
-            if self.link is not None and (now := self._give_back(profile, i)) != key:
-                heapq.heappush(heap, (now, i))
+            if self.link is not None and seen != changes and (now := self._give_back(profile, [i])[0]) != key:
+                heapq.heappush(heap, (now, i, changes))
                 continue
             members = self.set_of(chunk, g)
             if profile.set(chunk, profile.copied[chunk] - members) > self.target:
                 profile.set(chunk, profile.copied[chunk] | members)
+            else:
+                changes += 1
         return profile
 
-    def _give_back(self, profile: _Profile, i: int) -> tuple:
-        """Prune order of copied group ``i``: largest, then least hiding, first; with a `Link`,
-        the most exposed seconds keeping it (its set) on device gives back, first of all."""
-        key = (-int(self.nbytes[i]), bool(self.slack[i] >= 0), float(self.slack[i]), -i)
+    def _give_back(self, profile: _Profile, indices: list[int]) -> list[tuple]:
+        """Prune order of copied groups ``indices``: largest, then least hiding, first; with a
+        `Link`, the most exposed seconds keeping one (its set) on device gives back, first of all."""
+        keys = [(-int(self.nbytes[i]), bool(self.slack[i] >= 0), float(self.slack[i]), -i) for i in indices]
         if self.link is None:
-            return key
-        chunk, g = self.keys[i]
-        back = sum(self.layout.sizes[chunk][h] for h in self.set_of(chunk, g) & profile.copied[chunk])
-        return (self.link.added(chunk, profile.moved[chunk], -back), *key)
+            return keys
+        back = []
+        for i in indices:
+            chunk, g = self.keys[i]
+            back.append(-sum(self.layout.sizes[chunk][h] for h in self.set_of(chunk, g) & profile.copied[chunk]))
+        if len(indices) == 1:  # one walk of floats, not of arrays
+            seconds = [self.link.added(profile.moved, int(self.chunk_at[indices[0]]), back[0])]
+        else:
+            seconds = self.link.added_each(profile.moved, self.chunk_at[indices], np.array(back, dtype=np.int64)).tolist()
+        return [(s, *key) for s, key in zip(seconds, keys)]
 
     def swap(self, profile: _Profile) -> _Profile:
         """Keep one copied group on device again (the `_SWAPS` costliest in prune order, one at a
@@ -166,7 +177,9 @@ class _Search(Groups):
         a large group may still be worth less than the smaller ones that would replace it."""
         best, best_cost = profile, self.cost(profile)
         copied = [self.index[(chunk, g)] for chunk, groups in profile.copied.items() for g in groups]
-        for i in sorted(copied, key=lambda i: self._swap_order(profile, i))[:_SWAPS]:
+        # Largest first; with a `Link`, the most exposed seconds given back first.
+        seconds = [key[0] for key in self._give_back(profile, copied)] if self.link is not None else [0.0] * len(copied)
+        for _, _, i in sorted(zip(seconds, (-int(self.nbytes[i]) for i in copied), copied))[:_SWAPS]:
             chunk, g = self.keys[i]
             members = self.set_of(chunk, g)
             trial = best.clone()
@@ -177,10 +190,6 @@ class _Search(Groups):
                 if self.cost(grown) < best_cost:
                     best, best_cost = grown, self.cost(grown)
         return best
-
-    def _swap_order(self, profile: _Profile, i: int) -> tuple:
-        key = (-int(self.nbytes[i]), i)  # largest first; with a `Link`, most exposed seconds first
-        return key if self.link is None else (self._give_back(profile, i)[0], *key)
 
     def cost(self, profile: _Profile) -> int | tuple[float, int]:
         """What the search minimises: bytes copied; with a `Link`, exposed seconds, then bytes."""

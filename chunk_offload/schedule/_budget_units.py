@@ -4,7 +4,7 @@
 bytes, how well the copy hides, its release and its earliest and latest reload positions
 (`_budget_layout.Layout`), and the sets of groups copied together. `units` lists, for the
 current choice and the position of its peak, each group or pair whose copy puts bytes on host
-there; with a `Link`, `unit_exposed` is the exposed link seconds a unit adds (NOTE [Budget choice]).
+there; with a `Link`, `units_exposed` is the exposed link seconds each unit adds (NOTE [Link queue]).
 """
 
 from __future__ import annotations
@@ -52,36 +52,42 @@ class Groups:
         """The groups of ``chunk`` copied together with ``g`` (``g`` alone when it shares nothing)."""
         return self.together.get((chunk, g)) or frozenset((g,))
 
-    def unit_exposed(self, profile: Profile, unit: tuple[int, int, list[int]]) -> float:
-        """Exposed seconds adding ``unit`` (bytes, gain, group indices) adds to its chunk (`Link.added`)."""
-        chunk = self.keys[unit[2][0]][0]  # a unit's groups share one chunk
-        more = unit[0]
+    def units_exposed(self, profile: Profile, units: list[tuple[int, int, list[int]]]) -> np.ndarray:
+        """Exposed seconds adding each unit (bytes, gain, group indices) adds to the choice (`Link.added_each`)."""
+        return self.link.added_each(profile.moved, *self._changes(profile, units))
+
+    def _changes(self, profile: Profile, units: list[tuple[int, int, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+        """Each unit's chunk (index in ``order``) and the bytes adding it copies more."""
+        chunks = np.array([self.chunk_at[unit[2][0]] for unit in units], dtype=np.int64)  # a unit's groups share one chunk
+        more = np.array([unit[0] for unit in units], dtype=np.int64)
         if self.together:  # shared sets come whole
-            members = set().union(*(self.set_of(*self.keys[i]) for i in unit[2])) - profile.copied[chunk]
-            more = sum(self.layout.sizes[chunk][h] for h in members)
-        return self.link.added(chunk, profile.moved[chunk], more)
+            for n, unit in enumerate(units):
+                chunk = self.keys[unit[2][0]][0]
+                members = set().union(*(self.set_of(*self.keys[i]) for i in unit[2])) - profile.copied[chunk]
+                more[n] = sum(self.layout.sizes[chunk][h] for h in members)
+        return chunks, more
 
     def units(self, profile: Profile, chosen: np.ndarray, position: int, excess: int) -> list[tuple[int, int, list[int]]]:
         """(bytes, bytes lowered at ``position``, group indices) for each way to lower the peak
         there by ``excess``, never with a group ``chosen`` (copied or banned)."""
         live = ~chosen & (self.nbytes > 0) & (self.release <= position) & (position < self.free)
         safe = live & (position < self.early)  # on host at the peak whatever else is copied
-        units = []
-        for pick in self._best_safe(profile, np.nonzero(safe)[0], excess):
-            units.append((int(self.nbytes[pick]), int(self.nbytes[pick]), [int(pick)]))
         unsure: dict[Chunk, list[int]] = {}
         for i in np.nonzero(live & ~safe)[0]:
             unsure.setdefault(self.keys[i][0], []).append(int(i))
+        others = []
         for chunk, indices in unsure.items():
-            units.extend(self._chunk_units(profile, chunk, indices, position))
-        return units
+            others.extend(self._chunk_units(profile, chunk, indices, position))
+        picks = self._best_safe(profile, np.nonzero(safe)[0], excess, others)
+        return [(int(self.nbytes[pick]), int(self.nbytes[pick]), [int(pick)]) for pick in picks] + others
 
-    def _best_safe(self, profile: Profile, indices: np.ndarray, excess: int) -> list[int]:
-        """The cheapest safe group covering ``excess`` and the largest one, by preference."""
+    def _best_safe(self, profile: Profile, indices: np.ndarray, excess: int, others: list[tuple[int, int, list[int]]]) -> list[int]:
+        """The cheapest safe group covering ``excess`` and the largest one, by preference (with a
+        `Link`, the exposed seconds of the ``others`` units are found in the same walk)."""
         if not len(indices):
             return []
         if self.link is not None:
-            return self._best_safe_timed(profile, indices, excess)
+            return self._best_safe_timed(profile, indices, excess, others)
         hides_not = self.slack[indices] < 0
         size = self.nbytes[indices]
         picks = [int(indices[np.lexsort((indices, -self.slack[indices], -size, hides_not))[0]])]
@@ -91,12 +97,12 @@ class Groups:
             picks.append(int(sub[np.lexsort((sub, -self.slack[sub], self.nbytes[sub], self.slack[sub] < 0))[0]]))
         return picks
 
-    def _best_safe_timed(self, profile: Profile, indices: np.ndarray, excess: int) -> list[int]:
+    def _best_safe_timed(self, profile: Profile, indices: np.ndarray, excess: int, others: list[tuple[int, int, list[int]]]) -> list[int]:
         """With a `Link`: the largest safe group that hides, the one that does not with the most
         bytes per exposed second, and the covering one adding the fewest exposed seconds."""
-        moved = np.array([profile.moved[chunk] for chunk in self.order], dtype=np.int64)
-        size, chunks = self.nbytes[indices], self.chunk_at[indices]
-        exposed = self.link.added_each(chunks, moved[chunks], size)
+        size = self.nbytes[indices]
+        chunks, more = self._changes(profile, others)
+        exposed = self.link.added_each(profile.moved, np.concatenate((self.chunk_at[indices], chunks)), np.concatenate((size, more)))[: len(indices)]
         picks, hides = [], exposed <= 0
         if hides.any():
             sub = indices[hides]

@@ -11,13 +11,13 @@ cannot meet its budget, `budget_exceeded_message` the warning for a measured pea
 NOTE [Budget choice]
 A rank whose baseline peak fits offloads nothing. Otherwise the choice meets the budget at the
 least cost. Without timing the cost is the bytes copied. With a `CopyTiming` it is the link
-time compute does not hide, then bytes: a chunk's copied groups share the link inside its
-window (the compute from the action after its forward to its backward), so the chunk exposes
-``max(0, round trip of all its copied bytes - window)`` seconds (`CopyTiming.exposed_s`, each
-direction at its rate), a choice the sum over its chunks (compared to the nanosecond), and a
-group's cost is what it adds to its chunk's exposure: none while the chunk's copies fit. (Chunks
-whose windows overlap also share the link; the sum does not see that, so copies spread over
-overlapping windows may expose more than predicted.)
+time compute does not hide, then bytes: every chunk's copied bytes go out after its forward and
+come back before its backward through one queue per direction that all chunks share, and a
+choice exposes the delay those queues add to the run (NOTE [Link queue], `_budget_link.Link`,
+compared to the nanosecond). A chunk alone on the link exposes ``max(0, round trip - window)``
+(`CopyTiming.exposed_s`, the window from the action after its forward to its backward); chunks
+whose windows overlap (every pipeline stage) may wait for each other's copies. A group's cost is
+what adding it adds to the whole choice's exposure: none while the copies still hide.
 Starting from nothing offloaded, while the predicted peak exceeds the budget, a unit is added
 at the moment of the peak: a group live then that would be on host at that moment if copied
 (or such a group with the cheapest group above it in its chunk, when alone it would be the one
@@ -38,7 +38,7 @@ peak. Groups that saved one storage (``shared``) are added and kept back togethe
 only some of them frees nothing (NOTE [Storages held elsewhere]). The peak is `simulate`'s,
 prefetch and reload-ahead budgets included (the search runs on an exact model of it,
 `_budget_search`; the final choice is simulated). Deterministic; on a 70B-like plan (PP=8,
-VPP=2, 32 microbatches, 3,200 groups) about a second of CPU at most, with timing or without.
+VPP=2, 32 microbatches, 3,200 groups) under a second of CPU without timing, about two with.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class CopyTiming:
 
     def exposed_s(self, forward: int, backward: int, nbytes: int) -> float:
         """Seconds of a round trip of ``nbytes`` (all the bytes one chunk copies: they share the
-        link) that its window does not hide, ``max(0, -slack_s)``: NOTE [Budget choice]."""
+        link) that its window does not hide, ``max(0, -slack_s)``: the chunk alone on the link
+        (NOTE [Link queue] adds the other chunks' copies)."""
         return max(0.0, self.round_trip_s(nbytes) - self.window_s(forward, backward))
 
 
@@ -92,8 +93,8 @@ class OffloadChoice:
     """Bytes copied to host per iteration with this choice."""
     exposed_s: float | None = field(default=None, compare=False)
     """With a `CopyTiming`: the predicted seconds of link time per iteration that compute does
-    not hide, summed over chunks (`CopyTiming.exposed_s` of each chunk's copied bytes), which the
-    choice minimised before bytes (NOTE [Budget choice]); None when chosen without timing. A
+    not hide, all chunks' copies queued on the link (NOTE [Link queue]), which the choice
+    minimised before bytes (NOTE [Budget choice]); None when chosen without timing. A
     prediction from measured times, not part of the decision: two choices of the same groups and
     peaks are equal whatever it reads."""
 
