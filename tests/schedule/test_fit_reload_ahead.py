@@ -15,6 +15,7 @@ import pytest
 from chunk_offload import ChunkOffloadError
 from chunk_offload.core import ActionKind, ChunkKey
 from chunk_offload.schedule import CopyTiming, PlanPolicy, choose_offload, fit_reload_ahead, megatron_plan, simulate
+from chunk_offload.schedule import budget as budget_module
 
 PLAN = megatron_plan(pp_size=2, pp_rank=0, num_microbatches=4)
 SIZES = {0: [100, 10, 10]}
@@ -70,3 +71,18 @@ def test_the_policy_takes_per_chunk_budgets_and_checks_them():
     assert [policy.reload_ahead_bytes(ChunkKey(m, 0)) for m in range(4)] == [None, 110, None, None]
     with pytest.raises(ChunkOffloadError, match=r"chunk_reload_ahead\[\(1, 0\)\] must be an int number of bytes >= 0 or None, got -1"):
         PlanPolicy(PLAN, offload_groups=choice, chunk_reload_ahead={(1, 0): -1})
+
+
+def test_one_simulation_finds_the_chunks_and_a_second_checks_them(monkeypatch):
+    """A chunk's budget raises the peak only during its own backward, so the backwards' peaks of
+    one simulation with every budget pick the chunks (two simulations in all); were that pick
+    over the budget, chunks are tried one at a time (forced here by hiding the backwards' peaks)."""
+    timing = _timing()
+    tight = choose_offload(PLAN, SIZES, 220, timing=timing)
+    calls = []
+    real = budget_module.simulate
+    monkeypatch.setattr(budget_module, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert fit_reload_ahead(tight, PLAN, SIZES, timing) == {(1, 0): 110} and len(calls) == 2
+    monkeypatch.setattr(budget_module, "_step_peaks", lambda timeline: {})
+    calls.clear()
+    assert fit_reload_ahead(tight, PLAN, SIZES, timing) == {(1, 0): 110} and len(calls) == 2 + 2
