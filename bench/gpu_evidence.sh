@@ -15,8 +15,10 @@
 # step does not stop the others; the exit status is 1 if any step failed or timed out. The steps
 # took 427 s on an H200 on 2026-11-26 with the sanitizer step cut at 120 s (it runs the parity
 # tests and the PP=1 replay test), before replay_coplan (at most 60 s) and the comparison's timed
-# reload-ahead runs (which replace its fixed 256 MiB ones) were added: about 8 to 9 minutes in
-# all. A session's device time is 15 minutes, the machine's start included: run them in one call
+# reload-ahead runs (which replace its fixed 256 MiB ones; the budget runs now reload ahead by
+# timing too, where the budget allows) were added: about 8 to 9 minutes in all. tests/gpu also
+# checks that action starts are device times (NOTE [Action times]), which every timed decision
+# reads. A session's device time is 15 minutes, the machine's start included: run them in one call
 # with a wall-clock limit of about 9 minutes; what the finished steps wrote still comes back if
 # the limit cuts the last ones (replay_last and bandwidth ran on 2026-11-26).
 # Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
