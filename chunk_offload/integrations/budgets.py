@@ -228,7 +228,7 @@ class Budgets:
         sizes = {c: list(b) for c, b in self._group_bytes.items()}  # a copy: the running maxima change in place
         key = (plan, sizes, self._kept_bytes, self._shared, budget, timing is not None)
         if key == self._key:
-            return self._fit_reload_ahead(plan, timing)
+            return self._fit_reload_ahead(plan, timing, pp_rank=pp_rank)
         self._key = key
         self.chunk_reload_ahead = {}
         self.choice = choose_offload(
@@ -250,11 +250,12 @@ class Budgets:
             dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, pp_rank, given, budget, self.choice.predicted_peak_bytes,
             self.choice.bytes_offloaded, "" if exposed is None else f", {exposed * 1e3:.1f} ms of copies not hidden by compute (predicted)",
         )
-        return self._fit_reload_ahead(plan, timing) or self.policy(plan)
+        return self._fit_reload_ahead(plan, timing, pp_rank=pp_rank) or self.policy(plan)
 
-    def _fit_reload_ahead(self, plan: Plan, timing: CopyTiming | None) -> PlanPolicy | None:
+    def _fit_reload_ahead(self, plan: Plan, timing: CopyTiming | None, *, pp_rank: int) -> PlanPolicy | None:
         """With ``timed_reload_ahead`` and a timing: the choice's policy with the reload-ahead
-        budgets ``timing`` gives that keep it within the budget, if they changed; else None."""
+        budgets ``timing`` gives that keep it within the budget, if they changed; else None.
+        Logs which chunks reload ahead whenever that set changes."""
         if not self.timed_reload_ahead or timing is None:
             return None
         fitted = fit_reload_ahead(
@@ -262,6 +263,14 @@ class Budgets:
         )
         if fitted == self.chunk_reload_ahead:
             return None
+        if fitted.keys() != self.chunk_reload_ahead.keys():
+            copied = sum(1 for groups in self.choice.offloaded.values() if groups)
+            logger.info(
+                "chunk_offload: rank %d (pipeline rank %d): timed reload ahead in %d of the %d chunks the device budget "
+                "offloads (the others reload one group ahead: it waits least there, or reloading more ahead would raise "
+                "their backward's peak above the budget)",
+                dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, pp_rank, len(fitted), copied,
+            )  # fmt: skip
         self.chunk_reload_ahead = fitted
         return self.policy(plan)
 

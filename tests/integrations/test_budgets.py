@@ -7,6 +7,7 @@ in ``megatron/test_budget.py`` and ``pipelining/test_budget.py``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import pytest
@@ -202,13 +203,20 @@ def _timed_record(plan: Plan, group_bytes: list[int], backward_s: float, peak_by
 
 
 @pytest.mark.parametrize("timed", [True, False], ids=["timed", "one_ahead"])
-def test_timed_reload_ahead_under_a_budget_keeps_the_choices_peak(timed: bool) -> None:
+def test_timed_reload_ahead_under_a_budget_keeps_the_choices_peak(timed: bool, caplog) -> None:
     """NOTE [Device budget]: with ``timed_reload_ahead`` the choice's chunks reload ahead by the
     latest timing where its predicted peak stays within the budget (`fit_reload_ahead`), and
     follow each new timing without a new choice; without it, one group ahead."""
     plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
     budgets = Budgets(device_budget_bytes=220, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None, timed_reload_ahead=timed)
-    policy = budgets.after_iteration(plan, _timed_record(plan, [100, 10, 10], 3.0, 220), budgets.policy(plan), pp_rank=0)
+    with caplog.at_level(logging.INFO, logger="chunk_offload.integrations.budgets"):
+        policy = budgets.after_iteration(plan, _timed_record(plan, [100, 10, 10], 3.0, 220), budgets.policy(plan), pp_rank=0)
+    reload_lines = [r.getMessage() for r in caplog.records if "timed reload ahead" in r.getMessage()]
+    assert reload_lines == ([
+        "chunk_offload: rank 0 (pipeline rank 0): timed reload ahead in 1 of the 4 chunks the device budget offloads (the "
+        "others reload one group ahead: it waits least there, or reloading more ahead would raise their backward's peak "
+        "above the budget)"
+    ] if timed else [])  # fmt: skip
     choice = budgets.choice
     assert choice.predicted_peak_bytes == 220
     assert policy.timed_reload_ahead == budgets.chunk_reload_ahead == ({(1, 0): 110} if timed else {})
