@@ -88,12 +88,12 @@ def stage_summary(
     requested: list[str],
     report: bool,
     planned_nothing: bool = False,
-    min_offload_flag: str | None = None,
+    min_offload_flag: str = "",
 ) -> StageSummary:
     """This rank's `StageSummary`; ``manager`` None: nothing was attached (no model built, or
     ``planned_nothing``: the plan offloads nothing on this stage, which then needs no report).
-    ``min_offload_flag``: ``--chunk-offload-min-offload-bytes`` as typed (None: the flag and the
-    manager's parsed value).
+    ``min_offload_flag``: ``--chunk-offload-min-offload-bytes`` as typed (empty: the messages
+    quote the manager's parsed value).
 
     ``report``: build the rank's `StageReport` too (``--chunk-offload-report``). In auto mode
     the open iteration, complete after training, is closed first.
@@ -121,7 +121,7 @@ def stage_summary(
     summary.training_calls = manager.training_calls
     summary.baseline = not manager.config.offload
     summary.min_offload_bytes = manager.config.min_offload_bytes
-    summary.min_offload_flag = min_offload_flag or ""
+    summary.min_offload_flag = min_offload_flag
     if manager.plan is not None:
         summary.pp_rank, summary.pp_size = manager.plan.pp_rank, manager.plan.pp_size
     if record is None:

@@ -152,11 +152,11 @@ if not _NO_MEGATRON:
 
 @pytest.mark.skipif(_NO_MEGATRON, reason="megatron-core is not installed")
 @pytest.mark.parametrize("min_offload_bytes, typed, reason", [
-    (1, None, "another reference holds what the offloaded modules saved"),
-    (1 << 20, None, "no saved tensor of qkv_linear reached --chunk-offload-min-offload-bytes 1048576 (default 1 MiB)"),
+    (1, "", "another reference holds what the offloaded modules saved"),
+    (1 << 20, "", "no saved tensor of qkv_linear reached --chunk-offload-min-offload-bytes 1048576 (default 1 MiB)"),
     (1 << 20, "--chunk-offload-min-offload-bytes 1MiB", "no saved tensor of qkv_linear reached --chunk-offload-min-offload-bytes 1MiB (default"),
 ])  # fmt: skip
-def test_stage_summary_reads_the_managers_record_and_report(managed, min_offload_bytes: int, typed: str | None, reason: str) -> None:
+def test_stage_summary_reads_the_managers_record_and_report(managed, min_offload_bytes: int, typed: str, reason: str) -> None:
     """Three auto iterations (the first a baseline) of a chunk whose qkv inputs another reference
     holds; the threshold is quoted as typed when the launcher passes it so."""
     from tests.integrations.megatron._auto_iterations import train_step
