@@ -15,7 +15,7 @@ from .host_pool import HostPool, HostPoolStats
 from .manager import OffloadManager
 from .marks import ModuleOffload
 from .option_table import OPTIONS, Option, check_value, option, parse_bytes
-from .ordering import kept_tail, prefetch_selection, reload_ahead_budget, reload_ahead_selection
+from .ordering import kept_tail, predicted_reload_wait, prefetch_selection, reload_ahead_budget, reload_ahead_selection
 from .schedule_policy import SchedulePolicy
 from .records import IterationRecord
 from .stats import GroupStats, OffloadStats
@@ -58,6 +58,7 @@ __all__ = [
     "mark_not_offloadable",
     "option",
     "parse_bytes",
+    "predicted_reload_wait",
     "prefetch_selection",
     "reload_ahead_budget",
     "reload_ahead_selection",

@@ -46,7 +46,7 @@ from typing import Sequence
 from .errors import ChunkOffloadError
 from .group_state import GroupState
 
-__all__ = ["kept_tail", "prefetch_selection", "reload_ahead_budget", "reload_ahead_selection"]
+__all__ = ["kept_tail", "predicted_reload_wait", "prefetch_selection", "reload_ahead_budget", "reload_ahead_selection"]
 
 _LOADED = (GroupState.RELOADING, GroupState.RESIDENT)
 
@@ -136,10 +136,7 @@ def reload_ahead_budget(
     ``reload_bytes_per_s``: the host-to-device link rate; ``backward_s``: each group's backward
     compute seconds. None where one group ahead already waits least.
     """
-    if len(backward_s) != len(groups):
-        raise ChunkOffloadError(f"chunk_offload: backward_s has {len(backward_s)} entries for {len(groups)} groups; give one per group")
-    if not reload_bytes_per_s > 0:
-        raise ChunkOffloadError(f"chunk_offload: reload_bytes_per_s must be > 0, got {reload_bytes_per_s!r}")
+    _check_model(groups, reload_bytes_per_s, backward_s)
     prefix = [0]
     for state, nbytes in groups:  # the bytes the rule counts: on host, or already reloading
         prefix.append(prefix[-1] + (nbytes if state in (GroupState.ON_HOST, *_LOADED) else 0))
@@ -158,8 +155,24 @@ def reload_ahead_budget(
     return sums[lo]
 
 
+def predicted_reload_wait(
+    groups: Sequence[tuple[GroupState, int]], budget_bytes: int | None, *, reload_bytes_per_s: float, backward_s: Sequence[float]
+) -> float:
+    """Seconds compute waits on reloads in a chunk's backward under ``budget_bytes`` of reload
+    ahead (None: one group ahead), on the model of NOTE [Timed reload ahead]; arguments as
+    `reload_ahead_budget` takes them."""
+    _check_model(groups, reload_bytes_per_s, backward_s)
+    return _predicted_wait(groups, budget_bytes, reload_bytes_per_s, backward_s)
+
+
+def _check_model(groups: Sequence[tuple[GroupState, int]], rate: float, backward_s: Sequence[float]) -> None:
+    if len(backward_s) != len(groups):
+        raise ChunkOffloadError(f"chunk_offload: backward_s has {len(backward_s)} entries for {len(groups)} groups; give one per group")
+    if not rate > 0:
+        raise ChunkOffloadError(f"chunk_offload: reload_bytes_per_s must be > 0, got {rate!r}")
+
+
 def _predicted_wait(groups: Sequence[tuple[GroupState, int]], budget: int | None, rate: float, backward_s: Sequence[float]) -> float:
-    """Seconds compute waits on reloads in the chunk's backward, on the model of NOTE [Timed reload ahead]."""
     pairs = list(groups)
     arrival = [0.0] * len(pairs)
     now = link = waited = 0.0

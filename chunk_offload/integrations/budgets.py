@@ -32,12 +32,16 @@ NOTE [Device budget]
   an iteration run under it exceeded (its measured peak: ``device_peak_bytes`` on CUDA, the
   resident saved bytes on CPU) warns once too (`budget_exceeded_message`). Either way the
   report's ``budget_shortfall_bytes`` says by how much.
-- With ``timed_reload_ahead``, after each offloaded iteration the choice's chunks get the
-  reload-ahead budgets its `CopyTiming` gives, as far as the predicted peak stays within the
-  budget (`fit_reload_ahead`): a choice is made reloading one group ahead, and reloading more
-  ahead may raise a backward's peak. They change when reloads start, never what is copied.
-  Two `simulate` runs and the derivation per iteration: 0.14 s of CPU on the 70B-like plan of
-  NOTE [Budget choice] (rank 0: 64 chunks, 3,200 groups).
+- With ``timed_reload_ahead``, once a timing is known the choice is made with the reload-ahead
+  budgets it gives (`choose_with_reload_ahead`, NOTE [Reload room]): reloading more than one
+  group ahead may raise a backward's peak, so each chunk gets its budget as far as the
+  predicted peak stays within the budget, and where the choice made for the budget leaves no
+  room (PP=1, the last stage) a choice made for a lower budget may, and is taken when its
+  reloads are predicted to wait less. After each later offloaded iteration the choice's chunks
+  get the budgets the new timing gives (`fit_reload_ahead`), without a new choice: they change
+  when reloads start, never what is copied. The refit is two to four `simulate` runs and the
+  derivation: 0.14 s of CPU on the 70B-like plan of NOTE [Budget choice] (rank 0: 64 chunks,
+  3,200 groups).
 - ``"auto"``: every pipeline rank's lowest peak (plus its overhead) is all-gathered over the
   pipeline (`Exchange`, NOTE [Deferred exchanges]); the budget is `level_budget` of them, the
   smallest every rank meets. Until it is known every group is offloaded.
@@ -66,6 +70,7 @@ from ..schedule import (
     budget_exceeded_message,
     budget_shortfall_message,
     choose_offload,
+    choose_with_reload_ahead,
     fit_reload_ahead,
     level_budget,
     simulate,
@@ -85,6 +90,10 @@ def check_device_budget(value: Any) -> int | Literal["auto"] | None:
 def check_host_budget(value: Any) -> int | None:
     """Raise unless ``value`` is None or an int >= 0; return it."""
     return check_value(option("ScheduleOptions.host_budget_bytes"), value)
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Budgets:
@@ -231,9 +240,16 @@ class Budgets:
             return self._fit_reload_ahead(plan, timing, pp_rank=pp_rank)
         self._key = key
         self.chunk_reload_ahead = {}
-        self.choice = choose_offload(
-            plan, sizes, budget, timing=timing, kept_bytes=self._kept_bytes, shared=self._shared, **self.plan_budgets
-        )
+        made_for = None
+        if self.timed_reload_ahead and timing is not None:
+            timed = choose_with_reload_ahead(
+                plan, sizes, budget, timing, kept_bytes=self._kept_bytes, shared=self._shared, prefetch_bytes=self.plan_budgets["prefetch_bytes"]
+            )
+            self.choice, made_for = timed.choice, timed
+        else:
+            self.choice = choose_offload(
+                plan, sizes, budget, timing=timing, kept_bytes=self._kept_bytes, shared=self._shared, **self.plan_budgets
+            )
         self._choice_plan = plan
         if not self.choice.fits:
             self.shortfall_bytes = self.choice.lowest_peak_bytes - self.choice.budget_bytes
@@ -244,18 +260,27 @@ class Budgets:
         # parallelism), so the line names the global rank; a budget given as "auto" stays "auto".
         given = f"auto (levelled to {self.leveled_budget} bytes)" if self.device_budget == "auto" else f"{self.device_budget} bytes"
         exposed = self.choice.exposed_s
+        lower = ""
+        if made_for is not None and made_for.made_for_bytes != budget:
+            lower = (
+                f", chosen for {made_for.made_for_bytes} bytes to leave room for reloading ahead (NOTE [Reload room]): "
+                f"{made_for.predicted_wait_s * 1e3:.1f} ms of reload waits predicted against "
+                f"{made_for.budget_choice_wait_s * 1e3:.1f} ms for the choice made for the budget"
+            )
         logger.info(
             "chunk_offload: rank %d (pipeline rank %d): device budget %s, activation budget %d bytes, predicted peak %d, "
-            "%d bytes offloaded per iteration%s",
-            dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, pp_rank, given, budget, self.choice.predicted_peak_bytes,
-            self.choice.bytes_offloaded, "" if exposed is None else f", {exposed * 1e3:.1f} ms of copies not hidden by compute (predicted)",
-        )
+            "%d bytes offloaded per iteration%s%s",
+            _global_rank(), pp_rank, given, budget, self.choice.predicted_peak_bytes, self.choice.bytes_offloaded,
+            "" if exposed is None else f", {exposed * 1e3:.1f} ms of copies not hidden by compute (predicted)", lower,
+        )  # fmt: skip
+        if made_for is not None:
+            self._use_reload_ahead(dict(made_for.chunk_reload_ahead), pp_rank=pp_rank)
+            return self.policy(plan)
         return self._fit_reload_ahead(plan, timing, pp_rank=pp_rank) or self.policy(plan)
 
     def _fit_reload_ahead(self, plan: Plan, timing: CopyTiming | None, *, pp_rank: int) -> PlanPolicy | None:
         """With ``timed_reload_ahead`` and a timing: the choice's policy with the reload-ahead
-        budgets ``timing`` gives that keep it within the budget, if they changed; else None.
-        Logs which chunks reload ahead whenever that set changes."""
+        budgets ``timing`` gives that keep it within the budget, if they changed; else None."""
         if not self.timed_reload_ahead or timing is None:
             return None
         fitted = fit_reload_ahead(
@@ -263,16 +288,20 @@ class Budgets:
         )
         if fitted == self.chunk_reload_ahead:
             return None
+        self._use_reload_ahead(fitted, pp_rank=pp_rank)
+        return self.policy(plan)
+
+    def _use_reload_ahead(self, fitted: dict[tuple[int, int], int], *, pp_rank: int) -> None:
+        """Take ``fitted`` as the choice's reload-ahead budgets; log which chunks reload ahead whenever that set changes."""
         if fitted.keys() != self.chunk_reload_ahead.keys():
             copied = sum(1 for groups in self.choice.offloaded.values() if groups)
             logger.info(
                 "chunk_offload: rank %d (pipeline rank %d): timed reload ahead in %d of the %d chunks the device budget "
                 "offloads (the others reload one group ahead: it waits least there, or reloading more ahead would raise "
                 "their backward's peak above the budget)",
-                dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, pp_rank, len(fitted), copied,
+                _global_rank(), pp_rank, len(fitted), copied,
             )  # fmt: skip
         self.chunk_reload_ahead = fitted
-        return self.policy(plan)
 
     def _split_host(self, plan: Plan | None, record: IterationRecord | None, policy: SchedulePolicy, usable: bool) -> None:
         if not self._node_posted:

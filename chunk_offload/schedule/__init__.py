@@ -6,7 +6,8 @@
 - `simulate`: the saved-bytes accounting a plan gives, exact against the engine's;
 - `choose_offload`: the groups to copy so that a rank's predicted peak fits a device budget
   (`OffloadChoice`, `CopyTiming`, `level_budget`, `budget_shortfall_message`,
-  `budget_exceeded_message`), and `fit_reload_ahead`: timed reload-ahead budgets that keep it;
+  `budget_exceeded_message`); `fit_reload_ahead`: timed reload-ahead budgets that keep it, and
+  `choose_with_reload_ahead` (`TimedChoice`): a choice that leaves them room;
 - `split_host_budget`, `node_host_cap`: a node's host-memory budget split among its ranks by need.
 """
 
@@ -16,9 +17,9 @@ from .budget import (
     budget_exceeded_message,
     budget_shortfall_message,
     choose_offload,
-    fit_reload_ahead,
     level_budget,
 )
+from .budget_reload import TimedChoice, choose_with_reload_ahead, fit_reload_ahead
 from .host_budget import all_gather_host_needs, node_host_cap, split_host_budget
 from .megatron import megatron_plan
 from .plan import Plan
@@ -31,10 +32,12 @@ __all__ = [
     "Plan",
     "PlanPolicy",
     "Simulation",
+    "TimedChoice",
     "all_gather_host_needs",
     "budget_exceeded_message",
     "budget_shortfall_message",
     "choose_offload",
+    "choose_with_reload_ahead",
     "fit_reload_ahead",
     "level_budget",
     "megatron_plan",

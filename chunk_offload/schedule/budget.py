@@ -52,7 +52,7 @@ from ._budget_search import search_offload
 from .choice import CopyTiming, OffloadChoice
 from .plan import Plan
 from .plan_policy import PlanPolicy
-from .simulate import GroupBytes, Simulation, _lookup, simulate
+from .simulate import GroupBytes, _lookup, simulate
 
 __all__ = [
     "CopyTiming",
@@ -60,7 +60,6 @@ __all__ = [
     "budget_exceeded_message",
     "budget_shortfall_message",
     "choose_offload",
-    "fit_reload_ahead",
     "level_budget",
 ]
 
@@ -128,63 +127,6 @@ def choose_offload(
         bytes_offloaded=predicted.bytes_offloaded,
         exposed_s=found.exposed_s,
     )
-
-
-def fit_reload_ahead(
-    choice: OffloadChoice,
-    plan: Plan,
-    group_bytes: GroupBytes,
-    timing: CopyTiming,
-    *,
-    prefetch_bytes: int | None = None,
-    kept_bytes: GroupBytes | None = None,
-) -> dict[tuple[int, int], int]:
-    """Per chunk, the reload-ahead bytes ``timing`` gives the groups ``choice`` copies (NOTE
-    [Timed reload ahead] in core/ordering.py), kept where the predicted peak stays within the
-    choice's budget (or, for a budget out of reach, its predicted peak); for `PlanPolicy`'s
-    ``chunk_reload_ahead``. Empty where one group ahead waits least.
-
-    A choice is made reloading one group ahead; more bytes ahead start a chunk's reloads earlier
-    within its backward, and may raise the peak there, and only there (the same reloads end no
-    later, and no other chunk's reloads change). So one `simulate` with every chunk's budget
-    shows which chunks' backwards still fit: those keep theirs. A second checks the result; were
-    it over (a plan the argument misses), chunks are tried one at a time in backward order.
-    """
-    lookup = _lookup(group_bytes)
-    sizes = {chunk: lookup(*chunk) for chunk in plan.chunks}
-    timed = PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes).reload_ahead_from(sizes, timing)
-    limit = max(choice.budget_bytes, choice.predicted_peak_bytes)
-
-    def simulated(budgets: dict[tuple[int, int], int]) -> Simulation:
-        policy = PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes, chunk_reload_ahead=budgets)
-        return simulate(plan, sizes, policy=policy, kept_bytes=kept_bytes)
-
-    if not timed:
-        return timed
-    every = simulated(timed)
-    if every.peak_resident_bytes <= limit:
-        return timed
-    peaks = _step_peaks(every.timeline_with)
-    fitted = {chunk: nbytes for chunk, nbytes in timed.items() if peaks.get(plan.index(ActionKind.BACKWARD, *chunk), 0) <= limit}
-    if simulated(fitted).peak_resident_bytes <= limit:
-        return fitted
-    fitted = {}
-    for action in plan.actions:
-        if action.kind is ActionKind.BACKWARD and action.chunk in timed:
-            trial = {**fitted, action.chunk: timed[action.chunk]}
-            if simulated(trial).peak_resident_bytes <= limit:
-                fitted = trial
-    return fitted
-
-
-def _step_peaks(timeline: Sequence[tuple[int, int]]) -> dict[int, int]:
-    """Per plan step, the most bytes resident during it (from where the step before left them)."""
-    peaks: dict[int, int] = {}
-    now = 0
-    for step, nbytes in timeline:
-        peaks[step] = max(peaks.get(step, now), nbytes)
-        now = nbytes
-    return peaks
 
 
 def _steps(plan: Plan) -> dict[tuple[int, int], tuple[int, int]]:

@@ -34,11 +34,11 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from ..core.errors import ChunkOffloadError
 from ..core.option_table import check_value, option
-from ..core import GroupState, kept_tail, prefetch_selection, reload_ahead_budget
+from ..core import GroupState, kept_tail, predicted_reload_wait, prefetch_selection, reload_ahead_budget
 from ..core.actions import Action, ActionKind, ChunkKey
 from ..core.schedule_policy import SchedulePolicy
 from .choice import CopyTiming, OffloadChoice
@@ -176,12 +176,31 @@ class PlanPolicy(SchedulePolicy):
 
     def reload_ahead_from(self, group_bytes: GroupBytes, timing: "CopyTiming") -> dict[tuple[int, int], int]:
         """Each offloaded chunk's reload-ahead budget from ``timing`` where one group ahead would wait
-        (NOTE [Timed reload ahead]) under this policy's decisions: its groups as its backward finds
-        them (copied ones on host, a prefetch during the action before reloading), the link rate
-        back, its backward seconds."""
+        (NOTE [Timed reload ahead]) under this policy's decisions (`_backward_models`)."""
+        budgets = {}
+        for chunk, groups, rate, seconds in self._backward_models(group_bytes, timing):
+            budget = reload_ahead_budget(groups, reload_bytes_per_s=rate, backward_s=seconds)
+            if budget is not None:
+                budgets[chunk] = budget
+        return budgets
+
+    def predicted_reload_waits(self, group_bytes: GroupBytes, timing: "CopyTiming") -> dict[tuple[int, int], float]:
+        """Per offloaded chunk, the seconds compute is predicted to wait on reloads in its backward
+        under its reload-ahead budget, on the model of NOTE [Timed reload ahead]
+        (`chunk_offload.core.predicted_reload_wait`)."""
+        return {
+            chunk: predicted_reload_wait(groups, self.reload_ahead_bytes(ChunkKey(*chunk)), reload_bytes_per_s=rate, backward_s=seconds)
+            for chunk, groups, rate, seconds in self._backward_models(group_bytes, timing)
+        }
+
+    def _backward_models(
+        self, group_bytes: GroupBytes, timing: "CopyTiming"
+    ) -> Iterator[tuple[tuple[int, int], list[tuple[GroupState, int]], float, list[float]]]:
+        """Per offloaded chunk whose groups ``group_bytes`` knows: (chunk, its groups as its
+        backward finds them (copied ones on host, a prefetch during the action before
+        reloading), the link rate back, its groups' backward seconds)."""
         lookup = _lookup(group_bytes)
         rate = timing.bytes_per_s if timing.reload_bytes_per_s is None else timing.reload_bytes_per_s
-        budgets = {}
         for chunk in self.plan.chunks:
             try:
                 sizes = lookup(*chunk)
@@ -193,11 +212,7 @@ class PlanPolicy(SchedulePolicy):
             groups = [(_state_at_backward(nbytes, self.offload_group(key, g)), nbytes) for g, nbytes in enumerate(sizes)]
             for g in self._prefetched(chunk, groups):
                 groups[g] = (GroupState.RELOADING, sizes[g])
-            seconds = _group_seconds(self.plan, timing, chunk, sizes, since=ActionKind.BACKWARD)
-            budget = reload_ahead_budget(groups, reload_bytes_per_s=rate, backward_s=seconds)
-            if budget is not None:
-                budgets[chunk] = budget
-        return budgets
+            yield chunk, groups, rate, _group_seconds(self.plan, timing, chunk, sizes, since=ActionKind.BACKWARD)
 
     def _prefetched(self, chunk: tuple[int, int], groups: list[tuple[GroupState, int]]) -> list[int]:
         """The groups of ``chunk`` this policy prefetches during the action before its backward

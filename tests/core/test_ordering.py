@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from chunk_offload.core import ChunkOffloadError, GroupState
-from chunk_offload.core.ordering import kept_tail, prefetch_selection, reload_ahead_budget, reload_ahead_selection
+from chunk_offload.core.ordering import kept_tail, predicted_reload_wait, prefetch_selection, reload_ahead_budget, reload_ahead_selection
 
 H, K, L, R, X = GroupState.ON_HOST, GroupState.KEPT, GroupState.RELOADING, GroupState.RESIDENT, GroupState.RELEASED
 
@@ -90,3 +90,16 @@ def test_reload_ahead_budget_checks_its_arguments():
         reload_ahead_budget([(H, 1), (H, 1)], reload_bytes_per_s=1.0, backward_s=[1.0])
     with pytest.raises(ChunkOffloadError, match="reload_bytes_per_s must be > 0, got 0"):
         reload_ahead_budget([(H, 1)], reload_bytes_per_s=0, backward_s=[1.0])
+
+
+def test_predicted_reload_wait_is_the_models_wait_under_a_budget():
+    # A large group (10 s on the link), a small one (1 s), a kept one (10 s of backward): one
+    # group ahead the large reload starts with the small group's backward and waits 10 - 1 s;
+    # 110 bytes ahead it starts with the kept group's and ends as the small group's ends.
+    groups = [(H, 100), (H, 10), (K, 10)]
+    assert predicted_reload_wait(groups, None, reload_bytes_per_s=10.0, backward_s=[10.0, 1.0, 10.0]) == 9.0
+    assert predicted_reload_wait(groups, 110, reload_bytes_per_s=10.0, backward_s=[10.0, 1.0, 10.0]) == 0.0
+    with pytest.raises(ChunkOffloadError, match=r"backward_s has 2 entries for 3 groups; give one per group"):
+        predicted_reload_wait(groups, None, reload_bytes_per_s=10.0, backward_s=[1.0, 1.0])
+    with pytest.raises(ChunkOffloadError, match=r"reload_bytes_per_s must be > 0, got 0.0"):
+        predicted_reload_wait(groups, None, reload_bytes_per_s=0.0, backward_s=[1.0] * 3)

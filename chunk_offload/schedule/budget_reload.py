@@ -1,0 +1,169 @@
+"""Reloading ahead under a device budget: which chunks of a choice may, and a choice that leaves them room.
+
+NOTE [Reload room]
+A choice (`choose_offload`) is made reloading one group ahead; reloading more ahead (NOTE
+[Timed reload ahead] in core/ordering.py) starts a chunk's reloads earlier within its backward
+and may raise the peak there, and only there. `fit_reload_ahead` keeps the timed budgets of
+the chunks whose backward still fits. Where a chunk's peak is at the start of its backward
+(PP=1, the last stage under 1F1B), a choice that just meets the budget leaves none of them
+room. `choose_with_reload_ahead` then also tries choices made for a lower budget, each lower by
+what the previous one's reloads ahead overshot it (a few rounds, down to the lowest peak): they
+copy more, keep less on device, and so leave room under the real budget. Each is fitted under
+the real budget and the one whose backwards are predicted to wait least on reloads is taken
+(`PlanPolicy.predicted_reload_waits`), the choice made for the budget itself on a tie. The
+comparison is of reload waits alone: the copies to host are issued at each group's commit and
+overlap the forward of the groups after it, which the model does not weigh. A chunk whose whole
+timed budget does not fit reloads ahead what its backward's room allows (the budget bounds the
+bytes reloaded ahead, so the peak there rises by at most that much), where that waits less than
+one group ahead. Cost on the 70B-like plan of NOTE [Budget choice]: one `choose_offload` where
+the choice made for the budget waits least or leaves its chunks room, up to five where every
+lower one is tried (1.4 to 6.6 s of CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from ..core.actions import ActionKind
+from .budget import choose_offload
+from .choice import CopyTiming, OffloadChoice
+from .plan import Plan
+from .plan_policy import PlanPolicy
+from .simulate import GroupBytes, Simulation, _lookup, simulate
+
+__all__ = ["TimedChoice", "choose_with_reload_ahead", "fit_reload_ahead"]
+
+_ROUNDS = 4
+"""Lower choices tried at most (NOTE [Reload room]): each costs one `choose_offload`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TimedChoice:
+    """A device-budget choice with the timed reload-ahead budgets that fit it (NOTE [Reload room])."""
+
+    choice: OffloadChoice
+    """The groups copied; ``budget_bytes`` is the budget asked for, whatever budget it was made for."""
+    chunk_reload_ahead: Mapping[tuple[int, int], int]
+    """Per chunk its reload-ahead bytes, for `PlanPolicy`'s ``chunk_reload_ahead``."""
+    made_for_bytes: int
+    """The budget the choice was made for: the budget asked for, or a lower one that leaves room."""
+    predicted_wait_s: float
+    """Seconds compute is predicted to wait on reloads per iteration with it."""
+    budget_choice_wait_s: float
+    """The same for the choice made for the budget asked for, with the budgets that fit it."""
+
+
+def fit_reload_ahead(
+    choice: OffloadChoice,
+    plan: Plan,
+    group_bytes: GroupBytes,
+    timing: CopyTiming,
+    *,
+    prefetch_bytes: int | None = None,
+    kept_bytes: GroupBytes | None = None,
+) -> dict[tuple[int, int], int]:
+    """Per chunk, the reload-ahead bytes ``timing`` gives the groups ``choice`` copies (NOTE
+    [Timed reload ahead] in core/ordering.py), kept where the predicted peak stays within the
+    choice's budget (or, for a budget out of reach, its predicted peak); for `PlanPolicy`'s
+    ``chunk_reload_ahead``. Empty where one group ahead waits least.
+
+    More bytes ahead may raise the peak during a chunk's own backward only (the same reloads end
+    no later, and no other chunk's reloads change). So one `simulate` with every chunk's budget
+    shows which chunks' backwards still fit: those keep theirs. A second checks the result; were
+    it over (a plan the argument misses), chunks are tried one at a time in backward order.
+    """
+    return _fit(choice, plan, group_bytes, timing, prefetch_bytes=prefetch_bytes, kept_bytes=kept_bytes)[0]
+
+
+def choose_with_reload_ahead(
+    plan: Plan,
+    group_bytes: GroupBytes,
+    budget_bytes: int,
+    timing: CopyTiming,
+    *,
+    prefetch_bytes: int | None = None,
+    kept_bytes: GroupBytes | None = None,
+    shared: Mapping[tuple[int, int], Sequence[Sequence[int]]] | None = None,
+) -> TimedChoice:
+    """The choice for ``budget_bytes`` and its fitted reload-ahead budgets that wait least on
+    reloads, among the choice made for the budget and choices made lower (NOTE [Reload room]).
+    Arguments as `choose_offload` takes them."""
+
+    def fitted(target: int) -> tuple[TimedChoice, int]:
+        choice = choose_offload(plan, group_bytes, target, prefetch_bytes=prefetch_bytes, timing=timing, kept_bytes=kept_bytes, shared=shared)
+        choice = dataclasses.replace(choice, budget_bytes=budget_bytes)
+        budgets, over = _fit(choice, plan, group_bytes, timing, prefetch_bytes=prefetch_bytes, kept_bytes=kept_bytes)
+        policy = PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes, chunk_reload_ahead=budgets)
+        wait = sum(policy.predicted_reload_waits(group_bytes, timing).values())
+        return TimedChoice(choice=choice, chunk_reload_ahead=budgets, made_for_bytes=target, predicted_wait_s=wait, budget_choice_wait_s=wait), over
+
+    first, over = fitted(budget_bytes)
+    best, target = first, budget_bytes
+    slack = 1e-9 * timing.iteration_s  # rounding, not a tolerance of the model
+    for _ in range(_ROUNDS):
+        lower = max(first.choice.lowest_peak_bytes, target - over)
+        if not first.choice.fits or over <= 0 or lower >= target or best.predicted_wait_s == 0.0:
+            break
+        target = lower
+        candidate, over = fitted(target)
+        if candidate.predicted_wait_s + slack < best.predicted_wait_s:
+            best = candidate
+    return dataclasses.replace(best, budget_choice_wait_s=first.predicted_wait_s)
+
+
+def _fit(
+    choice: OffloadChoice, plan: Plan, group_bytes: GroupBytes, timing: CopyTiming, *, prefetch_bytes: int | None, kept_bytes: GroupBytes | None
+) -> tuple[dict[tuple[int, int], int], int]:
+    """`fit_reload_ahead`, and the bytes by which every chunk's timed budget together would
+    exceed the limit (<= 0: none does)."""
+    lookup = _lookup(group_bytes)
+    sizes = {chunk: lookup(*chunk) for chunk in plan.chunks}
+    timed = PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes).reload_ahead_from(sizes, timing)
+    limit = max(choice.budget_bytes, choice.predicted_peak_bytes)
+
+    def policy_with(budgets: dict[tuple[int, int], int]) -> PlanPolicy:
+        return PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes, chunk_reload_ahead=budgets)
+
+    def simulated(budgets: dict[tuple[int, int], int]) -> Simulation:
+        return simulate(plan, sizes, policy=policy_with(budgets), kept_bytes=kept_bytes)
+
+    if not timed:
+        return timed, 0
+    every = simulated(timed)
+    over = every.peak_resident_bytes - limit
+    if over <= 0:
+        return timed, over
+    backward = {chunk: plan.index(ActionKind.BACKWARD, *chunk) for chunk in timed}
+    peaks = _step_peaks(every.timeline_with)
+    fitted = {chunk: nbytes for chunk, nbytes in timed.items() if peaks.get(backward[chunk], 0) <= limit}
+    check = simulated(fitted)
+    if check.peak_resident_bytes <= limit:
+        # The others reload ahead what their backward's room allows: at most that much more is resident there.
+        peaks = _step_peaks(check.timeline_with)
+        room = {chunk: min(timed[chunk], limit - peaks.get(backward[chunk], limit)) for chunk in timed if chunk not in fitted}
+        partial = {chunk: nbytes for chunk, nbytes in room.items() if nbytes > 0}
+        if partial:  # kept only where it waits less than one group ahead
+            before = policy_with(fitted).predicted_reload_waits(sizes, timing)
+            after = policy_with({**fitted, **partial}).predicted_reload_waits(sizes, timing)
+            partial = {chunk: nbytes for chunk, nbytes in partial.items() if after[chunk] < before[chunk]}
+        if partial and simulated({**fitted, **partial}).peak_resident_bytes <= limit:
+            return {**fitted, **partial}, over
+        return fitted, over
+    fitted = {}
+    for action in plan.actions:
+        if action.kind is ActionKind.BACKWARD and action.chunk in timed:
+            trial = {**fitted, action.chunk: timed[action.chunk]}
+            if simulated(trial).peak_resident_bytes <= limit:
+                fitted = trial
+    return fitted, over
+
+
+def _step_peaks(timeline: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """Per plan step, the most bytes resident during it (from where the step before left them)."""
+    peaks: dict[int, int] = {}
+    now = 0
+    for step, nbytes in timeline:
+        peaks[step] = max(peaks.get(step, now), nbytes)
+        now = nbytes
+    return peaks
