@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU evidence in one command: environment, tests/gpu, tests/gpu under PyTorch's CUDA stream
 # sanitizer, the stage replay of stage 0 and of the last stage of PP=4 VPP=2 (hidden 4096, bf16)
-# side by side with megatron-core's built-in offload where the replay offers --compare, the replay
+# side by side with megatron-core's built-in offload where the replay offers --compare (and
+# chunk-offload trained under megatron's measured peak, --budget-bytes megatron), the replay
 # of README's co-planned stage (offload and megatron's selective recompute together), the PP=1
 # comparison with megatron's built-in (bench/megatron_compare.py), the pinned-memcpy bandwidth
 # probe and the host-overhead bench with its profile. Every log and JSON goes under the output
@@ -36,7 +37,7 @@
 set -u -o pipefail
 
 readonly STEPS=(install env tests sanitizer overhead compare replay replay_coplan sanitizer_pp4 replay_last bandwidth)
-declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=200 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=100 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
+declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=200 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=130 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
@@ -59,7 +60,7 @@ export COMPARE_COMMON
 declare -A DESCRIBE=(
     [install]='"$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl (when .whl/ has wheels)'
     [env]='date, git rev-parse HEAD, nvidia-smi, python/torch/CUDA/device, megatron-core/numpy/pytest versions'
-    [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 --attention sdpa [--compare megatron if --help lists it] --json "$OUT_DIR/replay.json"'
+    [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 --attention sdpa [--compare megatron --budget-bytes megatron where --help lists them] --json "$OUT_DIR/replay.json"'
     [replay_last]='the same as replay with --stage 3 (the last stage) --json "$OUT_DIR/replay_last.json"'
     [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --json "$OUT_DIR/compare.json"; then --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 ... --json "$OUT_DIR/compare_host.json"'
 )
@@ -122,6 +123,9 @@ replay_stage() {
     help=$("$PY" -m chunk_offload.replay --help 2>/dev/null)
     if [[ $help == *--compare* ]]; then
         extra+=(--compare megatron)
+    fi
+    if [[ $help == *--budget-bytes* ]]; then
+        extra+=(--budget-bytes megatron)  # issue 26: the same stage at megatron's peak (a fourth build)
     fi
     echo "extra options: ${extra[*]}"
     for seq in ${REPLAY_SEQS:-4096 2048 1024}; do

@@ -9,11 +9,13 @@ activations and gradients, with and without offload side by side in one process:
         result = replay(stage, modules="core_attn,qkv_linear", num_microbatches=8)
     table = result.format()                 # step time, peak memory, measured/theoretical drop, R
 
+`replay_under_budget` runs the stage as training does under a device budget.
+
 Command line: ``python -m chunk_offload.replay --help``.
 """
 
-from .result import ModeResult, ReplayResult
-from .run import replay
+from .result import BudgetReplay, ModeResult, ReplayResult
+from .run import replay, replay_under_budget
 from .stage import MegatronStage, megatron_stage
 
-__all__ = ["MegatronStage", "ModeResult", "ReplayResult", "megatron_stage", "replay"]
+__all__ = ["BudgetReplay", "MegatronStage", "ModeResult", "ReplayResult", "megatron_stage", "replay", "replay_under_budget"]

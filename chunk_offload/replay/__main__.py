@@ -7,7 +7,9 @@ Runs on the CUDA device when there is one (peaks: ``torch.cuda.max_memory_alloca
 the CPU (peaks: the manager's accounting of saved bytes; ``--link-gbps`` simulates a host link).
 Exit status 3 when the device runs out of memory, so scripts can retry a smaller shape.
 ``--compare megatron`` adds megatron-core's own fine-grained activation offloading as a third
-mode on the same stage, plan, modules and seed (`chunk_offload.replay.compare`).
+mode on the same stage, plan, modules and seed (`chunk_offload.replay.compare`), and
+``--budget-bytes BYTES|megatron`` a fourth: chunk-offload as training runs it under that device
+budget (``megatron``: megatron's measured peak, for a comparison at equal memory).
 
 A co-planned stage (``chunk-offload plan --co-plan``): its offload modules and megatron's selective
 recompute of its recompute modules, both modes built with the recompute::
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ChunkOffloadError
-from ..core.option_table import option
+from ..core.option_table import option, parse_bytes
 from ..core.streams import CpuStreams
 from ..devkit.gpt import ATTENTIONS, GPTShape
 from ..option_flags import argparse_keywords
@@ -112,9 +114,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="megatron: also run megatron-core's built-in fine-grained activation offloading; one table of three modes",
     )
+    g.add_argument(
+        "--budget-bytes",
+        type=_budget,
+        default=None,
+        metavar="BYTES|megatron",
+        help="with --compare megatron: also run chunk-offload as training does under this device budget, its copy "
+        "timing choosing the reload-ahead budgets (a fourth column); 'megatron': megatron's measured peak, for a "
+        "comparison at equal memory (CUDA only)",
+    )
     args = p.parse_args(argv)
     _check(p, args)
     return args
+
+
+def _budget(text: str) -> int | str:
+    """A ``--budget-bytes`` value: ``megatron`` or a byte count (`parse_bytes`)."""
+    if text == "megatron":
+        return text
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or 'megatron'") from None
 
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -138,6 +159,10 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     heads = args.heads if args.heads is not None else max(1, args.hidden // 128)
     if args.hidden % heads:
         p.error(f"--hidden must be divisible by the attention heads ({heads}), got {args.hidden}")
+    if args.budget_bytes is not None and args.compare != "megatron":
+        p.error(f"--budget-bytes {args.budget_bytes} is a column of the comparison: add --compare megatron")
+    if args.budget_bytes == "megatron" and not torch.cuda.is_available():
+        p.error("--budget-bytes megatron needs CUDA: megatron's path has no measured peak on CPU; give the budget in bytes")
     try:
         modules = canonical_modules(args.modules)
         # megatron-core's own checks of the interleaved schedule (the planner's pipeline model).
@@ -207,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.compare == "megatron":
-            result = compare_with_megatron(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, **common)
+            result = compare_with_megatron(
+                shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, budget_bytes=args.budget_bytes, **common
+            )
         else:
             with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
                 result = replay(stage, **common)

@@ -1,11 +1,15 @@
-"""One stage, three ways: no offload, chunk-offload, and megatron-core's built-in offload.
+"""One stage, three or four ways: no offload, chunk-offload, megatron-core's built-in offload,
+and chunk-offload under a device budget.
 
 `compare_with_megatron` replays the same stage (same shape, seed and therefore weights), the
 same plan (megatron's schedule for the stage) and the same inputs three ways: the replay's
 baseline and chunk-offload iterations (`replay`, alternating, on one build of the chunks), then
 megatron-core's fine-grained activation offloading (`megatron_builtin`) on a second build with
 megatron's offload flags, which its layers read when they are built. Where megatron's path
-cannot run, `Comparison.skipped` says why and the other two modes stand alone.
+cannot run, `Comparison.skipped` says why and the other two modes stand alone. With
+``budget_bytes`` a fourth build runs chunk-offload as training does under that device budget
+(`replay_under_budget`); ``"megatron"`` takes megatron's measured peak as the budget, so that
+the two engines compare at equal memory (CUDA only: on CPU megatron's path has no peak).
 
 Peaks: on CUDA ``torch.cuda.max_memory_allocated`` of each iteration for every mode; on CPU
 there is no device allocator, so the table shows chunk-offload's accounting of saved bytes for
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
@@ -25,8 +29,8 @@ from ..core.streams import StreamBackend
 from ..devkit.gpt import GPTShape
 from ..module_names import canonical_modules
 from .megatron_builtin import BuiltinResult, builtin_config, builtin_unavailable, run_builtin
-from .result import ReplayResult
-from .run import replay
+from .result import BudgetReplay, ReplayResult
+from .run import replay, replay_under_budget
 from .stage import megatron_stage
 
 __all__ = ["Comparison", "compare_with_megatron"]
@@ -34,8 +38,8 @@ __all__ = ["Comparison", "compare_with_megatron"]
 logger = logging.getLogger(__name__)
 
 _MIB = float(1 << 20)
-MODES = ("none", "chunk_offload", "megatron")
-"""The modes, as named in the JSON summary."""
+MODES = ("none", "chunk_offload", "megatron", "chunk_offload_budget")
+"""The modes, as named in the JSON summary (the last only with a budget)."""
 
 
 @dataclass(kw_only=True)
@@ -50,6 +54,12 @@ class Comparison:
     """Why megatron's path did not run; None when it ran."""
     megatron_version: str
     """The megatron-core version that ran."""
+    budget: BudgetReplay | None = None
+    """chunk-offload under a device budget; None when no budget was asked for."""
+    budget_is_megatron_peak: bool = False
+    """Whether that budget is megatron's measured peak (``budget_bytes="megatron"``)."""
+    budget_skipped: str | None = None
+    """Why the budget mode asked for did not run (megatron's peak unknown); None otherwise."""
 
     def identical(self, mode: str) -> dict[str, bool | None]:
         """Whether ``mode``'s losses and parameter gradients equal the no-offload run's (`torch.equal`).
@@ -57,9 +67,11 @@ class Comparison:
         ``losses`` is None on a stage without the loss (not the last stage).
         """
         base = self.replay.baseline
-        other = self.replay.offload if mode == "chunk_offload" else self.builtin
+        others = {"chunk_offload": self.replay.offload, "megatron": self.builtin, "chunk_offload_budget": self.budget and self.budget.result}
+        other = others.get(mode)
         if other is None:
-            raise ChunkOffloadError(f"chunk_offload: mode {mode!r} did not run; identical() takes 'chunk_offload' or 'megatron'")
+            ran = [name for name, result in others.items() if result is not None]
+            raise ChunkOffloadError(f"chunk_offload: mode {mode!r} did not run; identical() takes one of {ran}")
         losses = None
         if base.losses:
             losses = len(base.losses) == len(other.losses) and all(map(torch.equal, base.losses, other.losses))
@@ -94,6 +106,15 @@ class Comparison:
                 "megatron_version": self.megatron_version,
                 **self.identical("megatron"),
             }
+        if self.budget_skipped is not None:
+            modes["chunk_offload_budget"] = {"skipped": self.budget_skipped}
+        if self.budget is not None:
+            budget = self.budget.summary()
+            modes["chunk_offload_budget"] = {
+                **budget,
+                "drop_bytes": r.baseline.peak_bytes - budget["peak_bytes"],
+                **self.identical("chunk_offload_budget"),
+            }
         return modes
 
     def summary(self) -> dict[str, Any]:
@@ -109,11 +130,17 @@ class Comparison:
         """The side-by-side table, with the one-line skip reason when megatron's path did not run."""
         r, modes = self.replay, self._modes()
         cpu = r.baseline.last.device_peak_bytes is None
-        names = ["none", "chunk_offload"] + ([] if self.builtin is None else ["megatron"])
-        headers = {"none": "no offload", "chunk_offload": "chunk-offload", "megatron": f"megatron {self.megatron_version}"}
+        names = ["none", "chunk_offload"] + ([] if self.builtin is None else ["megatron"]) + ([] if self.budget is None else ["chunk_offload_budget"])
+        headers = {
+            "none": "no offload",
+            "chunk_offload": "chunk-offload",
+            "megatron": f"megatron {self.megatron_version}",
+            "chunk_offload_budget": "chunk-offload budget",
+        }
+        budget = modes["chunk_offload_budget"] if self.budget is not None else None
 
         def row(label: str, cells: dict[str, str]) -> str:
-            return f"{label:<30}" + "".join(f"{cells.get(n, '-'):>20}" for n in names)
+            return f"{label:<30}" + "".join(f"{cells.get(n, '-'):>22}" for n in names)
 
         def mib(value: int | None) -> str:
             return "n/a" if value is None else f"{value / _MIB:.2f}"
@@ -125,10 +152,10 @@ class Comparison:
             row("step time (ms)", {n: f"{m['step_time_s'] * 1e3:.2f}" for n, m in modes.items() if "step_time_s" in m}),
             row("peak (MiB)" + (" [accounting]" if cpu else ""), {n: mib(m.get("peak_bytes")) for n, m in modes.items() if "skipped" not in m}),
             row("drop vs none (MiB)", {n: mib(m["drop_bytes"]) for n, m in modes.items() if "drop_bytes" in m}),
-            row("R (measured/theory)", {"chunk_offload": "n/a" if r.ratio is None else f"{r.ratio:.4f}", "megatron": "n/a"}),
+            row("R (measured/theory)", {n: "n/a" if m.get("R") is None else f"{m['R']:.4f}" for n, m in modes.items() if n != "none"}),
             row("offloaded / iteration (MiB)", {n: mib(m["bytes_offloaded"]) for n, m in modes.items() if "bytes_offloaded" in m}),
-            row("compute wait (ms)", {"chunk_offload": f"{r.offload.wait_time_s * 1e3:.2f}", "megatron": "n/a"}),
-            row("D2H copy time (ms)", {"chunk_offload": f"{r.offload.offload_time_s * 1e3:.2f}", "megatron": "n/a"}),
+            row("compute wait (ms)", {n: f"{m['wait_time_s'] * 1e3:.2f}" if "wait_time_s" in m else "n/a" for n, m in modes.items() if n != "none"}),
+            row("D2H copy time (ms)", {n: f"{m['offload_copy_time_s'] * 1e3:.2f}" if "offload_copy_time_s" in m else "n/a" for n, m in modes.items() if n != "none"}),
             row("losses bit-identical", {n: _yes(m["losses"]) for n, m in modes.items() if "losses" in m} | {"none": "(reference)"}),
             row("grads bit-identical", {n: _yes(m["grads"]) for n, m in modes.items() if "grads" in m} | {"none": "(reference)"}),
         ]
@@ -136,6 +163,18 @@ class Comparison:
             rows.append("peak on CPU: chunk-offload's accounting of saved bytes; megatron's path has none (n/a)")
         else:
             rows.append("peak: torch.cuda.max_memory_allocated per iteration; grads on CUDA depend on deterministic kernels")
+        if budget is not None:
+            over = budget["peak_bytes"] - budget["budget_bytes"]
+            rows.append(
+                f"chunk-offload budget: device budget {mib(budget['budget_bytes'])} MiB"
+                + (" (megatron's peak)" if self.budget_is_megatron_peak else "")
+                + f", {'predicted to fit' if budget['budget_fits'] else 'out of reach (predicted)'}, measured peak "
+                + (f"within it ({over / _MIB:.2f} MiB)" if over <= 0 else f"{over / _MIB:.2f} MiB over it")
+                + "; groups copied: "
+                + (", ".join(f"{name} {count}" for name, count in budget["offloaded_groups"].items()) or "none")
+            )
+        if self.budget_skipped is not None:
+            rows.append(f"chunk-offload budget: skipped: {self.budget_skipped}")
         if self.skipped is not None:
             rows.append(f"megatron-core built-in offload: skipped: {self.skipped}")
         elif cpu and self.builtin is not None and self.builtin.bytes_offloaded[-1] == 0:
@@ -162,14 +201,21 @@ def compare_with_megatron(
     min_offload_bytes: int = 1 << 20,
     streams: StreamBackend | None = None,
     skip_builtin: str | None = None,
+    budget_bytes: int | Literal["megatron"] | None = None,
+    timed_reload_ahead: bool = True,
 ) -> Comparison:
     """Replay stage ``pp_rank`` of ``pp_size`` without offload, with chunk-offload and with megatron's own.
 
     ``skip_builtin``: a reason not to run megatron's path (it is reported as the skip line).
+    ``budget_bytes``: also run chunk-offload under this device budget, as training does
+    (`replay_under_budget`, with ``timed_reload_ahead``); ``"megatron"``: megatron's measured
+    peak (where megatron's path has none, skipped or on CPU, `Comparison.budget_skipped` says so).
     ``streams`` go to chunk-offload only; the other arguments are `replay`'s and `megatron_stage`'s.
     """
     import megatron.core
 
+    if not (budget_bytes is None or budget_bytes == "megatron" or (isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool) and budget_bytes >= 0)):
+        raise ChunkOffloadError(f"chunk_offload: budget_bytes must be an int >= 0 (bytes), 'megatron' or None, got {budget_bytes!r}")
     modules = canonical_modules(modules)
     with megatron_stage(shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed) as stage:
         result = replay(
@@ -196,5 +242,28 @@ def compare_with_megatron(
         except (AssertionError, ValueError, RuntimeError) as e:  # megatron's own refusals are asserts
             logger.debug("megatron-core's built-in offload failed", exc_info=True)
             reason = f"megatron-core raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
-    return Comparison(replay=result, builtin=builtin, skipped=reason, megatron_version=megatron.core.__version__)
+    comparison = Comparison(replay=result, builtin=builtin, skipped=reason, megatron_version=megatron.core.__version__)
+    if budget_bytes is None:
+        return comparison
+    if budget_bytes == "megatron":
+        if builtin is None or builtin.peak_bytes is None:
+            comparison.budget_skipped = "megatron's peak is the budget, and megatron's path " + (
+                "did not run" if builtin is None else "has no peak on CPU (no device allocator)"
+            )
+            return comparison
+        budget_bytes, comparison.budget_is_megatron_peak = builtin.peak_bytes, True
+    with megatron_stage(shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed) as stage:
+        comparison.budget = replay_under_budget(
+            stage,
+            modules=modules,
+            plan=result.plan,
+            device_budget_bytes=budget_bytes,
+            timed_reload_ahead=timed_reload_ahead,
+            iterations=iterations,
+            warmup=warmup,
+            streams=streams,
+            min_offload_bytes=min_offload_bytes,
+            keep_tensors=True,
+        )
+    return comparison
 

@@ -1,5 +1,5 @@
-"""What a replay measured: `ModeResult` (one mode's iterations) and `ReplayResult` (both modes,
-the drop, R, the table and the JSON summary)."""
+"""What a replay measured: `ModeResult` (one mode's iterations), `ReplayResult` (both modes,
+the drop, R, the table and the JSON summary) and `BudgetReplay` (training under a device budget)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..schedule import Simulation
 from ..schedule.plan import Plan
 from .driver import Kept
 
-__all__ = ["ModeResult", "ReplayResult"]
+__all__ = ["BudgetReplay", "ModeResult", "ReplayResult"]
 
 _MIB = float(1 << 20)
 
@@ -62,6 +62,35 @@ class ModeResult(Kept):
     def offload_time_s(self) -> float:
         """Time the device-to-host copies of the last iteration took on their stream."""
         return sum(g.offload_time_s for g in self.last.groups.values())
+
+
+@dataclass(kw_only=True)
+class BudgetReplay:
+    """A stage replayed as training runs it under a device budget (`replay_under_budget`)."""
+
+    budget_bytes: int
+    """The device budget (``device_budget_bytes``)."""
+    result: ModeResult
+    """The measured iterations, under the budget's latest choice."""
+    report: StageReport = field(repr=False)
+    """The stage report of the run: the baseline iteration against the last measured one, R
+    under the choice's policy, and the budget fields (``budget_fits``, ``offloaded_groups``)."""
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as plain numbers (for JSON)."""
+        r, report = self.result, self.report
+        return {
+            "budget_bytes": self.budget_bytes,
+            "budget_fits": report.budget_fits,
+            "budget_shortfall_bytes": report.budget_shortfall_bytes,
+            "offloaded_groups": dict(report.offloaded_groups),
+            "step_time_s": r.step_time_s,
+            "peak_bytes": r.peak_bytes,
+            "R": report.ratio,
+            "bytes_offloaded": r.bytes_offloaded,
+            "wait_time_s": r.wait_time_s,
+            "offload_copy_time_s": r.offload_time_s,
+        }
 
 
 @dataclass(kw_only=True)

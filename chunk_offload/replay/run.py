@@ -27,10 +27,10 @@ from ..schedule import PlanPolicy, simulate
 from ..core.actions import ActionKind
 from ..schedule.plan import Plan
 from .driver import ChunkDriver
-from .result import ModeResult, ReplayResult
+from .result import BudgetReplay, ModeResult, ReplayResult
 from .stage import MegatronStage
 
-__all__ = ["replay"]
+__all__ = ["replay", "replay_under_budget"]
 
 def replay(
     stage: MegatronStage,
@@ -116,6 +116,50 @@ def replay(
     )
 
 
+def replay_under_budget(
+    stage: MegatronStage,
+    *,
+    modules: str | Sequence[str],
+    plan: Plan,
+    device_budget_bytes: int,
+    timed_reload_ahead: bool = True,
+    iterations: int = 1,
+    warmup: int = 1,
+    streams: StreamBackend | None = None,
+    keep_tensors: bool = False,
+    **options: Any,
+) -> BudgetReplay:
+    """Replay ``stage``'s megatron plan as training does under ``device_budget_bytes``.
+
+    The iterations are training calls (`MegatronOffloadManager.wrap`), so the budgets decide
+    after each as in training (NOTE [Device budget] in integrations/budgets.py): one baseline
+    (the bytes per group, and on CUDA the device bytes besides them), one offloaded iteration
+    under the choice made from it (its copy timing: with ``timed_reload_ahead`` the choice is
+    made again with the reload-ahead budgets, NOTE [Reload room]), ``warmup`` more, then
+    ``iterations`` measured ones. ``streams`` and ``options`` as `replay` takes them.
+    """
+    _check_plan(stage, plan)
+    manager = attach(
+        stage.chunks,
+        modules,
+        config=OffloadConfig(**options),
+        streams=streams,
+        device_budget_bytes=device_budget_bytes,
+        timed_reload_ahead=timed_reload_ahead,
+        baseline_iterations=1,
+    )
+    try:
+        runner = _Runner(stage, plan, manager, keep_tensors=keep_tensors)
+        for _ in range(2 + warmup):
+            runner.run_training()
+        result = _merge([runner.run_training() for _ in range(iterations)])
+        report = manager.report()
+    finally:
+        manager.detach()
+        manager.close()
+    return BudgetReplay(budget_bytes=device_budget_bytes, result=result, report=report)
+
+
 def _check_plan(stage: MegatronStage, plan: Plan) -> None:
     if not isinstance(plan, Plan):
         raise ChunkOffloadError(f"replay expects a chunk_offload.schedule.Plan, got {type(plan).__name__}")
@@ -136,25 +180,39 @@ class _Runner:
     def __init__(self, stage: MegatronStage, plan: Plan, manager: MegatronOffloadManager, *, keep_tensors: bool) -> None:
         self.plan = plan
         self.manager = manager
-        self.driver = ChunkDriver(stage, 1 + max(mb for mb, _ in plan.chunks), keep_tensors=keep_tensors)
+        self.num_microbatches = 1 + max(mb for mb, _ in plan.chunks)
+        self.driver = ChunkDriver(stage, self.num_microbatches, keep_tensors=keep_tensors)
 
     def run(self, *, offload: bool) -> ModeResult:
-        """One iteration of the plan, as a result of one record."""
+        """One iteration of the plan in the manager's own scope (no decisions after it), as a result of one record."""
+        result = ModeResult(offload=offload, records=[])
+        with self.manager.iteration(offload=offload):
+            self._actions(result)
+        return self._ended(result)
+
+    def run_training(self) -> ModeResult:
+        """One iteration of the plan as a training call through `MegatronOffloadManager.wrap` (a
+        baseline while baseline iterations remain; the budgets decide after it), as a result of one record."""
+        result = ModeResult(offload=self.manager.training_calls >= self.manager.baseline_iterations, records=[])
+        self.manager.wrap(lambda num_microbatches: self._actions(result))(num_microbatches=self.num_microbatches)
+        return self._ended(result)
+
+    def _actions(self, result: ModeResult) -> None:
         driver = self.driver
         driver.zero_grads()
-        result = ModeResult(offload=offload, records=[])
         pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        with self.manager.iteration(offload=offload):
-            for action in self.plan.actions:
-                if action.kind is ActionKind.FORWARD:
-                    pending[action.chunk] = driver.forward(*action.chunk, result)
-                else:
-                    driver.backward(*action.chunk, *pending.pop(action.chunk), result)
+        for action in self.plan.actions:
+            if action.kind is ActionKind.FORWARD:
+                pending[action.chunk] = driver.forward(*action.chunk, result)
+            else:
+                driver.backward(*action.chunk, *pending.pop(action.chunk), result)
         internal_assert(not pending, f"chunks without backward after the plan: {sorted(pending)}")
+
+    def _ended(self, result: ModeResult) -> ModeResult:
         difference = self.plan.diff(self.manager.observed_order)
         internal_assert(difference is None, f"the manager saw another order than the replayed plan: {difference}")
         result.records.append(self.manager.last_iteration)
-        driver.keep_grads(result)
+        self.driver.keep_grads(result)
         return result
 
 

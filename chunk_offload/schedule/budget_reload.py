@@ -10,7 +10,9 @@ room. `choose_with_reload_ahead` then also tries choices made for a lower budget
 what the previous one's reloads ahead overshot it (a few rounds, down to the lowest peak): they
 copy more, keep less on device, and so leave room under the real budget. Each is fitted under
 the real budget and the one whose backwards are predicted to wait least on reloads is taken
-(`PlanPolicy.predicted_reload_waits`), the choice made for the budget itself on a tie. The
+(`PlanPolicy.predicted_reload_waits`), if it waits less by 1% of the timed iteration at least
+(on CPU streams without a simulated link, timings are the host's noise), else the choice made
+for the budget itself. The
 comparison is of reload waits alone: the copies to host are issued at each group's commit and
 overlap the forward of the groups after it, which the model does not weigh. A chunk whose whole
 timed budget does not fit reloads ahead what its backward's room allows (the budget bounds the
@@ -36,6 +38,10 @@ __all__ = ["TimedChoice", "choose_with_reload_ahead", "fit_reload_ahead"]
 
 _ROUNDS = 4
 """Lower choices tried at most (NOTE [Reload room]): each costs one `choose_offload`."""
+
+_MARGIN = 0.01
+"""A lower choice is taken only if its reloads are predicted to wait less by this share of the
+timed iteration at least (NOTE [Reload room]): it copies more, at costs the model leaves out."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,14 +106,14 @@ def choose_with_reload_ahead(
 
     first, over = fitted(budget_bytes)
     best, target = first, budget_bytes
-    slack = 1e-9 * timing.iteration_s  # rounding, not a tolerance of the model
+    margin = _MARGIN * timing.iteration_s
     for _ in range(_ROUNDS):
         lower = max(first.choice.lowest_peak_bytes, target - over)
         if not first.choice.fits or over <= 0 or lower >= target or best.predicted_wait_s == 0.0:
             break
         target = lower
         candidate, over = fitted(target)
-        if candidate.predicted_wait_s + slack < best.predicted_wait_s:
+        if candidate.predicted_wait_s + margin < best.predicted_wait_s:
             best = candidate
     return dataclasses.replace(best, budget_choice_wait_s=first.predicted_wait_s)
 

@@ -88,6 +88,14 @@ def test_cli_compare_writes_three_modes(tmp_path, capsys) -> None:
     assert "losses bit-identical" in printed and "megatron " in printed
 
 
+def test_cli_compare_with_a_budget_writes_four_modes(tmp_path, capsys) -> None:
+    printed, summary = run_cli(capsys, tmp_path / "compare.json", "--pp", "2", "--stage", "0", "--compare", "megatron", "--budget-bytes", "40KiB")
+    assert list(summary["modes"]) == ["none", "chunk_offload", "megatron", "chunk_offload_budget"]
+    under = summary["modes"]["chunk_offload_budget"]
+    assert summary["args"]["budget_bytes"] == under["budget_bytes"] == 40 << 10 and under["grads"] is True
+    assert under["peak_bytes"] <= 40 << 10 and "chunk-offload budget: device budget 0.04 MiB" in printed
+
+
 @pytest.mark.parametrize(
     ("modules", "skip", "line"),
     [
@@ -120,3 +128,57 @@ def test_cli_compare_usage_error(capsys) -> None:
         main(["--pp", "2", "--stage", "0", "--modules", "core_attn", "--compare", "te"])
     assert exit_info.value.code == 2
     assert "argument --compare: invalid choice: 'te'" in capsys.readouterr().err
+
+
+def test_budget_mode_trains_under_the_budget_bit_identical() -> None:
+    """``budget_bytes``: a fourth build trains under the device budget (halfway between the
+    stage's peaks without offload and with the default offload): its peak stays within the
+    budget, above the default's, with fewer bytes copied, and its grads equal the run without
+    offload; the table and the JSON name the fourth mode."""
+    from chunk_offload.replay.compare import compare_with_megatron
+
+    run = dict(pp_size=2, pp_rank=0, modules="core_attn,qkv_linear", num_microbatches=4, min_offload_bytes=1)
+    plain = compare_with_megatron(_SHAPE, **run, skip_builtin="not needed here")
+    budget = (plain.replay.baseline.peak_bytes + plain.replay.offload.peak_bytes) // 2
+    comparison = compare_with_megatron(_SHAPE, **run, budget_bytes=budget)
+    modes = comparison.summary()["modes"]
+    assert list(modes) == ["none", "chunk_offload", "megatron", "chunk_offload_budget"]
+    under = modes["chunk_offload_budget"]
+    assert under["budget_bytes"] == budget and under["budget_fits"] is True and under["grads"] is True
+    assert modes["chunk_offload"]["peak_bytes"] < under["peak_bytes"] <= budget < modes["none"]["peak_bytes"]
+    assert 0 < under["bytes_offloaded"] < modes["chunk_offload"]["bytes_offloaded"]
+    assert under["drop_bytes"] == modes["none"]["peak_bytes"] - under["peak_bytes"] and under["R"] == 1.0
+    assert sum(under["offloaded_groups"].values()) > 0
+    table = comparison.format()
+    assert "chunk-offload budget" in table.splitlines()[1]
+    assert f"chunk-offload budget: device budget {budget / (1 << 20):.2f} MiB, predicted to fit, measured peak within it" in table
+
+
+def test_budget_at_megatrons_peak_is_skipped_without_one() -> None:
+    """On CPU megatron's path has no peak: the budget mode at its peak says so in one line, and the rest runs."""
+    from chunk_offload.replay.compare import compare_with_megatron
+
+    comparison = compare_with_megatron(
+        _SHAPE, pp_size=2, pp_rank=0, modules="core_attn", num_microbatches=4, min_offload_bytes=1, budget_bytes="megatron"
+    )
+    reason = "megatron's peak is the budget, and megatron's path has no peak on CPU (no device allocator)"
+    assert comparison.budget is None and comparison.summary()["modes"]["chunk_offload_budget"] == {"skipped": reason}
+    assert f"chunk-offload budget: skipped: {reason}" in comparison.format().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget-bytes", "1MiB"], "--budget-bytes 1048576 is a column of the comparison: add --compare megatron"),
+        (["--compare", "megatron", "--budget-bytes", "lots"], "argument --budget-bytes: expected a byte count >= 0 such as 1048576 or 1MiB"),
+        (["--compare", "megatron", "--budget-bytes", "megatron"], "--budget-bytes megatron needs CUDA: megatron's path has no measured peak on CPU"),
+    ],
+    ids=["without_compare", "not_bytes", "megatron_on_cpu"],
+)
+def test_cli_budget_usage_errors(capsys, args: list[str], message: str) -> None:
+    from chunk_offload.replay.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--pp", "2", "--stage", "0", "--modules", "core_attn", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
