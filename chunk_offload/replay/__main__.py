@@ -26,6 +26,7 @@ and the combinations `chunk_offload.module_names.combination_problem` refuses (e
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         recompute_granularity="selective" if args.recompute_modules else None,
         recompute_modules=tuple(args.recompute_modules) if args.recompute_modules else None,
     )
-    streams = None
+    make_streams = None  # each run's manager closes its streams: one set per run
     to_host = args.d2h_gbps if args.d2h_gbps is not None else args.link_gbps
     back = args.h2d_gbps if args.h2d_gbps is not None else args.link_gbps
     if to_host is not None or back is not None:
@@ -221,23 +222,23 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("--link-gbps, --d2h-gbps and --h2d-gbps simulate a link on CPU copy streams; ignored on CUDA")
         else:
             rates = [None if r is None else r * 1e9 for r in (to_host, back)]
-            streams = CpuStreams(link_bytes_per_s=rates[0], reload_link_bytes_per_s=rates[1])
+            make_streams = functools.partial(CpuStreams, link_bytes_per_s=rates[0], reload_link_bytes_per_s=rates[1])
     common = dict(
         modules=args.modules,
         num_microbatches=args.microbatches,
         iterations=args.iterations,
         warmup=args.warmup,
-        streams=streams,
         min_offload_bytes=args.min_offload_bytes,
     )
     try:
         if args.compare == "megatron":
             result = compare_with_megatron(
-                shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, budget_bytes=args.budget_bytes, **common
-            )
+                shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, budget_bytes=args.budget_bytes,
+                streams=make_streams, **common,
+            )  # fmt: skip
         else:
             with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
-                result = replay(stage, **common)
+                result = replay(stage, streams=None if make_streams is None else make_streams(), **common)
     except torch.OutOfMemoryError as e:
         print(f"out of device memory: {e}", file=sys.stderr)
         return EXIT_OUT_OF_MEMORY

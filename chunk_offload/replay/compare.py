@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -169,7 +169,7 @@ class Comparison:
                 f"chunk-offload budget: device budget {mib(budget['budget_bytes'])} MiB"
                 + (" (megatron's peak)" if self.budget_is_megatron_peak else "")
                 + f", {'predicted to fit' if budget['budget_fits'] else 'out of reach (predicted)'}, measured peak "
-                + (f"within it ({over / _MIB:.2f} MiB)" if over <= 0 else f"{over / _MIB:.2f} MiB over it")
+                + f"{mib(budget['peak_bytes'])} MiB ({abs(over) / _MIB:.2f} MiB {'under' if over <= 0 else 'over'} it)"
                 + "; groups copied: "
                 + (", ".join(f"{name} {count}" for name, count in budget["offloaded_groups"].items()) or "none")
             )
@@ -199,7 +199,7 @@ def compare_with_megatron(
     warmup: int = 1,
     seed: int = 1234,
     min_offload_bytes: int = 1 << 20,
-    streams: StreamBackend | None = None,
+    streams: Callable[[], StreamBackend] | None = None,
     skip_builtin: str | None = None,
     budget_bytes: int | Literal["megatron"] | None = None,
     timed_reload_ahead: bool = True,
@@ -210,7 +210,8 @@ def compare_with_megatron(
     ``budget_bytes``: also run chunk-offload under this device budget, as training does
     (`replay_under_budget`, with ``timed_reload_ahead``); ``"megatron"``: megatron's measured
     peak (where megatron's path has none, skipped or on CPU, `Comparison.budget_skipped` says so).
-    ``streams`` go to chunk-offload only; the other arguments are `replay`'s and `megatron_stage`'s.
+    ``streams``: makes the copy streams of each chunk-offload run (its manager closes them; None:
+    the device's default). The other arguments are `replay`'s and `megatron_stage`'s.
     """
     import megatron.core
 
@@ -224,7 +225,7 @@ def compare_with_megatron(
             num_microbatches=num_microbatches,
             iterations=iterations,
             warmup=warmup,
-            streams=streams,
+            streams=None if streams is None else streams(),
             min_offload_bytes=min_offload_bytes,
             keep_tensors=True,
         )
@@ -261,7 +262,7 @@ def compare_with_megatron(
             timed_reload_ahead=timed_reload_ahead,
             iterations=iterations,
             warmup=warmup,
-            streams=streams,
+            streams=None if streams is None else streams(),
             min_offload_bytes=min_offload_bytes,
             keep_tensors=True,
         )
