@@ -240,12 +240,12 @@ class Budgets:
             return self._fit_reload_ahead(plan, timing, pp_rank=pp_rank)
         self._key = key
         self.chunk_reload_ahead = {}
-        made_for = None
+        timed = None
         if self.timed_reload_ahead and timing is not None:
             timed = choose_with_reload_ahead(
                 plan, sizes, budget, timing, kept_bytes=self._kept_bytes, shared=self._shared, prefetch_bytes=self.plan_budgets["prefetch_bytes"]
             )
-            self.choice, made_for = timed.choice, timed
+            self.choice = timed.choice
         else:
             self.choice = choose_offload(
                 plan, sizes, budget, timing=timing, kept_bytes=self._kept_bytes, shared=self._shared, **self.plan_budgets
@@ -261,11 +261,11 @@ class Budgets:
         given = f"auto (levelled to {self.leveled_budget} bytes)" if self.device_budget == "auto" else f"{self.device_budget} bytes"
         exposed = self.choice.exposed_s
         lower = ""
-        if made_for is not None and made_for.made_for_bytes != budget:
+        if timed is not None and timed.made_for_bytes != budget:
             lower = (
-                f", chosen for {made_for.made_for_bytes} bytes to leave room for reloading ahead (NOTE [Reload room]): "
-                f"{made_for.predicted_wait_s * 1e3:.1f} ms of reload waits predicted against "
-                f"{made_for.budget_choice_wait_s * 1e3:.1f} ms for the choice made for the budget"
+                f", chosen for {timed.made_for_bytes} bytes to leave room for reloading ahead (NOTE [Reload room]): "
+                f"{timed.predicted_wait_s * 1e3:.1f} ms of reload waits predicted against "
+                f"{timed.budget_choice_wait_s * 1e3:.1f} ms for the choice made for the budget"
             )
         logger.info(
             "chunk_offload: rank %d (pipeline rank %d): device budget %s, activation budget %d bytes, predicted peak %d, "
@@ -273,8 +273,8 @@ class Budgets:
             _global_rank(), pp_rank, given, budget, self.choice.predicted_peak_bytes, self.choice.bytes_offloaded,
             "" if exposed is None else f", {exposed * 1e3:.1f} ms of copies not hidden by compute (predicted)", lower,
         )  # fmt: skip
-        if made_for is not None:
-            self._use_reload_ahead(dict(made_for.chunk_reload_ahead), pp_rank=pp_rank)
+        if timed is not None:
+            self._use_reload_ahead(dict(timed.chunk_reload_ahead), pp_rank=pp_rank)
             return self.policy(plan)
         return self._fit_reload_ahead(plan, timing, pp_rank=pp_rank) or self.policy(plan)
 

@@ -12,12 +12,11 @@ copy more, keep less on device, and so leave room under the real budget. Each is
 the real budget and the one whose backwards are predicted to wait least on reloads is taken
 (`PlanPolicy.predicted_reload_waits`), if it waits less by 1% of the timed iteration at least
 (on CPU streams without a simulated link, timings are the host's noise), else the choice made
-for the budget itself. The
-comparison is of reload waits alone: the copies to host are issued at each group's commit and
-overlap the forward of the groups after it, which the model does not weigh. A chunk whose whole
-timed budget does not fit reloads ahead what its backward's room allows (the budget bounds the
-bytes reloaded ahead, so the peak there rises by at most that much), where that waits less than
-one group ahead. Cost on the 70B-like plan of NOTE [Budget choice]: one `choose_offload` where
+for the budget itself. The comparison is of reload waits alone: the copies to host are issued
+at each group's commit and overlap the forward of the groups after it, which the model does not
+weigh. A chunk whose whole timed budget does not fit reloads ahead what its backward's room
+allows (the budget bounds the bytes reloaded ahead, so the peak there rises by at most that
+much), where that waits less than one group ahead. Cost on the 70B-like plan of NOTE [Budget choice]: one `choose_offload` where
 the choice made for the budget waits least or leaves its chunks room, up to five where every
 lower one is tried (1.4 to 6.6 s of CPU).
 """
@@ -76,8 +75,10 @@ def fit_reload_ahead(
 
     More bytes ahead may raise the peak during a chunk's own backward only (the same reloads end
     no later, and no other chunk's reloads change). So one `simulate` with every chunk's budget
-    shows which chunks' backwards still fit: those keep theirs. A second checks the result; were
-    it over (a plan the argument misses), chunks are tried one at a time in backward order.
+    shows which chunks' backwards still fit: those keep theirs, and the others get what their
+    backward's room allows where that waits less (NOTE [Reload room]). A second checks the
+    result; were it over (a plan the argument misses), chunks are tried one at a time in
+    backward order.
     """
     return _fit(choice, plan, group_bytes, timing, prefetch_bytes=prefetch_bytes, kept_bytes=kept_bytes)[0]
 
@@ -123,46 +124,63 @@ def _fit(
 ) -> tuple[dict[tuple[int, int], int], int]:
     """`fit_reload_ahead`, and the bytes by which every chunk's timed budget together would
     exceed the limit (<= 0: none does)."""
-    lookup = _lookup(group_bytes)
-    sizes = {chunk: lookup(*chunk) for chunk in plan.chunks}
-    timed = PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes).reload_ahead_from(sizes, timing)
-    limit = max(choice.budget_bytes, choice.predicted_peak_bytes)
-
-    def policy_with(budgets: dict[tuple[int, int], int]) -> PlanPolicy:
-        return PlanPolicy(plan, offload_groups=choice, prefetch_bytes=prefetch_bytes, chunk_reload_ahead=budgets)
-
-    def simulated(budgets: dict[tuple[int, int], int]) -> Simulation:
-        return simulate(plan, sizes, policy=policy_with(budgets), kept_bytes=kept_bytes)
-
+    fitter = _Fitter(choice, plan, group_bytes, timing, prefetch_bytes=prefetch_bytes, kept_bytes=kept_bytes)
+    timed = fitter.policy({}).reload_ahead_from(fitter.sizes, timing)
     if not timed:
         return timed, 0
-    every = simulated(timed)
-    over = every.peak_resident_bytes - limit
+    every = fitter.simulated(timed)
+    over = every.peak_resident_bytes - fitter.limit
     if over <= 0:
         return timed, over
-    backward = {chunk: plan.index(ActionKind.BACKWARD, *chunk) for chunk in timed}
     peaks = _step_peaks(every.timeline_with)
-    fitted = {chunk: nbytes for chunk, nbytes in timed.items() if peaks.get(backward[chunk], 0) <= limit}
-    check = simulated(fitted)
-    if check.peak_resident_bytes <= limit:
-        # The others reload ahead what their backward's room allows: at most that much more is resident there.
-        peaks = _step_peaks(check.timeline_with)
-        room = {chunk: min(timed[chunk], limit - peaks.get(backward[chunk], limit)) for chunk in timed if chunk not in fitted}
-        partial = {chunk: nbytes for chunk, nbytes in room.items() if nbytes > 0}
-        if partial:  # kept only where it waits less than one group ahead
-            before = policy_with(fitted).predicted_reload_waits(sizes, timing)
-            after = policy_with({**fitted, **partial}).predicted_reload_waits(sizes, timing)
-            partial = {chunk: nbytes for chunk, nbytes in partial.items() if after[chunk] < before[chunk]}
-        if partial and simulated({**fitted, **partial}).peak_resident_bytes <= limit:
-            return {**fitted, **partial}, over
-        return fitted, over
+    fitted = {chunk: nbytes for chunk, nbytes in timed.items() if peaks.get(fitter.backward[chunk], 0) <= fitter.limit}
+    check = fitter.simulated(fitted)
+    if check.peak_resident_bytes <= fitter.limit:
+        return fitter.with_room(fitted, timed, check), over
     fitted = {}
     for action in plan.actions:
         if action.kind is ActionKind.BACKWARD and action.chunk in timed:
             trial = {**fitted, action.chunk: timed[action.chunk]}
-            if simulated(trial).peak_resident_bytes <= limit:
+            if fitter.simulated(trial).peak_resident_bytes <= fitter.limit:
                 fitted = trial
     return fitted, over
+
+
+class _Fitter:
+    """One choice's reload-ahead budgets under its limit: the policies and simulations `_fit` compares."""
+
+    def __init__(
+        self, choice: OffloadChoice, plan: Plan, group_bytes: GroupBytes, timing: CopyTiming, *, prefetch_bytes: int | None, kept_bytes: GroupBytes | None
+    ) -> None:
+        lookup = _lookup(group_bytes)
+        self.choice, self.plan, self.timing = choice, plan, timing
+        self.prefetch_bytes, self.kept_bytes = prefetch_bytes, kept_bytes
+        self.sizes = {chunk: lookup(*chunk) for chunk in plan.chunks}
+        self.limit = max(choice.budget_bytes, choice.predicted_peak_bytes)
+        """The peak the budgets may reach: the budget, or for a budget out of reach the choice's peak."""
+        self.backward = {chunk: plan.index(ActionKind.BACKWARD, *chunk) for chunk in plan.chunks}
+
+    def policy(self, budgets: dict[tuple[int, int], int]) -> PlanPolicy:
+        return PlanPolicy(self.plan, offload_groups=self.choice, prefetch_bytes=self.prefetch_bytes, chunk_reload_ahead=budgets)
+
+    def simulated(self, budgets: dict[tuple[int, int], int]) -> Simulation:
+        return simulate(self.plan, self.sizes, policy=self.policy(budgets), kept_bytes=self.kept_bytes)
+
+    def with_room(self, fitted: dict[tuple[int, int], int], timed: dict[tuple[int, int], int], check: Simulation) -> dict[tuple[int, int], int]:
+        """``fitted`` (within the limit, as ``check`` simulated it), and for the other chunks of
+        ``timed`` the bytes their backward's room allows, where that waits less than one group
+        ahead: a budget bounds the bytes reloaded ahead, so the peak there rises by at most that much."""
+        peaks = _step_peaks(check.timeline_with)
+        room = {chunk: min(nbytes, self.limit - peaks.get(self.backward[chunk], self.limit)) for chunk, nbytes in timed.items() if chunk not in fitted}
+        partial = {chunk: nbytes for chunk, nbytes in room.items() if nbytes > 0}
+        if not partial:
+            return fitted
+        before = self.policy(fitted).predicted_reload_waits(self.sizes, self.timing)
+        after = self.policy({**fitted, **partial}).predicted_reload_waits(self.sizes, self.timing)
+        partial = {chunk: nbytes for chunk, nbytes in partial.items() if after[chunk] < before[chunk]}
+        if partial and self.simulated({**fitted, **partial}).peak_resident_bytes <= self.limit:
+            return {**fitted, **partial}
+        return fitted
 
 
 def _step_peaks(timeline: Sequence[tuple[int, int]]) -> dict[int, int]:

@@ -234,13 +234,13 @@ def test_timed_reload_ahead_under_a_budget_keeps_the_choices_peak(timed: bool, c
 
 
 @pytest.mark.parametrize("pp_size", [2, 1], ids=["stage0_of_pp2", "pp1"])
-def test_timed_reload_ahead_under_a_budget_waits_less_within_it(pp_size: int) -> None:
+def test_timed_reload_ahead_under_a_budget_waits_less_within_it(pp_size: int, caplog) -> None:
     """Stage 0 of PP=2, and PP=1, 4 microbatches, on a slow reload link (`tests._slow_link`),
     under a budget halfway between the lowest peak and the baseline's: a baseline, then `Budgets`
     decides after each iteration as the integrations do. With ``timed_reload_ahead`` the last
-    iteration reloads ahead where the peak allows, on a choice that leaves room for it (NOTE
-    [Reload room]: at PP=1 the choice made for the budget leaves none): it peaks where its
-    policy predicts, within the budget, compute waits less than one group ahead, and losses and
+    iteration reloads ahead where the peak allows, on a choice made for a lower budget that
+    leaves room for it (NOTE [Reload room]; the log says so once): it peaks where its policy
+    predicts, within the budget, compute waits less than one group ahead, and losses and
     gradients are those of training without offload."""
     plan = megatron_plan(pp_size=pp_size, pp_rank=0, num_microbatches=4)
     run = dict(inputs=[torch.linspace(-1.0, 1.0, UNIT) + m for m in range(4)], order=plan.actions, iterations=3, lr=0.01)
@@ -262,11 +262,15 @@ def test_timed_reload_ahead_under_a_budget_waits_less_within_it(pp_size: int) ->
             if policy is not None:
                 manager.schedule_policy = policy
 
+        caplog.clear()
         try:
-            result = drive(model, manager=manager, offload=lambda it: it > 0, hooks=Hooks(after_iteration=after), **run)
+            with caplog.at_level(logging.INFO, logger="chunk_offload.integrations.budgets"):
+                result = drive(model, manager=manager, offload=lambda it: it > 0, hooks=Hooks(after_iteration=after), **run)
         finally:
             manager.close()
         assert_identical(reference, result)
+        lower = [r.getMessage() for r in caplog.records if "to leave room for reloading ahead (NOTE [Reload room])" in r.getMessage()]
+        assert len(lower) == timed  # logged once, when the first timing made the choice again
         runs[timed] = (budgets, records[-1])
     (one_ahead, plain), (timed, fitted) = runs[False], runs[True]
     assert one_ahead.chunk_reload_ahead == {} and timed.chunk_reload_ahead
