@@ -1,6 +1,6 @@
 """Development infrastructure: run megatron-core where there is no GPU, and build small GPT models.
 
-Not part of the offload engine. Four modules, each imported explicitly (importing megatron-core
+Not part of the offload engine. Five modules, each imported explicitly (importing megatron-core
 is slow, so nothing here is imported by ``chunk_offload`` itself):
 
 - `chunk_offload.devkit.cpu_compat`: named, reversible rules that redirect megatron-core's CUDA
@@ -11,7 +11,9 @@ is slow, so nothing here is imported by ``chunk_offload`` itself):
 - `chunk_offload.devkit.gpt`: the small megatron-core GPT builder shared by the example, the
   stage replay, the planner's measurements and the tests;
 - `chunk_offload.devkit.attention`: a flash-style core attention for megatron-core on torch's
-  ``scaled_dot_product_attention`` (the builder's ``attention="sdpa"``).
+  ``scaled_dot_product_attention`` (the builder's ``attention="sdpa"``);
+- `chunk_offload.devkit.slow_link`: a chain of groups whose backward compute and reload link take
+  real (slept) time, so that waits on reloads are measured on CPU streams.
 """
 
 __all__: list[str] = []

@@ -24,7 +24,7 @@ from chunk_offload.integrations.pipelining import attach as pipelining_attach
 from chunk_offload.integrations.plan_tracking import PlanTracking
 from chunk_offload.schedule import Plan, PlanPolicy, budget_exceeded_message, choose_offload, megatron_plan, simulate
 from tests._driver import Hooks, assert_identical, drive
-from tests._slow_link import LAYOUT, UNIT, chain, register, slow_streams
+from chunk_offload.devkit.slow_link import LAYOUT, UNIT, chain, register, slow_streams
 
 ATTACHES = {"megatron": lambda **kw: megatron_attach(nn.Linear(2, 2), "core_attn", **kw), "pipelining": lambda **kw: pipelining_attach(object(), ["x"], **kw)}
 

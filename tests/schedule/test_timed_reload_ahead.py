@@ -13,7 +13,7 @@ from chunk_offload import OffloadConfig, OffloadManager
 from chunk_offload.core import ChunkKey
 from chunk_offload.schedule import CopyTiming, PlanPolicy, megatron_plan, simulate
 from tests._driver import Hooks, assert_identical, drive
-from tests._slow_link import LAYOUT, UNIT, chain, register, slow_streams
+from chunk_offload.devkit.slow_link import LAYOUT, UNIT, chain, register, slow_streams
 from tests.schedule._train import train_plan
 
 

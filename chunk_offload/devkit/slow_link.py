@@ -1,6 +1,7 @@
 """A chain of groups whose backward compute and reload link take real (slept) time, for the
-timed reload-ahead tests (tests/schedule, tests/integrations): which budget waits less is then
-measured on CPU streams, not only predicted."""
+timed reload-ahead tests (tests/schedule, tests/integrations) and ``bench/budget_reload.py``:
+which reload-ahead budget, or which device-budget choice, waits less is then measured on CPU
+streams, not only predicted."""
 
 from __future__ import annotations
 
