@@ -305,6 +305,7 @@ CLIS: dict[str, Cli] = {
     ),
     "-m chunk_offload.megatron_lm": Cli("parse", _launcher_preflight, needs="megatron", named_alone=True),
     "bench/bandwidth.py": Cli("run", outputs=("--json",)),
+    "bench/budget_reload.py": Cli("parse"),  # slept compute: tests/bench/test_budget_reload.py runs one configuration
     "bench/host_pool.py": Cli("shrink", shrink={"--iterations": "2"}),
     "bench/megatron_compare.py": Cli(
         "shrink", outputs=("--json",), needs="megatron",
