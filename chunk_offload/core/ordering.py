@@ -29,10 +29,13 @@ NOTE [Timed reload ahead]
 each group's backward seconds, on a model of the link queue. Backward runs the groups from the
 last; when group g's backward starts, its own reload is issued if it is still on host, then the
 reloads `reload_ahead_selection` picks under the budget; reloads run one at a time on one h2d
-stream, in issue order, each taking bytes / rate; compute waits at g's start until g's reload
-ends, then computes ``backward_s[g]``. Groups not on host when backward starts (kept, empty, or
-reloading from a prefetch during the action before) are on device at once. A larger budget only
-issues the same reloads, in the same order, earlier, so the predicted wait never grows with it.
+stream, in issue order, each taking bytes / rate and starting no earlier than its group's copy
+to host ended (``on_host_at_s``: where a chunk's backward follows its forward at once, the last
+copies to host may still run when it starts; the reload stream waits for them, and the reloads
+queued behind them wait too); compute waits at g's start until g's reload ends, then computes
+``backward_s[g]``. Groups not on host when backward starts (kept, empty, or reloading from a
+prefetch during the action before) are on device at once. A larger budget only issues the same
+reloads, in the same order, earlier, so the predicted wait never grows with it.
 The answer is the smallest budget whose wait is the least any budget reaches (none, where the
 link keeps up): each group's reload starts early enough to end before its backward needs it,
 and no earlier. The rule's choice changes only at sums of consecutive groups' bytes, so those
@@ -128,27 +131,32 @@ def kept_tail(
 
 
 def reload_ahead_budget(
-    groups: Sequence[tuple[GroupState, int]], *, reload_bytes_per_s: float, backward_s: Sequence[float]
+    groups: Sequence[tuple[GroupState, int]],
+    *,
+    reload_bytes_per_s: float,
+    backward_s: Sequence[float],
+    on_host_at_s: Sequence[float] | None = None,
 ) -> int | None:
     """The smallest ``reload_ahead_bytes`` under which a chunk's reloads wait least (NOTE [Timed reload ahead]).
 
     ``groups``: the chunk's groups in forward order as they are when its backward starts;
     ``reload_bytes_per_s``: the host-to-device link rate; ``backward_s``: each group's backward
-    compute seconds. None where one group ahead already waits least.
+    compute seconds; ``on_host_at_s``: per group, the seconds after the backward's start at which
+    its copy to host ends (<= 0 or None: done before). None where one group ahead already waits least.
     """
-    _check_model(groups, reload_bytes_per_s, backward_s)
+    lag = _check_model(groups, reload_bytes_per_s, backward_s, on_host_at_s)
     prefix = [0]
     for state, nbytes in groups:  # the bytes the rule counts: on host, or already reloading
         prefix.append(prefix[-1] + (nbytes if state in (GroupState.ON_HOST, *_LOADED) else 0))
-    least = _predicted_wait(groups, prefix[-1], reload_bytes_per_s, backward_s)  # every reload as early as the rule allows
-    slack = 1e-9 * (sum(backward_s) + prefix[-1] / reload_bytes_per_s)  # rounding, not a tolerance of the model
-    if _predicted_wait(groups, None, reload_bytes_per_s, backward_s) <= least + slack:
+    least = _predicted_wait(groups, prefix[-1], reload_bytes_per_s, backward_s, lag)  # every reload as early as the rule allows
+    slack = 1e-9 * (sum(backward_s) + prefix[-1] / reload_bytes_per_s + max(lag))  # rounding, not a tolerance of the model
+    if _predicted_wait(groups, None, reload_bytes_per_s, backward_s, lag) <= least + slack:
         return None
     sums = sorted({prefix[k] - prefix[j] for k in range(len(prefix)) for j in range(k) if prefix[k] > prefix[j]})
     lo, hi = 0, len(sums) - 1  # sums[hi] == prefix[-1] reaches `least`
     while lo < hi:
         mid = (lo + hi) // 2
-        if _predicted_wait(groups, sums[mid], reload_bytes_per_s, backward_s) <= least + slack:
+        if _predicted_wait(groups, sums[mid], reload_bytes_per_s, backward_s, lag) <= least + slack:
             hi = mid
         else:
             lo = mid + 1
@@ -156,30 +164,46 @@ def reload_ahead_budget(
 
 
 def predicted_reload_wait(
-    groups: Sequence[tuple[GroupState, int]], budget_bytes: int | None, *, reload_bytes_per_s: float, backward_s: Sequence[float]
+    groups: Sequence[tuple[GroupState, int]],
+    budget_bytes: int | None,
+    *,
+    reload_bytes_per_s: float,
+    backward_s: Sequence[float],
+    on_host_at_s: Sequence[float] | None = None,
 ) -> float:
     """Seconds compute waits on reloads in a chunk's backward under ``budget_bytes`` of reload
     ahead (None: one group ahead), on the model of NOTE [Timed reload ahead]; arguments as
     `reload_ahead_budget` takes them."""
-    _check_model(groups, reload_bytes_per_s, backward_s)
-    return _predicted_wait(groups, budget_bytes, reload_bytes_per_s, backward_s)
+    lag = _check_model(groups, reload_bytes_per_s, backward_s, on_host_at_s)
+    return _predicted_wait(groups, budget_bytes, reload_bytes_per_s, backward_s, lag)
 
 
-def _check_model(groups: Sequence[tuple[GroupState, int]], rate: float, backward_s: Sequence[float]) -> None:
+def _check_model(
+    groups: Sequence[tuple[GroupState, int]], rate: float, backward_s: Sequence[float], on_host_at_s: Sequence[float] | None
+) -> list[float]:
+    """Raise on inputs the model cannot take; each group's time on host after the backward's start (>= 0)."""
     if len(backward_s) != len(groups):
         raise ChunkOffloadError(f"chunk_offload: backward_s has {len(backward_s)} entries for {len(groups)} groups; give one per group")
     if not rate > 0:
         raise ChunkOffloadError(f"chunk_offload: reload_bytes_per_s must be > 0, got {rate!r}")
+    if on_host_at_s is None:
+        return [0.0] * len(groups)
+    if len(on_host_at_s) != len(groups):
+        raise ChunkOffloadError(f"chunk_offload: on_host_at_s has {len(on_host_at_s)} entries for {len(groups)} groups; give one per group")
+    return [max(0.0, float(t)) for t in on_host_at_s]
 
 
-def _predicted_wait(groups: Sequence[tuple[GroupState, int]], budget: int | None, rate: float, backward_s: Sequence[float]) -> float:
+def _predicted_wait(
+    groups: Sequence[tuple[GroupState, int]], budget: int | None, rate: float, backward_s: Sequence[float], on_host_at: Sequence[float]
+) -> float:
     pairs = list(groups)
     arrival = [0.0] * len(pairs)
     now = link = waited = 0.0
     for g in reversed(range(len(pairs))):
         issued = [g] if pairs[g][0] is GroupState.ON_HOST else []
         for i in issued + reload_ahead_selection(pairs, g, budget):  # the rule's issue order, as the engine's
-            link = max(link, now) + pairs[i][1] / rate
+            # The reload stream waits for the group's copy to host (R4), holding the reloads behind it.
+            link = max(link, now, on_host_at[i]) + pairs[i][1] / rate
             arrival[i] = link
             pairs[i] = (GroupState.RELOADING, pairs[i][1])
         if arrival[g] > now:

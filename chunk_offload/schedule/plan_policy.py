@@ -34,7 +34,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from ..core.errors import ChunkOffloadError
 from ..core.option_table import check_value, option
@@ -178,10 +178,10 @@ class PlanPolicy(SchedulePolicy):
         """Each offloaded chunk's reload-ahead budget from ``timing`` where one group ahead would wait
         (NOTE [Timed reload ahead]) under this policy's decisions (`_backward_models`)."""
         budgets = {}
-        for chunk, groups, rate, seconds in self._backward_models(group_bytes, timing):
-            budget = reload_ahead_budget(groups, reload_bytes_per_s=rate, backward_s=seconds)
+        for model in self._backward_models(group_bytes, timing):
+            budget = reload_ahead_budget(model.groups, reload_bytes_per_s=model.rate, backward_s=model.backward_s, on_host_at_s=model.on_host_at_s)
             if budget is not None:
-                budgets[chunk] = budget
+                budgets[model.chunk] = budget
         return budgets
 
     def predicted_reload_waits(self, group_bytes: GroupBytes, timing: "CopyTiming") -> dict[tuple[int, int], float]:
@@ -189,16 +189,15 @@ class PlanPolicy(SchedulePolicy):
         under its reload-ahead budget, on the model of NOTE [Timed reload ahead]
         (`chunk_offload.core.predicted_reload_wait`)."""
         return {
-            chunk: predicted_reload_wait(groups, self.reload_ahead_bytes(ChunkKey(*chunk)), reload_bytes_per_s=rate, backward_s=seconds)
-            for chunk, groups, rate, seconds in self._backward_models(group_bytes, timing)
+            model.chunk: predicted_reload_wait(
+                model.groups, self.reload_ahead_bytes(ChunkKey(*model.chunk)), reload_bytes_per_s=model.rate,
+                backward_s=model.backward_s, on_host_at_s=model.on_host_at_s,
+            )  # fmt: skip
+            for model in self._backward_models(group_bytes, timing)
         }
 
-    def _backward_models(
-        self, group_bytes: GroupBytes, timing: "CopyTiming"
-    ) -> Iterator[tuple[tuple[int, int], list[tuple[GroupState, int]], float, list[float]]]:
-        """Per offloaded chunk whose groups ``group_bytes`` knows: (chunk, its groups as its
-        backward finds them (copied ones on host, a prefetch during the action before
-        reloading), the link rate back, its groups' backward seconds)."""
+    def _backward_models(self, group_bytes: GroupBytes, timing: "CopyTiming") -> Iterator["_BackwardModel"]:
+        """Per offloaded chunk whose groups ``group_bytes`` knows, the inputs of NOTE [Timed reload ahead]'s model."""
         lookup = _lookup(group_bytes)
         rate = timing.bytes_per_s if timing.reload_bytes_per_s is None else timing.reload_bytes_per_s
         for chunk in self.plan.chunks:
@@ -212,7 +211,8 @@ class PlanPolicy(SchedulePolicy):
             groups = [(_state_at_backward(nbytes, self.offload_group(key, g)), nbytes) for g, nbytes in enumerate(sizes)]
             for g in self._prefetched(chunk, groups):
                 groups[g] = (GroupState.RELOADING, sizes[g])
-            yield chunk, groups, rate, _group_seconds(self.plan, timing, chunk, sizes, since=ActionKind.BACKWARD)
+            seconds = _group_seconds(self.plan, timing, chunk, sizes, since=ActionKind.BACKWARD)
+            yield _BackwardModel(chunk, groups, rate, seconds, _on_host_at(self.plan, timing, chunk, groups))
 
     def _prefetched(self, chunk: tuple[int, int], groups: list[tuple[GroupState, int]]) -> list[int]:
         """The groups of ``chunk`` this policy prefetches during the action before its backward
@@ -237,6 +237,47 @@ def _copied_heads(plan: Plan, chunks: list[tuple[int, int]], group_bytes: GroupB
             compute = _group_seconds(plan, timing, chunk, sizes, since=ActionKind.FORWARD)
         heads[chunk] = len(sizes) - kept_tail(sizes, bytes_per_s=rate, compute_s=compute, reload_bytes_per_s=back)
     return heads
+
+
+class _BackwardModel(NamedTuple):
+    """One chunk's inputs of NOTE [Timed reload ahead]'s model."""
+
+    chunk: tuple[int, int]
+    groups: list[tuple[GroupState, int]]
+    """Its groups as its backward finds them: copied ones on host, a prefetch during the action before reloading."""
+    rate: float
+    """The link rate back."""
+    backward_s: list[float]
+    """Its groups' backward seconds."""
+    on_host_at_s: list[float] | None
+    """Per group, seconds after the backward's start at which its copy to host ends (`_on_host_at`)."""
+
+
+def _on_host_at(plan: Plan, timing: "CopyTiming", chunk: tuple[int, int], groups: list[tuple[GroupState, int]]) -> list[float] | None:
+    """Where ``chunk``'s backward follows its forward at once: per group, the seconds after the
+    backward's start at which its copy to host ends (NOTE [Timed reload ahead]); None elsewhere,
+    where other actions run between them (the chunk-level link queue, NOTE [Link queue], weighs those).
+
+    Each copied group's copy enters the link to host at its commit, the forward's measured
+    seconds spread over the groups by bytes (as `_group_seconds` spreads them), after the copies
+    before it, at the measured rate to host. On CPU streams a chunk's forward end waits for its
+    copies (they hold their sources: NOTE [Release by the copy stream] in core/copies.py), so the
+    measured forward already contains them and the model errs towards waiting there; on CUDA the
+    forward does not wait.
+    """
+    forward, backward = plan.index(ActionKind.FORWARD, *chunk), plan.index(ActionKind.BACKWARD, *chunk)
+    if backward != forward + 1:
+        return None
+    span = max(0.0, timing.action_starts_s[backward] - timing.action_starts_s[forward])
+    total = sum(nbytes for _, nbytes in groups)
+    committed = free = 0.0
+    out = []
+    for state, nbytes in groups:
+        committed += span * nbytes / total if total else span / len(groups)
+        if state is GroupState.ON_HOST:
+            free = max(free, committed) + nbytes / timing.bytes_per_s
+        out.append(free - span if state is GroupState.ON_HOST else 0.0)
+    return out
 
 
 def _state_at_backward(nbytes: int, copied: bool) -> GroupState:

@@ -103,3 +103,16 @@ def test_predicted_reload_wait_is_the_models_wait_under_a_budget():
         predicted_reload_wait(groups, None, reload_bytes_per_s=10.0, backward_s=[1.0, 1.0])
     with pytest.raises(ChunkOffloadError, match=r"reload_bytes_per_s must be > 0, got 0.0"):
         predicted_reload_wait(groups, None, reload_bytes_per_s=0.0, backward_s=[1.0] * 3)
+
+
+def test_a_reload_waits_for_its_copy_to_host():
+    """The same groups, the large one's copy to host ending 12 s into the backward: its reload
+    starts then, whatever the budget, and ends at 22 s, 11 s after the small group's backward
+    ended; so one group ahead waits least already. Copies that ended before change nothing."""
+    groups, backward = [(H, 100), (H, 10), (K, 10)], [10.0, 1.0, 10.0]
+    for budget in (None, 110):
+        assert predicted_reload_wait(groups, budget, reload_bytes_per_s=10.0, backward_s=backward, on_host_at_s=[12.0, 0.0, 0.0]) == 11.0
+    assert reload_ahead_budget(groups, reload_bytes_per_s=10.0, backward_s=backward, on_host_at_s=[12.0, 0.0, 0.0]) is None
+    assert reload_ahead_budget(groups, reload_bytes_per_s=10.0, backward_s=backward, on_host_at_s=[-5.0, -1.0, 0.0]) == 110
+    with pytest.raises(ChunkOffloadError, match=r"on_host_at_s has 1 entries for 3 groups; give one per group"):
+        predicted_reload_wait(groups, None, reload_bytes_per_s=10.0, backward_s=backward, on_host_at_s=[1.0])

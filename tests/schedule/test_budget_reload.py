@@ -160,3 +160,21 @@ def test_a_chunk_without_room_for_its_whole_budget_reloads_ahead_what_fits():
     without = {chunk: nbytes for chunk, nbytes in fitted.items() if chunk != (3, 0)}
     waits = [PlanPolicy(PLAN, offload_groups=choice, chunk_reload_ahead=b).predicted_reload_waits(sizes, timing)[(3, 0)] for b in (fitted, without)]
     assert waits[0] < waits[1]
+
+
+def test_a_chunk_whose_backward_follows_at_once_waits_for_its_last_copies_to_host():
+    """PP=1, groups of 100 and 10 bytes, the first copied: its copy to host (100 B/s) starts at
+    its commit, 100/110 of the 1 s forward, and ends 100/110 s into the backward; its reload
+    (1000 B/s) then ends 0.1 s later, while the kept group's backward took 30/110 s of the 3 s.
+    With a link to host ten times faster the copy ends during the forward: no wait."""
+    sizes, choice = {0: [100, 10]}, {chunk: {0} for chunk in PP1.chunks}
+    policy = PlanPolicy(PP1, offload_groups=choice)
+    starts, now = [], 0.0
+    for action in PP1.actions:
+        starts.append(now)
+        now += 3.0 if action.kind is ActionKind.BACKWARD else 1.0
+    slow = CopyTiming(bytes_per_s=100.0, reload_bytes_per_s=1000.0, action_starts_s=starts, iteration_s=now)
+    expected = 100 / 110 + 100 / 100.0 - 1.0 + 100 / 1000.0 - 3.0 * 10 / 110
+    assert policy.predicted_reload_waits(sizes, slow) == pytest.approx({chunk: expected for chunk in PP1.chunks}, rel=1e-12)
+    fast = dataclasses.replace(slow, bytes_per_s=1000.0)
+    assert policy.predicted_reload_waits(sizes, fast) == {chunk: 0.0 for chunk in PP1.chunks}
