@@ -17,7 +17,8 @@
 # took 427 s on an H200 on 2026-11-26 with the sanitizer step cut at 120 s (it runs the parity
 # tests and the PP=1 replay test), before replay_coplan (at most 60 s) and the comparison's timed
 # reload-ahead runs (which replace its fixed 256 MiB ones; the budget runs now reload ahead by
-# timing too, where the budget allows) were added: about 8 to 9 minutes in all. tests/gpu also
+# timing too, where the budget allows) and the replays' fourth build (--budget-bytes megatron,
+# about 20 s each) were added: about 9 minutes in all. tests/gpu also
 # checks that action starts are device times (NOTE [Action times]), which every timed decision
 # reads. A session's device time is 15 minutes, the machine's start included: run them in one call
 # with a wall-clock limit of about 9 minutes; what the finished steps wrote still comes back if
