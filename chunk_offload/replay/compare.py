@@ -18,6 +18,7 @@ the first two modes and n/a for megatron's.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
@@ -218,25 +219,23 @@ def compare_with_megatron(
     if not (budget_bytes is None or budget_bytes == "megatron" or (isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool) and budget_bytes >= 0)):
         raise ChunkOffloadError(f"chunk_offload: budget_bytes must be an int >= 0 (bytes), 'megatron' or None, got {budget_bytes!r}")
     modules = canonical_modules(modules)
-    with megatron_stage(shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed) as stage:
-        result = replay(
-            stage,
-            modules=modules,
-            num_microbatches=num_microbatches,
-            iterations=iterations,
-            warmup=warmup,
+    stage_of = functools.partial(megatron_stage, shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed)
+
+    def chunk_offload_run() -> dict[str, Any]:
+        """What every chunk-offload run takes: its own streams (its manager closes them)."""
+        return dict(
+            modules=modules, iterations=iterations, warmup=warmup, min_offload_bytes=min_offload_bytes, keep_tensors=True,
             streams=None if streams is None else streams(),
-            min_offload_bytes=min_offload_bytes,
-            keep_tensors=True,
-        )
+        )  # fmt: skip
+
+    with stage_of() as stage:
+        result = replay(stage, num_microbatches=num_microbatches, **chunk_offload_run())
     reason = skip_builtin or builtin_unavailable(modules)
     builtin = None
     if reason is None:
         overrides = builtin_config(modules, min_offload_bytes=min_offload_bytes, dtype=shape.dtype)
         try:
-            with megatron_stage(
-                shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed, config_overrides=overrides
-            ) as stage:
+            with stage_of(config_overrides=overrides) as stage:
                 builtin = run_builtin(stage, result.plan, iterations=iterations, warmup=warmup, keep_tensors=True)
         except torch.OutOfMemoryError:
             raise
@@ -253,18 +252,9 @@ def compare_with_megatron(
             )
             return comparison
         budget_bytes, comparison.budget_is_megatron_peak = builtin.peak_bytes, True
-    with megatron_stage(shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed) as stage:
+    with stage_of() as stage:
         comparison.budget = replay_under_budget(
-            stage,
-            modules=modules,
-            plan=result.plan,
-            device_budget_bytes=budget_bytes,
-            timed_reload_ahead=timed_reload_ahead,
-            iterations=iterations,
-            warmup=warmup,
-            streams=None if streams is None else streams(),
-            min_offload_bytes=min_offload_bytes,
-            keep_tensors=True,
+            stage, plan=result.plan, device_budget_bytes=budget_bytes, timed_reload_ahead=timed_reload_ahead, **chunk_offload_run()
         )
     return comparison
 
