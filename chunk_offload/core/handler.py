@@ -92,6 +92,9 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self._states = _GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
+        self.pending: OffloadGroup | None = None
+        """A layer group whose member call ended: the next call of its layer joins it (NOTE [Layer groups] in marks.py)."""
+        self._pending_layer: object = None
         self._unreleased = 0
         self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
@@ -112,8 +115,11 @@ class ChunkOffloadHandler:
         return self._unreleased == 0 and self.current is None
 
     # ------------------------------------------------------------------ named groups
-    def open_group(self, name: str, inputs: Sequence[torch.Tensor] = ()) -> OffloadGroup:
-        """Start collecting the tensors saved by one call of submodule ``name`` on ``inputs``."""
+    def open_group(self, name: str, inputs: Sequence[torch.Tensor] = (), layer: object = None) -> OffloadGroup:
+        """Start collecting the tensors saved by one call of submodule ``name`` on ``inputs``.
+
+        ``layer`` (not None): the call joins the pending group of the same layer, if any (NOTE [Layer groups] in marks.py).
+        """
         if self._forward_ended:
             raise ChunkOffloadError(
                 f"group {name!r} started on the handler of chunk {self.key} after that chunk's forward ended; "
@@ -125,26 +131,51 @@ class ChunkOffloadHandler:
                 f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
                 "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
             )
+        pending = self.pending
+        if pending is not None:
+            if layer is not None and layer is self._pending_layer:
+                self.pending = self._pending_layer = None
+                pending.join(name, inputs)
+                self.current = pending
+                return pending
+            self.commit_pending()
         group = OffloadGroup(self, name, len(self.groups), inputs)
         self.groups.append(group)
         self.current = group
         self._unreleased += 1
         return group
 
-    def commit_group(self, name: str | None = None) -> OffloadGroup:
-        """Close the open group (checking its name) and start its offload."""
+    def commit_group(self, name: str | None = None, layer: object = None) -> OffloadGroup:
+        """Close the open group (checking its name) and start its offload.
+
+        ``layer`` (not None): end the call but leave the group pending, for the next call of ``layer`` to join.
+        """
         group = self.current
         if group is None:
             raise ChunkOffloadError(
                 f"group {name!r} committed in chunk {self.key} but no group is open; "
                 "call group_start before group_commit."
             )
-        if name is not None and name != group.name:
+        if name is not None and name != group.member:
             raise ChunkOffloadError(
-                f"group {name!r} committed while group {group.name!r} is open in chunk {self.key}; "
+                f"group {name!r} committed while group {group.member!r} is open in chunk {self.key}; "
                 "start and commit of one group must use the same name."
             )
         self.current = None
+        if layer is not None:
+            self.pending, self._pending_layer = group, layer
+            return group
+        self._commit(group)
+        return group
+
+    def commit_pending(self) -> None:
+        """Commit the pending layer group, if any: no further call joins it."""
+        group = self.pending
+        if group is not None:
+            self.pending = self._pending_layer = None
+            self._commit(group)
+
+    def _commit(self, group: OffloadGroup) -> None:
         group.commit()
         self._backward_cursor = group.index + 1
         if self._holding:
@@ -155,7 +186,6 @@ class ChunkOffloadHandler:
         elif state is GroupState.KEPT and group.is_empty:
             self._group_released(group)
             group.release_empty()
-        return group
 
     def finish_forward(self) -> None:
         """End of the chunk's forward: release every group's device tensors."""
@@ -164,6 +194,7 @@ class ChunkOffloadHandler:
                 f"chunk {self.key} ended with group {self.current.name!r} still open; every group_start "
                 "needs a group_commit inside the chunk."
             )
+        self.commit_pending()
         self._forward_ended = True
         self._release_held()
         held = self.ctx.held_elsewhere
@@ -239,7 +270,7 @@ class ChunkOffloadHandler:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""
         self.ctx.streams.synchronize()
         self._forward_ended = True
-        self.current = None
+        self.current = self.pending = self._pending_layer = None
         self._holding = []
         for group in self.groups:
             group.discard()

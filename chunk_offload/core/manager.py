@@ -105,13 +105,17 @@ class OffloadManager:
         """What the last iteration that completed did (peaks, traces, bytes per group)."""
 
     # ------------------------------------------------------------------ registration
-    def offload_module(self, module: nn.Module, name: str) -> ModuleOffload:
+    def offload_module(self, module: nn.Module, name: str, *, layer: nn.Module | None = None) -> ModuleOffload:
         """Offload, as one group named ``name``, what each call of ``module`` saves for backward.
 
-        The module's own parameters and buffers are protected. Returns a handle whose
-        ``remove()`` undoes the registration.
+        ``layer``: the layer ``module`` belongs to; with ``OffloadConfig.group_by="layer"`` the
+        calls of one layer's modules form one group (NOTE [Layer groups] in marks.py). The module's
+        own parameters and buffers are protected. Returns a handle whose ``remove()`` undoes the registration.
         """
-        registration = self._registry.add(self, module, name)
+        if layer is not None and not isinstance(layer, nn.Module):
+            raise ChunkOffloadError(f"offload_module(layer=...) needs an nn.Module or None, got {type(layer).__name__}")
+        by_layer = layer if self.config.group_by == "layer" else None
+        registration = self._registry.add(self, module, name, by_layer)
         self.tensor_filter.protect(module)
         return registration
 

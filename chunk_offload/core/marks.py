@@ -23,6 +23,18 @@ input handed back unchanged has its gradient complete only after the group's bac
 several outputs the first complete gradient begins the group's backward. Where autograd drops
 a hook (an output that is a view, modified in place after the group: torch rebuilds the view's
 node), the group's first unpack begins its backward instead (`OffloadGroup.unpack`).
+
+NOTE [Layer groups]
+With ``OffloadConfig.group_by="layer"`` the calls of modules registered with one ``layer``
+(`OffloadManager.offload_module`) that follow one another in a chunk's forward form one group: a
+call's end leaves the group pending (``commit_group(..., layer)``), the next call of the same layer
+joins it, and anything else that opens a group, or the chunk's forward end, commits it first. Each
+call still pushes the saved-tensor hooks only for its own span and hooks its own outputs' gradients,
+so the group saves exactly what the calls would save as groups of their own; what changes is that
+its copies, events and stream switches are issued once per layer (NOTE [CUDA host path]), and its
+reload is one. The group's copy starts when the layer's last offload module returns, not at each
+module's end, so a layer's originals stay on device until then. The budget and the ordering rules
+see one group per layer: they choose and reload whole layers.
 """
 
 from __future__ import annotations
@@ -68,32 +80,36 @@ class GroupMarks:
         self.open(handler, _tensors_of(tensors), name)
         return tensors
 
-    def open(self, handler: ChunkOffloadHandler, inputs: list[torch.Tensor], name: str) -> None:
-        """Open group ``name`` on ``handler`` with input tensors ``inputs`` and push its hooks.
+    def open(self, handler: ChunkOffloadHandler, inputs: list[torch.Tensor], name: str, layer: object = None) -> None:
+        """Open group ``name`` on ``handler`` with input tensors ``inputs`` and push its hooks;
+        ``layer``: join the pending group of that layer (NOTE [Layer groups]).
 
         The caller checked that gradients are enabled and no foreign saved-tensor hook is active.
         """
         # A plain call, no autograd node on the inputs: see NOTE [Group backward hook].
-        group = handler.open_group(name, inputs)
+        group = handler.open_group(name, inputs, layer)
         # The inputs' nodes as they are now: an input modified in place inside the group gets a
         # node of the group, and an output that is that input is then an output the group created.
         group.input_nodes = [node for t in inputs if (node := t.grad_fn) is not None]
         push_saved_tensors_hooks(handler.pack_hook, handler.unpack_hook)
         self._hooks_pushed += 1
 
-    def commit(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str) -> Any:
-        """`OffloadManager.group_commit` on the running chunk's ``handler``; returns ``tensors`` as they are."""
+    def commit(self, handler: ChunkOffloadHandler | None, tensors: Any, name: str, layer: object = None) -> Any:
+        """`OffloadManager.group_commit` on the running chunk's ``handler``; returns ``tensors`` as they are.
+
+        ``layer``: leave the group pending for the layer's next call (NOTE [Layer groups]).
+        """
         if handler is None or not torch.is_grad_enabled():
             return tensors
         if handler.current is None and foreign_saved_tensors_hooks(handler):
             return tensors  # group_start skipped it: another saved-tensor hook owns this region
         group = handler.current
-        if group is None or group.name != name:
+        if group is None or group.member != name:
             handler.commit_group(name)  # raises the precise error
         pop_saved_tensors_hooks()
         self._hooks_pushed -= 1
         inputs, group.input_nodes = group.input_nodes, ()  # no graph refs kept
-        handler.commit_group(name)
+        handler.commit_group(name, layer)
         # NOTE [Group backward hook]: a gradient hook on each output the group created.
         hook = group.on_output_grad
         if type(tensors) is torch.Tensor:  # the common case, without flattening
@@ -132,12 +148,21 @@ class ModuleOffload:
     """
 
     def __init__(
-        self, manager: HandlerSource, module: nn.Module, name: str, *, marks: GroupMarks, on_remove: Callable[["ModuleOffload"], None]
+        self,
+        manager: HandlerSource,
+        module: nn.Module,
+        name: str,
+        *,
+        marks: GroupMarks,
+        on_remove: Callable[["ModuleOffload"], None],
+        layer: object = None,
     ) -> None:
         self._manager = weakref.ref(manager)
         self._marks = marks  # the manager's own: the hooks open and commit through it, without its re-checks
         self.module = module
         self.name = name
+        self.layer = layer
+        """The layer whose calls form one group with this module's (NOTE [Layer groups]); None: its own group."""
         self._on_remove = on_remove
         self._opened = _OpenedStack()  # per thread and nested call: did the pre-hook open a group?
         self._handles = [
@@ -163,7 +188,7 @@ class ModuleOffload:
         values = (*args, *kwargs.values()) if kwargs else args
         inputs = [a for a in values if isinstance(a, torch.Tensor)]
         try:
-            self._marks.open(handler, inputs, self.name)
+            self._marks.open(handler, inputs, self.name, self.layer)
         except BaseException:
             self._opened.stack.append(False)  # the always_call post hook runs next and must not commit
             raise
@@ -174,7 +199,7 @@ class ModuleOffload:
         manager = self._manager()
         if not self._opened.stack.pop() or manager is None:
             return None
-        return self._marks.commit(manager.current_handler, output, self.name)
+        return self._marks.commit(manager.current_handler, output, self.name, self.layer)
 
     def __reduce__(self) -> tuple:
         # The manager (streams, threads, weak references) is not part of the model's state.
@@ -195,6 +220,7 @@ class DetachedOffload:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.layer = None
         self._opened = _OpenedStack()
 
     def __reduce__(self) -> tuple:

@@ -126,6 +126,15 @@ OPTIONS: tuple[Option, ...] = (
         ),
     ),
     Option(
+        "group-by", "choice", "module", "OffloadConfig.group_by",
+        help=(
+            "'module': each call of an offload module is one group; 'layer': the calls of a transformer "
+            "layer's offload modules form one group, copied and reloaded together, which cuts the per-group "
+            "host work (events, stream switches, launches) by the modules per layer (default: {default})."
+        ),
+        choices=("module", "layer"),
+    ),
+    Option(
         "profile-ranges", "switch", False, "OffloadConfig.profile_ranges",
         help=(
             "Name each group's offload, reload and waits in torch.profiler traces (NVTX ranges under nsys on "

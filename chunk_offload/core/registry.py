@@ -24,8 +24,8 @@ class ModuleRegistry:
         self._held_elsewhere = held_elsewhere
         self.registrations: list[ModuleOffload] = []
 
-    def add(self, manager: HandlerSource, module: nn.Module, name: str) -> ModuleOffload:
-        """Register ``module`` as group ``name`` (`OffloadManager.offload_module`); refuse a second registration."""
+    def add(self, manager: HandlerSource, module: nn.Module, name: str, layer: object = None) -> ModuleOffload:
+        """Register ``module`` as group ``name`` of ``layer`` (`OffloadManager.offload_module`); refuse a second registration."""
         check_module("offload_module", module)
         if not isinstance(name, str) or not name:
             raise ChunkOffloadError(f"offload_module needs a non-empty group name, got {name!r}")
@@ -42,7 +42,7 @@ class ModuleRegistry:
             registrations.remove(registration)
             held_elsewhere.clear()
 
-        registration = ModuleOffload(manager, module, name, marks=self._marks, on_remove=removed)
+        registration = ModuleOffload(manager, module, name, marks=self._marks, on_remove=removed, layer=layer)
         registrations.append(registration)
         held_elsewhere.clear()
         return registration

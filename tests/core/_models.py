@@ -129,11 +129,12 @@ def make_stack(layers: int = 2, seed: int = 0) -> nn.Sequential:
 
 
 def register(manager: chunk_offload.OffloadManager, model: nn.Module, kinds: Sequence[str] = MODULE_KINDS) -> None:
-    """Offload the submodules named in ``kinds`` of every block of ``model``."""
+    """Offload the submodules named in ``kinds`` of every block of ``model``, each block their
+    layer (one group per block with ``OffloadConfig.group_by="layer"``)."""
     for block in model.modules():
         if isinstance(block, Block):
             for kind in kinds:
-                manager.offload_module(getattr(block, kind), kind)
+                manager.offload_module(getattr(block, kind), kind, layer=block)
 
 
 def microbatches(count: int, seed: int = 1) -> list[torch.Tensor]:

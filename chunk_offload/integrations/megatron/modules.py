@@ -214,17 +214,20 @@ def _megatron_version() -> str:
 
 
 def offload_submodules(engine: OffloadManager, chunks: Sequence[nn.Module], names: Sequence[str]) -> dict[str, int]:
-    """Protect each chunk's parameters and register the submodules of each name (canonical) with ``engine``.
+    """Protect each chunk's parameters and register the submodules of each name (canonical) with
+    ``engine``, each with its transformer layer (NOTE [Layer groups] in core/marks.py).
 
     Returns name -> submodules registered on this rank; a name matching none is left out, with a warning.
     """
     registered: dict[str, int] = {}
     for chunk in chunks:
         engine.protect_module(chunk)
-        for name in names:
-            for module in resolve(chunk, name):
-                engine.offload_module(module, name)
-                registered[name] = registered.get(name, 0) + 1
+        for layer in transformer_layers(chunk):  # each layer's modules: one group with OffloadConfig.group_by="layer"
+            for name in names:
+                for module in _RESOLVERS[name](layer):
+                    if _present(module):
+                        engine.offload_module(module, name, layer=layer)
+                        registered[name] = registered.get(name, 0) + 1
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0  # ranks log alike: say which
     for name in names:
         if name not in registered:

@@ -25,6 +25,7 @@ LONG_FLAGS = (
     "--chunk-offload-host-budget",
     "--chunk-offload-profile-ranges",
     "--chunk-offload-deterministic-memory",
+    "--chunk-offload-group-by",
     "--chunk-offload-plan",
     "--chunk-offload-verify",
 )
