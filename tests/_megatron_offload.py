@@ -110,6 +110,7 @@ class OffloadHooks:
             "copied_held_elsewhere": {n: g.bytes_copied_held_elsewhere for n, g in stats.groups.items()},
             "kept_held_elsewhere": {n: g.bytes_kept_held_elsewhere for n, g in stats.groups.items()},
             "groups": {n: g.groups for n, g in stats.groups.items()},
+            "last_iteration_saved_bytes": sum(sum(b) for b in self.manager.group_bytes().values()),
             "pool_in_use": stats.pool.in_use_bytes,
             "resident": stats.resident_bytes,
             "host": stats.host_bytes,
