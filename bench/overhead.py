@@ -10,18 +10,22 @@ A stack of tiny layers (so that compute is negligible) runs forward + backward
 - bookkeeping: every layer is an offload group, copies switched off (``offload=False``):
   module hooks, group start/commit and the gradient hook on its output, saved-tensor packing
   with the policy and in-place checks, accounting;
-- offload: the same with copies on (CPU worker-thread streams here, CUDA streams on a GPU).
+- offload: the same with copies on (CPU worker-thread streams here, CUDA streams on a GPU);
+- offload_layer: the same with ``OffloadConfig(group_by="layer")``, each ``--modules-per-layer``
+  consecutive layers registered with one layer, so they form one group (NOTE [Layer groups] in
+  core/marks.py): its copies, events and stream switches are issued once per layer.
 
 The modes take turns, one iteration each, so that a change of the host's load hits all of
 them alike. It prints, per mode, the median and the fastest time per iteration and the extra
 microseconds per group ((mode - plain) / groups) from both, then bookkeeping / floor and
-copies / floor (copies: the offload mode), the ratios of those extra costs. On a shared host
+copies / floor (copies: the offload mode), the ratios of those extra costs, and offload / bookkeeping
+for both offload modes ("group" is one module call throughout, also in layer groups). On a shared host
 the medians move with the load; the fastest iterations are the steadier estimate of the cost.
 
 ``--profile N`` then runs N more offload iterations under cProfile and prints the functions
 with the most host time of their own, per group: where the host path spends its time.
 
-    python bench/overhead.py [--layers 200] [--repeats 30] [--hidden 64] [--batch 4] [--profile 0]
+    python bench/overhead.py [--layers 200] [--modules-per-layer 5] [--repeats 30] [--hidden 64] [--batch 4] [--profile 0]
 """
 
 from __future__ import annotations
@@ -41,13 +45,20 @@ import chunk_offload
 
 __all__ = ["main"]
 
-MODES = ("plain", "floor", "bookkeeping", "offload")
+MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer")
 WARMUP = 3  # iterations before timing: pool allocation, autograd caches
 
 
 def build(layers: int, hidden: int, device: torch.device) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) for _ in range(layers)]).to(device)
+
+
+def register(manager: chunk_offload.OffloadManager, model: nn.Sequential, modules_per_layer: int) -> None:
+    """Each layer of ``model`` an offload module; each ``modules_per_layer`` consecutive ones share
+    a layer (one group under ``group_by="layer"``; the last may hold fewer): the first of them stands for it."""
+    for i, module in enumerate(model):
+        manager.offload_module(module, "layer", layer=model[i - i % modules_per_layer])
 
 
 class _Identity(torch.autograd.Function):
@@ -126,6 +137,7 @@ def positive_int(text: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="offload bookkeeping cost per group, against plain autograd and the floor")
     parser.add_argument("--layers", type=positive_int, default=200, help="layers, one group each")
+    parser.add_argument("--modules-per-layer", type=positive_int, default=5, help="layers per group in the offload_layer mode")
     parser.add_argument("--hidden", type=positive_int, default=64)
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--repeats", type=positive_int, default=30, help="timed iterations per mode")
@@ -159,29 +171,30 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.batch, args.hidden, device=device)
     bookkeeping_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, offload=False, measure_time=False))
     offload_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False))
-    managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr}
+    layer_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False, group_by="layer"))
+    managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr, "offload_layer": layer_mgr}
     runs = {}
     for mode in MODES:
         model = build(args.layers, args.hidden, device)
         if mode == "floor":
             install_floor(model)
         elif managers[mode] is not None:
-            for layer in model:
-                managers[mode].offload_module(layer, "layer")
+            register(managers[mode], model, args.modules_per_layer)
         runs[mode] = (model, managers[mode])
     try:
         times = time_modes(runs, x, args.repeats)
         saved = offload_mgr.stats().groups["layer"]
+        layer_groups = layer_mgr.stats().groups["layer"].groups
         if args.profile:
             print_profile(*runs["offload"], x=x, iterations=args.profile, groups=args.layers)
     finally:
-        bookkeeping_mgr.close()
-        offload_mgr.close()
+        for manager in (bookkeeping_mgr, offload_mgr, layer_mgr):
+            manager.close()
     groups = args.layers
     plain = times["plain"]
     extra = {mode: tuple((t - p) / groups for t, p in zip(times[mode], plain)) for mode in MODES}
     print(f"device {device}, {groups} groups per iteration, {args.repeats} iterations per mode")
-    print(f"tensors offloaded per group: {saved.tensors_offloaded / saved.groups:.1f}")
+    print(f"tensors offloaded per group: {saved.tensors_offloaded / saved.groups:.1f}; offload_layer: {layer_groups / saved.groups:.2f} groups per module group")
     print(f"{'mode':<12} {'median ms/iter':>15} {'us/group over plain':>20} {'fastest ms/iter':>16} {'us/group over plain':>20}")
     for mode in MODES:
         (median, fastest), (extra_median, extra_fastest) = times[mode], extra[mode]
@@ -189,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     for mode, label in (("bookkeeping", "bookkeeping"), ("offload", "copies")):
         ratios = [e / f if f > 0 else float("nan") for e, f in zip(extra[mode], extra["floor"])]
         print(f"{label} / floor (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
+    for mode in ("offload", "offload_layer"):
+        ratios = [e / b if b > 0 else float("nan") for e, b in zip(extra[mode], extra["bookkeeping"])]
+        print(f"{mode} / bookkeeping (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
 
 
 if __name__ == "__main__":

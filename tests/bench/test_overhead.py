@@ -1,4 +1,4 @@
-"""`bench/overhead.py` with tiny sizes: every mode timed, the ratios to the floor printed.
+"""`bench/overhead.py` with tiny sizes: every mode timed, the ratios to the floor and to bookkeeping printed.
 
 The figures themselves depend on the host; the test checks that each mode ran (one row per
 mode, times > 0), that the floor costs something over plain autograd (it adds hooks and a
@@ -28,7 +28,7 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
     done = _run("--layers", "12", "--repeats", "5", "--hidden", "8", "--batch", "2")
     assert done.returncode == 0, done.stderr
     rows = {}
-    for mode in ("plain", "floor", "bookkeeping", "offload"):
+    for mode in ("plain", "floor", "bookkeeping", "offload", "offload_layer"):
         match = re.search(rf"^{mode}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}$", done.stdout, re.M)
         assert match, f"no row for {mode}:\n{done.stdout}"
         rows[mode] = [float(v) for v in match.groups()]
@@ -45,6 +45,14 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
         if rows["floor"][1] > 0:
             expected_median = rows[mode][1] / rows["floor"][1]
             assert abs(median - expected_median) <= 0.01 + 0.01 * abs(expected_median), (label, median, expected_median)
+    for mode in ("offload", "offload_layer"):
+        match = re.search(rf"^{mode} / bookkeeping \(us/group over plain\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
+        assert match, f"no {mode} / bookkeeping line:\n{done.stdout}"
+        if rows["bookkeeping"][3] > 0:
+            expected = rows[mode][3] / rows["bookkeeping"][3]
+            assert abs(float(match.group(1)) - expected) <= 0.01 + 0.01 * abs(expected), (mode, match.group(1), expected)
+    # 12 modules in layers of 5 (the default): 3 layer groups for 12 module groups.
+    assert re.search(r"^tensors offloaded per group: [0-9.]+; offload_layer: 0.25 groups per module group$", done.stdout, re.M), done.stdout
 
 
 def test_bad_argument_is_a_usage_error() -> None:
