@@ -18,7 +18,8 @@
 # tests and the PP=1 replay test), before replay_coplan (at most 60 s) and the comparison's timed
 # reload-ahead runs (which replace its fixed 256 MiB ones; the budget runs now reload ahead by
 # timing too, where the budget allows) and the replays' fourth build (--budget-bytes megatron,
-# about 20 s each) were added: about 9 minutes in all. tests/gpu also
+# about 20 s each) and the comparison's layer-group runs (--layer-groups, four runs, about 25 s)
+# were added: about 9 minutes in all. tests/gpu also
 # checks that action starts are device times (NOTE [Action times]), which every timed decision
 # reads. A session's device time is 15 minutes, the machine's start included: run them in one call
 # with a wall-clock limit of about 9 minutes; what the finished steps wrote still comes back if
@@ -55,7 +56,7 @@ declare -A CMD=(
 )
 # Issue 26's configurations, both module sets each: 8 layers at hidden 4096, seq 4096, 4
 # microbatches (compute-bound), then 16 layers at hidden 1024, seq 1024, 8 microbatches (host-bound).
-readonly COMPARE_COMMON='--timed-reload-ahead --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
+readonly COMPARE_COMMON='--timed-reload-ahead --layer-groups --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
 export COMPARE_COMMON
 # What the function steps run, for the plan that --dry-run prints.
 declare -A DESCRIBE=(

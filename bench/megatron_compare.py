@@ -18,6 +18,9 @@ model from the same seed (so the same weights and inputs):
 - chunk-offload timed (only with ``--timed-reload-ahead``): the default run with
   ``timed_reload_ahead=True``: each chunk's reload-ahead budget from the copy timing its last
   iteration measured (NOTE [Timed reload ahead] in chunk_offload/core/ordering.py);
+- chunk-offload layer (only with ``--layer-groups``): the default run with
+  ``OffloadConfig(group_by="layer")``: each layer's offload modules one group, copied and
+  reloaded together (NOTE [Layer groups] in chunk_offload/core/marks.py);
 - megatron: megatron-core's built-in offload (``fine_grained_activation_offloading``, same
   modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
   missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``).
@@ -58,7 +61,7 @@ from chunk_offload.replay.stage import megatron_stage
 __all__ = ["main", "parse_args"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RUNS = ("none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed", "megatron")
+RUNS = ("none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed", "chunk-offload layer", "megatron")
 _GB = 1e9
 
 
@@ -79,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-bytes", type=int, default=None, help="device budget of the budget run (default: see above)")
     p.add_argument("--reload-ahead-bytes", type=int, default=None, help="also run chunk-offload with this reload-ahead budget")
     p.add_argument("--timed-reload-ahead", action="store_true", help="also run chunk-offload with timed_reload_ahead=True")
+    p.add_argument("--layer-groups", action="store_true", help="also run chunk-offload with group_by='layer'")
     p.add_argument("--iterations", type=int, default=4, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per run (megatron's offload needs >= 1)")
     p.add_argument("--seed", type=int, default=1234)
@@ -110,7 +114,8 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
 
     forward_backward, manager, seen = get_forward_backward_func(), None, {}
     if run.startswith("chunk-offload"):
-        manager = attach([model], modules, config=OffloadConfig(min_offload_bytes=args.min_offload_bytes),
+        config = OffloadConfig(min_offload_bytes=args.min_offload_bytes, group_by="layer" if run.endswith("layer") else "module")
+        manager = attach([model], modules, config=config,
                          device_budget_bytes=budget if run.endswith("budget") else None,
                          reload_ahead_bytes=args.reload_ahead_bytes if run.endswith("reload-ahead") else None,
                          timed_reload_ahead=run.endswith("timed") or (run.endswith("budget") and args.timed_reload_ahead))  # fmt: skip
@@ -205,6 +210,8 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
         rows.append(_run(args, shape, modules, "chunk-offload reload-ahead", None))
     if args.timed_reload_ahead:
         rows.append(_run(args, shape, modules, "chunk-offload timed", None))
+    if args.layer_groups:
+        rows.append(_run(args, shape, modules, "chunk-offload layer", None))
     rows.append(megatron if megatron is not None else {"run": "megatron", "modules": ",".join(modules), "skipped": skip})
     base = rows[0]
     for row in rows:

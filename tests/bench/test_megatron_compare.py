@@ -67,17 +67,19 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     assert "losses =" in done.stdout and "peak: CPU has no device allocator" in done.stdout
 
 
-def test_reload_ahead_and_timed_reload_ahead_add_bit_identical_runs(tmp_path) -> None:
+def test_reload_ahead_timed_reload_ahead_and_layer_groups_add_bit_identical_runs(tmp_path) -> None:
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "2", "--warmup", "1", "--modules", "core_attn,qkv_linear",
-                "--reload-ahead-bytes", "1048576", "--timed-reload-ahead", "--json", str(out))  # fmt: skip
+                "--reload-ahead-bytes", "1048576", "--timed-reload-ahead", "--layer-groups", "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
-    runs = ["none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed", "megatron"]
+    runs = ["none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed",
+            "chunk-offload layer", "megatron"]  # fmt: skip
     assert [r["run"] for r in rows] == runs
-    for ahead in rows[3:5]:
+    for ahead in rows[3:6]:
         assert ahead["losses_identical"] and ahead["grads_identical"] and ahead["bytes_copied"] > 0, ahead["run"]
     assert "chunk-offload reload-ahead" in done.stdout and "chunk-offload timed" in done.stdout and "wait ms" in done.stdout
+    assert "chunk-offload layer" in done.stdout
 
 
 def test_bad_flag_exits_2() -> None:
