@@ -34,7 +34,8 @@ so the group saves exactly what the calls would save as groups of their own; wha
 its copies, events and stream switches are issued once per layer (NOTE [CUDA host path]), and its
 reload is one. The group's copy starts when the layer's last offload module returns, not at each
 module's end, so a layer's originals stay on device until then. The budget and the ordering rules
-see one group per layer: they choose and reload whole layers.
+see one group per layer: they keep, copy and reload whole layers, so where a chunk's peak is at its
+backward start (a kept tail, a reload ahead) it can hold up to a layer more than module groups would.
 """
 
 from __future__ import annotations
