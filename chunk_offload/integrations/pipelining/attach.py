@@ -119,8 +119,8 @@ class PipelineOffloadManager(AttachedManager):
             self.engine.protect_module(stage.submod)
             for name in selectors:
                 self.registered[name].append([qualified for qualified, _ in matches[vp_stage][name]])
-                for _, module in matches[vp_stage][name]:
-                    self.engine.offload_module(module, name)
+                for qualified, module in matches[vp_stage][name]:
+                    self.engine.offload_module(module, name, layer=_layer_of(stage.submod, qualified))
             self._patch(stage, "forward_one_chunk", self._wrap_forward(stage.forward_one_chunk, vp_stage))
             for method in ("backward_one_chunk", "backward_weight_one_chunk"):
                 self._patch(stage, method, self._wrap_record(stage, method, vp_stage))
@@ -277,6 +277,18 @@ def _resolve(stages: list[Any], selectors: dict[str, list]) -> list[dict[str, li
             f"patterns are fnmatch patterns over these qualified names: {shown}"
         )
     return per_stage
+
+
+def _layer_of(root: nn.Module, qualified: str) -> nn.Module | None:
+    """The layer submodule ``qualified`` of ``root`` lies in: the first module on its path that is
+    an element of a ModuleList, ModuleDict or Sequential (``layers.3`` of ``layers.3.attention.wq``);
+    None where none is. With ``OffloadConfig.group_by="layer"`` a layer's offload modules form one group."""
+    module = root
+    for part in qualified.split(".")[:-1]:
+        parent, module = module, module.get_submodule(part)
+        if isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            return module
+    return None
 
 
 def _check_disjoint(stage: Any, found: dict[str, list[tuple[str, nn.Module]]]) -> None:

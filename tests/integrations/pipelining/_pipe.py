@@ -62,6 +62,8 @@ class Case:
     first_stage_blocks: int = 0
     """Blocks added to stage 0 after its share of `LAYERS` (a first stage heavier than the
     others, as an embedding makes it)."""
+    group_by: str = "module"
+    """`OffloadConfig.group_by` of the offload run ("layer": each Block's offload modules one group)."""
 
 
 @dataclass(kw_only=True)
@@ -167,7 +169,7 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
         manager = attach(
             schedule,
             OFFLOAD_MODULES,
-            config=OffloadConfig(min_offload_bytes=0),
+            config=OffloadConfig(min_offload_bytes=0, group_by=case.group_by),
             streams=streams,
             device_budget_bytes=case.device_budget_bytes,
             host_budget_bytes=case.host_budget_bytes,
