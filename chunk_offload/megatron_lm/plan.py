@@ -91,7 +91,13 @@ def resolve_plan(args: argparse.Namespace) -> CoPlan:
         plan = load_plan(args.chunk_offload_plan)
     else:
         dims, pipeline = planner_inputs(args)
-        planner = StagePlanner(dims, pipeline, min_offload_bytes=args.chunk_offload_min_offload_bytes, schedule=args.chunk_offload_schedule)
+        planner = StagePlanner(
+            dims,
+            pipeline,
+            min_offload_bytes=args.chunk_offload_min_offload_bytes,
+            schedule=args.chunk_offload_schedule,
+            group_by=args.chunk_offload_group_by,
+        )
         plan = co_plan(planner, budget_bytes=args.chunk_offload_device_budget)
     if len(plan.stages) != args.pipeline_model_parallel_size:
         raise ChunkOffloadError(

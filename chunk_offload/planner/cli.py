@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     min_bytes = option("min-offload-bytes")
     off.add_argument("--min-offload-bytes", **argparse_keywords(min_bytes, dest="min_offload_bytes"))
+    off.add_argument("--group-by", **argparse_keywords(option("group-by"), dest="group_by"))
     schedule = option("schedule")
     off.add_argument(
         "--schedule",
@@ -262,6 +263,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         min_offload_bytes=args.min_offload_bytes,
         schedule=args.schedule,
         other_activation_bytes=round(args.other_activation_gb * GB),
+        group_by=args.group_by,
     )
     present = [m for m in OFFLOAD_MODULE_NAMES if any(m in dims.modules_of(i) for i in range(dims.num_layers))]
     if args.modules is None:
@@ -290,6 +292,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         "hardware": asdict(hardware),
         "modules": modules,
         "min_offload_bytes": planner.min_offload_bytes,
+        "group_by": planner.group_by,
         "schedule_policy": planner.schedule,
         "schedule": planner.plans[0].source,
         "stages": [_stage_dict(s, group_choices) for s in stages],

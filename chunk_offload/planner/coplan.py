@@ -33,7 +33,7 @@ from ..core.errors import ChunkOffloadError
 from ..module_names import OFFLOAD_MODULE_NAMES, canonical_modules, combination_problem
 from .dims import RECOMPUTE_MODULES
 from .estimate import StageEstimate, StagePlanner
-from .model import layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_recompute_flops
+from .model import layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_recompute_flops, merged_layer_group
 
 __all__ = ["CoPlan", "StagePlan", "co_plan"]
 
@@ -136,7 +136,8 @@ def _stages_for(planner: StagePlanner, recompute: list[str], candidates: list[st
     """Per stage, the best offload set under recompute set ``recompute``."""
     dims = dataclasses.replace(planner.dims, recompute_modules=tuple(recompute))
     under = StagePlanner(dims, planner.pipeline, hardware=planner.hardware, min_offload_bytes=planner.min_offload_bytes,
-                         schedule=planner.schedule, other_activation_bytes=planner.other_activation_bytes)  # fmt: skip
+                         schedule=planner.schedule, other_activation_bytes=planner.other_activation_bytes,
+                         group_by=planner.group_by)  # fmt: skip
     allowed = [m for m in candidates if not all(dims.recomputed(i, m) for i in range(dims.num_layers) if m in dims.modules_of(i))]
     subsets = [list(c) for k in range(len(allowed) + 1) for c in combinations(allowed, k) if combination_problem(c, recompute) is None]
     estimates = {tuple(s): under.estimate(s) for s in subsets}
@@ -173,6 +174,8 @@ def _offload_ms(planner: StagePlanner, stage: StageEstimate) -> float:
         for i, layer in enumerate(layers):
             receives = i == 0 and (stage.pp_rank, vp) != (0, 0)
             groups = layer_offload_groups(dims, layer, stage.modules, min_offload_bytes=planner.min_offload_bytes, receives_input=receives)
+            if planner.group_by == "layer":
+                groups = merged_layer_group(dims, groups)
             moved = sum(g.nbytes - g.kept_bytes for g in groups)
             out = hardware.copy_seconds(moved) - hardware.compute_seconds(layer_forward_flops(dims, layer))
             back = hardware.reload_seconds(moved) - hardware.compute_seconds(layer_backward_flops(dims, layer))

@@ -37,7 +37,15 @@ from ..schedule import PlanPolicy, Simulation, simulate
 from ..module_names import canonical_modules
 from .config import GB, Hardware, PipelineConfig
 from .dims import GPTDims
-from .model import LayerGroup, check_modelled, layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_saved_bytes
+from .model import (
+    LayerGroup,
+    check_modelled,
+    layer_backward_flops,
+    layer_forward_flops,
+    layer_offload_groups,
+    layer_saved_bytes,
+    merged_layer_group,
+)
 
 __all__ = ["GB", "Hardware", "PipelineConfig", "StageEstimate", "StagePlanner", "estimate_stages", "stage_layers"]
 
@@ -191,6 +199,7 @@ def estimate_stages(
     schedule: Literal["plan", "group-start"] = "plan",
     other_activation_bytes: int = 0,
     policy: Literal["plan", "all"] | None = None,
+    group_by: Literal["module", "layer"] = "module",
 ) -> list[StageEstimate]:
     """One `StageEstimate` per pipeline rank for offloading ``modules``.
 
@@ -198,8 +207,8 @@ def estimate_stages(
     its steady state, the groups known (chunks whose backward follows their forward at once copy
     all but their last group, NOTE [Kept tail]; the next backward chunk is prefetched),
     ``"group-start"`` the engine's default `SchedulePolicy` (offload every chunk).
-    ``min_offload_bytes`` as in `OffloadConfig`. ``policy``: deprecated spelling of ``schedule``
-    (``"all"`` is ``"group-start"``).
+    ``min_offload_bytes`` and ``group_by`` as in `OffloadConfig`. ``policy``: deprecated spelling of
+    ``schedule`` (``"all"`` is ``"group-start"``).
     """
     planner = StagePlanner(
         dims,
@@ -209,6 +218,7 @@ def estimate_stages(
         schedule=schedule,
         other_activation_bytes=other_activation_bytes,
         policy=policy,
+        group_by=group_by,
     )
     return planner.estimate(modules)
 
@@ -245,8 +255,10 @@ class StagePlanner:
         schedule: Literal["plan", "group-start"] = "plan",
         other_activation_bytes: int = 0,
         policy: Literal["plan", "all"] | None = None,
+        group_by: Literal["module", "layer"] = "module",
     ) -> None:
         check_value(option("OffloadConfig.min_offload_bytes"), min_offload_bytes)
+        check_value(option("OffloadConfig.group_by"), group_by)
         schedule = _schedule(schedule, policy)
         if not isinstance(other_activation_bytes, int) or other_activation_bytes < 0:
             raise ChunkOffloadError(f"other_activation_bytes must be an int >= 0, got {other_activation_bytes!r}")
@@ -254,6 +266,8 @@ class StagePlanner:
         self.pipeline = pipeline
         self.hardware = hardware if hardware is not None else Hardware()
         self.min_offload_bytes = min_offload_bytes
+        self.group_by = group_by
+        """`OffloadConfig.group_by`: ``"layer"`` estimates one group per layer (`merged_layer_group`)."""
         self.schedule = schedule
         """``"plan"`` or ``"group-start"``: the schedule policy the estimate assumes."""
         self.other_activation_bytes = other_activation_bytes
@@ -283,14 +297,15 @@ class StagePlanner:
     def _stage(self, pp_rank: int, modules: list[str]) -> StageEstimate:
         dims, hardware, layers, plan = self.dims, self.hardware, self.layers[pp_rank], self.plans[pp_rank]
         per_layer = {v: self._layer_groups(pp_rank, v, modules) for v in range(len(layers))}
-        groups = {v: [g for _, lg in chunk for g in lg] for v, chunk in per_layer.items()}
+        by_layer = merged_layer_group if self.group_by == "layer" else lambda dims, lg: lg
+        groups = {v: [g for _, lg in chunk for g in by_layer(dims, lg)] for v, chunk in per_layer.items()}
         group_bytes = {v: [g.nbytes for g in gs] for v, gs in groups.items()}
         kept_bytes = {v: [g.kept_bytes for g in gs] for v, gs in groups.items()}
         module_bytes_per_layer: dict[str, int] = {}
         worst, copy_s, compute_s, reload_s = None, 0.0, 0.0, 0.0
         for layer, layer_groups_ in (entry for chunk in per_layer.values() for entry in chunk):
             module_bytes_per_layer.update(_per_name(layer_groups_))
-            offloaded = sum(g.nbytes - g.kept_bytes for g in layer_groups_)  # what its copies move
+            offloaded = sum(g.nbytes - g.kept_bytes for g in by_layer(dims, layer_groups_))  # what its copies move
             c, f = hardware.copy_seconds(offloaded), hardware.compute_seconds(layer_forward_flops(dims, layer))
             if offloaded and (worst is None or c / f > copy_s / compute_s):
                 worst, copy_s, compute_s, reload_s = layer, c, f, hardware.reload_seconds(offloaded)
