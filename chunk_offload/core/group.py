@@ -43,14 +43,12 @@ class OffloadGroup:
     # Slots: one group per layer call, so no per-instance dict for the garbage collector to track.
     __slots__ = (
         "handler", "name", "member", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "_ctx",
-        "_storages", "_live_storages", "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event",
-        "_offload_cancelled",
+        "_storages", "_live_storages", "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event", "_offload_cancelled",
     )  # fmt: skip
 
     def __init__(self, handler: GroupHandler, name: str, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
         self.handler = handler
-        self.name = name
-        """The group's name: its module's, or for a layer group its members' names joined by '+'."""
+        self.name = name  # its module's; a layer group's: its members' names joined by '+'
         self.member = name  # the name of the call collecting now (NOTE [Layer groups] in marks.py)
         self.index = index
         self.state = _COLLECTING
@@ -130,8 +128,7 @@ class OffloadGroup:
         """A further call of the group's layer collects into it (NOTE [Layer groups] in marks.py)."""
         if self.state is not _COLLECTING:
             internal_assert(False, f"join of {name!r} into {self!r}")
-        self.inputs = inputs
-        self.member = name
+        self.inputs, self.member = inputs, name
         if f"+{name}+" not in f"+{self.name}+":
             self.name = f"{self.name}+{name}"
 

@@ -112,10 +112,7 @@ class OffloadManager:
         calls of one layer's modules form one group (NOTE [Layer groups] in marks.py). The module's
         own parameters and buffers are protected. Returns a handle whose ``remove()`` undoes the registration.
         """
-        if layer is not None and not isinstance(layer, nn.Module):
-            raise ChunkOffloadError(f"offload_module(layer=...) needs an nn.Module or None, got {type(layer).__name__}")
-        by_layer = layer if self.config.group_by == "layer" else None
-        registration = self._registry.add(self, module, name, by_layer)
+        registration = self._registry.add(self, module, name, layer, by_layer=self.config.group_by == "layer")
         self.tensor_filter.protect(module)
         return registration
 

@@ -24,9 +24,12 @@ class ModuleRegistry:
         self._held_elsewhere = held_elsewhere
         self.registrations: list[ModuleOffload] = []
 
-    def add(self, manager: HandlerSource, module: nn.Module, name: str, layer: object = None) -> ModuleOffload:
-        """Register ``module`` as group ``name`` of ``layer`` (`OffloadManager.offload_module`); refuse a second registration."""
+    def add(self, manager: HandlerSource, module: nn.Module, name: str, layer: nn.Module | None, *, by_layer: bool) -> ModuleOffload:
+        """Register ``module`` as group ``name`` (`OffloadManager.offload_module`), joining ``layer``'s
+        group where ``by_layer`` (NOTE [Layer groups] in marks.py); refuse a second registration."""
         check_module("offload_module", module)
+        if layer is not None and not isinstance(layer, nn.Module):
+            raise ChunkOffloadError(f"offload_module(layer=...) needs an nn.Module or None, got {type(layer).__name__}")
         if not isinstance(name, str) or not name:
             raise ChunkOffloadError(f"offload_module needs a non-empty group name, got {name!r}")
         for existing in self.registrations:
@@ -42,7 +45,7 @@ class ModuleRegistry:
             registrations.remove(registration)
             held_elsewhere.clear()
 
-        registration = ModuleOffload(manager, module, name, marks=self._marks, on_remove=removed, layer=layer)
+        registration = ModuleOffload(manager, module, name, marks=self._marks, on_remove=removed, layer=layer if by_layer else None)
         registrations.append(registration)
         held_elsewhere.clear()
         return registration
