@@ -43,7 +43,7 @@ class OffloadConfig:
     group_by: Literal["module", "layer"] = config_default("OffloadConfig.group_by")
     """'module': each call of a registered module is one group. 'layer': calls of modules registered
     with one ``layer`` (`OffloadManager.offload_module`) that follow one another in a chunk's forward
-    form one group (NOTE [Layer groups] in core/handler.py)."""
+    form one group (NOTE [Layer groups] in core/marks.py)."""
     profile_ranges: bool = config_default("OffloadConfig.profile_ranges")
     """Mark each group's offload and reload issue, the compute waits on them and policy prefetches
     with `torch.profiler.record_function` ranges (NVTX ranges on CUDA under nsys or ``emit_nvtx``),

@@ -92,8 +92,7 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self._states = _GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
-        self.pending: OffloadGroup | None = None
-        """A layer group whose member call ended: the next call of its layer joins it (NOTE [Layer groups] in marks.py)."""
+        self._pending: OffloadGroup | None = None  # a layer group the next call of its layer joins (NOTE [Layer groups] in marks.py)
         self._pending_layer: object = None
         self._unreleased = 0
         self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
@@ -131,14 +130,14 @@ class ChunkOffloadHandler:
                 f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
                 "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
             )
-        pending = self.pending
+        pending = self._pending
         if pending is not None:
             if layer is not None and layer is self._pending_layer:
-                self.pending = self._pending_layer = None
+                self._pending = self._pending_layer = None
                 pending.join(name, inputs)
                 self.current = pending
                 return pending
-            self.commit_pending()
+            self._commit_pending()
         group = OffloadGroup(self, name, len(self.groups), inputs)
         self.groups.append(group)
         self.current = group
@@ -163,16 +162,16 @@ class ChunkOffloadHandler:
             )
         self.current = None
         if layer is not None:
-            self.pending, self._pending_layer = group, layer
+            self._pending, self._pending_layer = group, layer
             return group
         self._commit(group)
         return group
 
-    def commit_pending(self) -> None:
+    def _commit_pending(self) -> None:
         """Commit the pending layer group, if any: no further call joins it."""
-        group = self.pending
+        group = self._pending
         if group is not None:
-            self.pending = self._pending_layer = None
+            self._pending = self._pending_layer = None
             self._commit(group)
 
     def _commit(self, group: OffloadGroup) -> None:
@@ -194,7 +193,7 @@ class ChunkOffloadHandler:
                 f"chunk {self.key} ended with group {self.current.name!r} still open; every group_start "
                 "needs a group_commit inside the chunk."
             )
-        self.commit_pending()
+        self._commit_pending()
         self._forward_ended = True
         self._release_held()
         held = self.ctx.held_elsewhere
@@ -270,7 +269,7 @@ class ChunkOffloadHandler:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""
         self.ctx.streams.synchronize()
         self._forward_ended = True
-        self.current = self.pending = self._pending_layer = None
+        self.current = self._pending = self._pending_layer = None
         self._holding = []
         for group in self.groups:
             group.discard()
