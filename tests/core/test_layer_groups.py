@@ -84,13 +84,18 @@ def _order_actions(order_id: str):
     return actions(ORDERS[order_id][0])
 
 
+@pytest.mark.parametrize("deterministic_memory", [False, True])
 @pytest.mark.parametrize("side", ["d2h", "h2d", "compute"])
 @pytest.mark.parametrize("seed", range(4))
-def test_layer_groups_under_delayed_streams(side: str, seed: int) -> None:
-    """Random delays on one side of the CPU streams (the happens-before checker on): still exact."""
+def test_layer_groups_under_delayed_streams(side: str, seed: int, deterministic_memory: bool) -> None:
+    """Random delays on one side of the CPU streams (the happens-before checker on), with the copy
+    stream releasing the originals or compute waiting for each copy first: still exact."""
     baseline, _ = _run("1f1b", off=True)
     delayed, _ = _run(
-        "1f1b", group_by="layer", streams_factory=lambda: CpuStreams(max_delay_s=2e-4, delay_on=(side,), seed=seed)
+        "1f1b",
+        group_by="layer",
+        deterministic_memory=deterministic_memory,
+        streams_factory=lambda: CpuStreams(max_delay_s=2e-4, delay_on=(side,), seed=seed),
     )
     assert_identical(baseline, delayed)
 

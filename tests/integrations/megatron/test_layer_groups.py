@@ -35,6 +35,12 @@ _CASES = {
     "pp2_vpp2": (TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2, iterations=2), ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1")),
     # Each MoE layer calls every local expert's fc1: the calls of one layer join its group too.
     "ep2_moe4": (TinyGPTConfig(expert_parallel=2, num_experts=4, iterations=2), ("qkv_linear", "core_attn", "expert_fc1")),
+    # Selective recompute of core_attn: its checkpoint runs between qkv_linear and attn_proj with no
+    # hook of ours active, so what it saves stays outside the layer group, as outside module groups.
+    "pp2_recompute": (
+        TinyGPTConfig(pipeline_parallel=2, recompute_granularity="selective", recompute_modules=("core_attn",), iterations=2),
+        ("attn_norm", "qkv_linear", "attn_proj", "mlp_norm", "mlp_fc1"),
+    ),
 }
 
 
