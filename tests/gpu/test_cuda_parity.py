@@ -115,3 +115,24 @@ def test_cuda_streams_pin_host_memory(make_manager) -> None:
         buf = manager.pool.acquire(4096)
         assert buf.tensor.is_pinned()
         manager.pool.release(buf, None)
+
+
+@pytest.mark.parametrize("order_id", sorted(ORDERS))
+def test_layer_groups_on_cuda_streams_are_bit_identical(order_id, on_cuda, make_manager, deterministic) -> None:
+    """``group_by="layer"`` (NOTE [Layer groups]): each block's modules one group, one copy launch
+    and one event each way per block on the CUDA streams; the same numbers (and, under the
+    sanitizer, no race)."""
+    order, model_chunks = ORDERS[order_id]
+    kwargs = dict(order=order, model_chunks=model_chunks, iterations=ITERATIONS, layers=2, seed=0)
+    baseline = run_schedule(lambda: None, **kwargs)
+    watch = _Watch()
+    make = lambda: watch.attach(make_manager(min_offload_bytes=1, group_by="layer"))  # noqa: E731
+    result = run_schedule(make, kinds=MODULE_KINDS, after_iteration=watch, **kwargs)
+    assert_identical(baseline, result)
+    name = "+".join(MODULE_KINDS)
+    for it, stats in enumerate(watch.stats):
+        assert list(stats.groups) == [name], it
+        g = stats.groups[name]
+        assert g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded, (it, g)
+        assert stats.resident_bytes == 0 and stats.host_bytes == 0 and stats.pool.in_use_bytes == 0, (it, stats)
+    assert watch.pinned and all(watch.pinned)
