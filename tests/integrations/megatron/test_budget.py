@@ -114,10 +114,11 @@ class _Budgeted(OffloadHooks):
         }
 
 
-def _runs(cfg: TinyGPTConfig, modules: tuple[str, ...], *, host: bool, auto: bool) -> list[Run]:
+def _runs(cfg: TinyGPTConfig, modules: tuple[str, ...], *, host: bool, auto: bool, group_by: str = "module") -> list[Run]:
     shared = _Shared()
-    measure = _Measure(modules, options={**_BASE, "offload": False}, shared=shared)
-    fixed = _Budgeted(modules, options={**_BASE, **({"host_budget_bytes": _HOST_BUDGET} if host else {})}, shared=shared)
+    base = {**_BASE, "group_by": group_by}
+    measure = _Measure(modules, options={**base, "offload": False}, shared=shared)
+    fixed = _Budgeted(modules, options={**base, **({"host_budget_bytes": _HOST_BUDGET} if host else {})}, shared=shared)
     runs = [Run(config=cfg, hooks=Hooks(wrap_model=h.wrap_model, wrap_forward_backward=h.wrap_forward_backward, report=h.report)) for h in (measure, fixed)]
     if auto:
         n = cfg.num_microbatches
@@ -207,3 +208,13 @@ def test_pipeline_2_virtual_2_and_expert_parallel_2():
     _assert_fixed_budget(vpp_base, vpp_fixed, between_stages=True)
     _assert_fixed_budget(moe_base, moe_fixed, between_stages=False)
     assert all(r.extra["copied"] > 0 for r in moe_fixed)  # the budget is under every rank's baseline peak
+
+
+def test_pipeline_2_layer_groups():
+    """``group_by="layer"`` (NOTE [Layer groups]): the baseline records one group per layer, the
+    budget chooses whole layers, the peak meets the budget as predicted, the numbers are the same."""
+    cfg = TinyGPTConfig(pipeline_parallel=2, num_layers=8, iterations=3)
+    base, fixed = spawn_runs(_runs(cfg, _DENSE, host=False, auto=False, group_by="layer"), world_size=2, timeout_s=240.0)
+    _assert_fixed_budget(base, fixed, between_stages=True)
+    for r in fixed:
+        assert r.extra["report"].bytes_per_module.keys() <= {"+".join(_DENSE)}, r.extra["report"].bytes_per_module
