@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("offload")
     g.add_argument("--modules", required=True, help="comma-separated offload module names, e.g. core_attn,qkv_linear")
     g.add_argument("--min-offload-bytes", **argparse_keywords(option("min-offload-bytes"), dest="min_offload_bytes"))
+    g.add_argument("--group-by", **argparse_keywords(option("group-by"), dest="group_by"))
     g.add_argument(
         "--recompute-modules",
         nargs="+",
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         iterations=args.iterations,
         warmup=args.warmup,
         min_offload_bytes=args.min_offload_bytes,
+        group_by=args.group_by,
     )
     try:
         if args.compare == "megatron":

@@ -204,6 +204,7 @@ def compare_with_megatron(
     skip_builtin: str | None = None,
     budget_bytes: int | Literal["megatron"] | None = None,
     timed_reload_ahead: bool = True,
+    group_by: Literal["module", "layer"] = "module",
 ) -> Comparison:
     """Replay stage ``pp_rank`` of ``pp_size`` without offload, with chunk-offload and with megatron's own.
 
@@ -212,7 +213,8 @@ def compare_with_megatron(
     (`replay_under_budget`, with ``timed_reload_ahead``); ``"megatron"``: megatron's measured
     peak (where megatron's path has none, skipped or on CPU, `Comparison.budget_skipped` says so).
     ``streams``: makes the copy streams of each chunk-offload run (its manager closes them; None:
-    the device's default). The other arguments are `replay`'s and `megatron_stage`'s.
+    the device's default). ``group_by``: `OffloadConfig.group_by` of the chunk-offload runs. The
+    other arguments are `replay`'s and `megatron_stage`'s.
     """
     import megatron.core
 
@@ -225,7 +227,7 @@ def compare_with_megatron(
         """What every chunk-offload run takes: its own streams (its manager closes them)."""
         return dict(
             modules=modules, iterations=iterations, warmup=warmup, min_offload_bytes=min_offload_bytes, keep_tensors=True,
-            streams=None if streams is None else streams(),
+            streams=None if streams is None else streams(), group_by=group_by,
         )  # fmt: skip
 
     with stage_of() as stage:

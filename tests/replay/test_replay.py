@@ -140,6 +140,20 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
     assert "step time (ms)" in table
 
 
+def test_replay_with_layer_groups() -> None:
+    """``group_by="layer"`` (NOTE [Layer groups]): one group per layer in every chunk, the same
+    numbers, and the plan's prediction met (R = 1 on the CPU accounting)."""
+    _, _, result = _replay(4, 0, 2, "plan", group_by="layer")
+    base, off = result.baseline, result.offload
+    assert_equal_tensors(base.grads, off.grads, "parameter gradients")
+    assert_equal_tensors(base.outputs, off.outputs, "chunk outputs")
+    layers = _SHAPE.num_layers // 8
+    assert {chunk: len(names) for chunk, names in off.last.group_names.items()} == {c: layers for c in result.plan.chunks}
+    assert set(off.last.groups) == {"qkv_linear+core_attn"}  # in call order
+    assert off.bytes_offloaded == result.simulation.bytes_offloaded > 0
+    assert result.measured_drop == result.theoretical_drop > 0 and result.ratio == 1.0
+
+
 @pytest.mark.parametrize(("flag", "dtype"), [(None, "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
 def test_cli_prints_table_and_writes_json(tmp_path, capsys, flag: str | None, dtype: str) -> None:
     dtype_args = ["--dtype", flag] if flag else []
@@ -207,6 +221,7 @@ _CLI = ["--pp", "2", "--stage", "0", "--modules", "core_attn"]
         (["--vpp", "2", "--microbatches", "3"], "--microbatches: chunk_offload: the interleaved schedule needs num_microbatches (3)"),
         (["--modules", "mlp_fc2"], "--modules: chunk_offload: unknown offload module 'mlp_fc2'"),
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+        (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'module', 'layer')"),
     ],
 )
 def test_cli_usage_errors(capsys, argv: list[str], message: str) -> None:
