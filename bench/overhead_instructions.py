@@ -2,17 +2,19 @@
 
 Wall-clock times on a shared host move by 10% from run to run, more than most changes to the
 engine's hot path. Instructions executed do not depend on the host's load: each mode of
-`bench/overhead.py` (plain, floor, bookkeeping, offload) runs in its own process under
+`bench/overhead.py` (plain, floor, bookkeeping, offload, offload_layer) runs in its own process under
 ``valgrind --tool=callgrind``, which counts instructions only while the iterations run
 (switched on and off around them with ``callgrind_control``, after warm-up, with Python's
 garbage collector paused so that a collection does not land in one mode's window only). One
 iteration's count is the difference between a run of ``--iterations + 1`` iterations and a run
 of one, which cancels the switching itself. It prints instructions per group over plain
-autograd and the ratios bookkeeping / floor and copies / floor, like `bench/overhead.py`.
+autograd and the ratios bookkeeping / floor and copies / floor, like `bench/overhead.py`, and
+offload / bookkeeping for each offload mode counted (offload_layer: layer groups of
+``--modules-per-layer`` modules, NOTE [Layer groups]; instructions per module throughout).
 Instructions are a proxy for time (cache misses are not counted); each mode takes about a
 minute under valgrind.
 
-    python bench/overhead_instructions.py [--layers 200] [--iterations 2] [--modes plain floor bookkeeping]
+    python bench/overhead_instructions.py [--layers 200] [--iterations 2] [--modules-per-layer 5] [--modes plain floor bookkeeping]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="offload bookkeeping cost per group in CPU instructions (valgrind)")
     parser.add_argument("--layers", type=overhead.positive_int, default=200, help="layers, one group each")
     parser.add_argument("--iterations", type=overhead.positive_int, default=2, help="iterations counted per mode")
+    parser.add_argument("--modules-per-layer", type=overhead.positive_int, default=5, help="layers per group in the offload_layer mode")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["plain", "floor", "bookkeeping"])
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # one counted process
     parser.add_argument("--count", type=overhead.positive_int, help=argparse.SUPPRESS)
@@ -97,7 +100,7 @@ class InlineStreams(StreamBackend):
         self.compute, self.d2h, self.h2d = (_InlineStream(name, clocks) for name in ("compute", "d2h", "h2d"))
 
 
-def run_child(mode: str, layers: int, count: int) -> None:
+def run_child(mode: str, layers: int, count: int, modules_per_layer: int) -> None:
     """Build ``mode`` as `bench/overhead.py` does, warm it up, count ``count`` iterations."""
     import chunk_offload
 
@@ -107,11 +110,13 @@ def run_child(mode: str, layers: int, count: int) -> None:
     manager = None
     if mode == "floor":
         overhead.install_floor(model)
-    elif mode in ("bookkeeping", "offload"):
-        config = chunk_offload.OffloadConfig(min_offload_bytes=1, offload=mode == "offload", measure_time=False)
-        manager = chunk_offload.OffloadManager(config, streams=InlineStreams() if mode == "offload" else None)
-        for layer in model:
-            manager.offload_module(layer, "layer")
+    elif mode != "plain":
+        copies = mode != "bookkeeping"
+        config = chunk_offload.OffloadConfig(
+            min_offload_bytes=1, offload=copies, measure_time=False, group_by="layer" if mode == "offload_layer" else "module"
+        )
+        manager = chunk_offload.OffloadManager(config, streams=InlineStreams() if copies else None)
+        overhead.register(manager, model, modules_per_layer)
     for _ in range(overhead.WARMUP):
         overhead.one_iteration(model, x, manager)
     gc.collect()
@@ -125,12 +130,13 @@ def run_child(mode: str, layers: int, count: int) -> None:
         manager.close()
 
 
-def count_instructions(mode: str, layers: int, count: int, workdir: str) -> int:
+def count_instructions(mode: str, layers: int, count: int, modules_per_layer: int, workdir: str) -> int:
     """Instructions callgrind counted for ``count`` iterations of ``mode`` (plus the switching)."""
     out = os.path.join(workdir, f"callgrind.{mode}.{count}")
     command = [
         "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
         sys.executable, __file__, "--child", mode, "--layers", str(layers), "--count", str(count),
+        "--modules-per-layer", str(modules_per_layer),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -144,7 +150,7 @@ def count_instructions(mode: str, layers: int, count: int, workdir: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
-        run_child(args.child, args.layers, args.count)
+        run_child(args.child, args.layers, args.count, args.modules_per_layer)
         return 0
     missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
     if missing:
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as workdir, ThreadPoolExecutor(max_workers=2) as pool:
         runs = {
-            (mode, count): pool.submit(count_instructions, mode, args.layers, count, workdir)
+            (mode, count): pool.submit(count_instructions, mode, args.layers, count, args.modules_per_layer, workdir)
             for mode in args.modes
             for count in (1, args.iterations + 1)
         }
@@ -168,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode, label in (("bookkeeping", "bookkeeping"), ("offload", "copies")):
         if mode in extra:
             print(f"{label} / floor (instructions per group over plain): {extra[mode] / extra['floor']:.3f}")
+    for mode in ("offload", "offload_layer"):
+        if mode in extra and "bookkeeping" in extra:
+            print(f"{mode} / bookkeeping (instructions per group over plain): {extra[mode] / extra['bookkeeping']:.3f}")
     return 0
 
 

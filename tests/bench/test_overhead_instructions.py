@@ -1,8 +1,9 @@
 """`bench/overhead_instructions.py`: usage errors, the skip without valgrind, and one tiny counted run.
 
 The counts depend on the host's CPU and libraries; the test checks that each mode was counted
-(plain autograd and the floor cost instructions, the floor more than plain) and that the
-printed ratio is the quotient of the printed per-group counts.
+(plain autograd and the floor cost instructions, the floor more than plain, layer groups with
+copies more than bookkeeping) and that the printed ratios are the quotients of the printed
+per-group counts.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ def test_skips_cleanly_without_valgrind(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("callgrind_control") is None, reason="needs valgrind")
 def test_counts_each_mode_and_prints_the_ratio() -> None:
-    done = _run("--layers", "4", "--iterations", "1", "--modes", "bookkeeping")
+    done = _run("--layers", "4", "--iterations", "1", "--modules-per-layer", "2", "--modes", "bookkeeping", "offload_layer")
     assert done.returncode == 0, done.stderr
     rows = {}
-    for mode in ("plain", "floor", "bookkeeping"):  # plain and floor are added to the modes asked
+    for mode in ("plain", "floor", "bookkeeping", "offload_layer"):  # plain and floor are added to the modes asked
         match = re.search(rf"^{mode}\s+([0-9,]+)\s+(-?[0-9,]+)$", done.stdout, re.M)
         assert match, f"no row for {mode}:\n{done.stdout}"
         rows[mode] = [int(v.replace(",", "")) for v in match.groups()]
@@ -55,3 +56,7 @@ def test_counts_each_mode_and_prints_the_ratio() -> None:
     match = re.search(r"^bookkeeping / floor \(instructions per group over plain\): ([0-9.]+)$", done.stdout, re.M)
     assert match, done.stdout
     assert float(match.group(1)) == pytest.approx(rows["bookkeeping"][1] / rows["floor"][1], abs=0.002)
+    match = re.search(r"^offload_layer / bookkeeping \(instructions per group over plain\): ([0-9.]+)$", done.stdout, re.M)
+    assert match, done.stdout
+    assert float(match.group(1)) == pytest.approx(rows["offload_layer"][1] / rows["bookkeeping"][1], abs=0.002)
+    assert rows["offload_layer"][1] > rows["bookkeeping"][1], f"layer groups copy, bookkeeping does not:\n{done.stdout}"
