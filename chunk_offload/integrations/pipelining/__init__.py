@@ -10,7 +10,8 @@ schedules built from `PipelineStage`s).
 `order` is the only module that reads torch's private schedule names.
 """
 
-from .attach import ModuleSelector, PipelineOffloadManager, attach
+from .attach import PipelineOffloadManager, attach
+from .selection import ModuleSelector
 from .order import listed_plan
 
 __all__ = ["ModuleSelector", "PipelineOffloadManager", "attach", "listed_plan"]

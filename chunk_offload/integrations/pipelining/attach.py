@@ -26,31 +26,23 @@ becomes `PipelineOffloadManager.plan`.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import warnings
-from typing import Any, Callable, Literal, Mapping, Sequence, Union
-
-from torch import nn
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ...core import Action, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend, diff_actions
 from ...schedule import Plan
 from ..attached import AttachedManager, ScheduleOptions
 from ..plan_tracking import PlanTracking
 from ..session import TrainingSession
-from . import order
+from . import order, selection
+from .selection import ModuleSelector
 
-__all__ = ["ModuleSelector", "PipelineOffloadManager", "attach"]
+__all__ = ["PipelineOffloadManager", "attach"]
 
 logger = logging.getLogger(__name__)
 
-ModuleSelector = Union[str, type[nn.Module], list[Union[str, type[nn.Module]]], tuple[Union[str, type[nn.Module]], ...]]
-"""What one offload-module name stands for: fnmatch patterns over qualified submodule names of
-a stage's ``submod`` (``"layers.*.attn"``; ``*`` also matches dots) and/or module classes,
-alone or in a list or tuple."""
-
 _MARK = "__chunk_offload_pipelining__"
-_MAX_LISTED_NAMES = 40
 _MISSING = object()  # no instance attribute of that name before `_patch`
 
 
@@ -92,8 +84,8 @@ class PipelineOffloadManager(AttachedManager):
                 f"{type(schedule).__name__} already has an offload manager attached; call its detach() first"
             )
         stages = order.schedule_stages(schedule)
-        selectors = _selectors(offload_modules)
-        matches = _resolve(stages, selectors)  # fail before the streams start
+        selectors = selection.selectors(offload_modules)
+        matches = selection.resolve(stages, selectors)  # fail before the streams start
         listed_actions, listed, listed_error = None, None, None
         try:
             listed_actions = order.listed_actions(schedule)
@@ -120,11 +112,14 @@ class PipelineOffloadManager(AttachedManager):
             for name in selectors:
                 self.registered[name].append([qualified for qualified, _ in matches[vp_stage][name]])
                 for qualified, module in matches[vp_stage][name]:
-                    self.engine.offload_module(module, name, layer=_layer_of(stage.submod, qualified))
+                    self.engine.offload_module(module, name, layer=selection.layer_of(stage.submod, qualified))
             self._patch(stage, "forward_one_chunk", self._wrap_forward(stage.forward_one_chunk, vp_stage))
             for method in ("backward_one_chunk", "backward_weight_one_chunk"):
                 self._patch(stage, method, self._wrap_record(stage, method, vp_stage))
         self._patch(schedule, "step", self._wrap_step(schedule.step))
+        if self.engine.config.group_by == "layer" and all(r.layer is None for r in self.engine.module_offloads):
+            warnings.warn("chunk_offload: group_by='layer', but no offload module lies in a layer (an element of a Sequential, "
+                          "ModuleList or ModuleDict of a stage's submod): each call is its own group", stacklevel=2)  # fmt: skip
         self.session.use_plan(listed)
 
     # ------------------------------------------------------------------ wrappers
@@ -216,101 +211,6 @@ class PipelineOffloadManager(AttachedManager):
                 setattr(obj, name, previous)
         self._patched = []
         self._remove_module_offloads()
-
-
-def _selectors(offload_modules: Sequence[str] | Mapping[str, ModuleSelector]) -> dict[str, list[str | type[nn.Module]]]:
-    """Offload-module name -> its patterns and classes, validated."""
-    if isinstance(offload_modules, str):
-        offload_modules = [offload_modules]
-    if isinstance(offload_modules, Mapping):
-        items = list(offload_modules.items())
-    elif isinstance(offload_modules, Sequence):
-        items = [(pattern, pattern) for pattern in offload_modules]
-    else:
-        raise ChunkOffloadError(
-            f"offload_modules must be a list of submodule name patterns or a mapping name -> patterns/classes, "
-            f"got {type(offload_modules).__name__} {offload_modules!r}"
-        )
-    if not items:
-        raise ChunkOffloadError("offload_modules is empty; name at least one submodule pattern, e.g. ['layers.*.attention']")
-    result: dict[str, list[str | type[nn.Module]]] = {}
-    for name, selector in items:
-        if not isinstance(name, str) or not name:
-            raise ChunkOffloadError(f"offload-module names must be non-empty strings, got {name!r}")
-        parts = list(selector) if isinstance(selector, (list, tuple)) else [selector]
-        bad = [p for p in parts if not (isinstance(p, str) and p) and not (isinstance(p, type) and issubclass(p, nn.Module))]
-        if not parts or bad:
-            raise ChunkOffloadError(
-                f"offload module {name!r}: each selector must be a non-empty name pattern or an nn.Module subclass, "
-                f"got {bad or parts!r}"
-            )
-        result[name] = parts
-    return result
-
-
-def _matches(qualified: str, module: nn.Module, parts: list[str | type[nn.Module]]) -> bool:
-    return any(
-        fnmatch.fnmatchcase(qualified, part) if isinstance(part, str) else isinstance(module, part) for part in parts
-    )
-
-
-def _resolve(stages: list[Any], selectors: dict[str, list]) -> list[dict[str, list[tuple[str, nn.Module]]]]:
-    """Per stage, offload-module name -> (qualified name, module) it matches in ``stage.submod``.
-
-    Every name must match on at least one stage of this rank, and no selected module may
-    contain another selected one (offload groups cannot nest).
-    """
-    per_stage = []
-    for stage in stages:
-        named = [(q, m) for q, m in stage.submod.named_modules() if q]
-        found = {name: [(q, m) for q, m in named if _matches(q, m, parts)] for name, parts in selectors.items()}
-        _check_disjoint(stage, found)
-        per_stage.append(found)
-    missing = [name for name in selectors if not any(found[name] for found in per_stage)]
-    if missing:
-        names = sorted({q for stage in stages for q, _ in stage.submod.named_modules() if q})
-        shown = names[:_MAX_LISTED_NAMES]
-        if len(names) > _MAX_LISTED_NAMES:
-            shown.append(f"... {len(names) - _MAX_LISTED_NAMES} more")
-        raise ChunkOffloadError(
-            f"offload modules {missing} match no submodule of this rank's stages {[s.stage_index for s in stages]}; "
-            f"patterns are fnmatch patterns over these qualified names: {shown}"
-        )
-    return per_stage
-
-
-def _layer_of(root: nn.Module, qualified: str) -> nn.Module | None:
-    """The layer submodule ``qualified`` of ``root`` lies in: the first module on its path that is
-    an element of a ModuleList, ModuleDict or Sequential (``layers.3`` of ``layers.3.attention.wq``);
-    None where none is. With ``OffloadConfig.group_by="layer"`` a layer's offload modules form one group."""
-    module = root
-    for part in qualified.split(".")[:-1]:
-        parent, module = module, module.get_submodule(part)
-        if isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-            return module
-    return None
-
-
-def _check_disjoint(stage: Any, found: dict[str, list[tuple[str, nn.Module]]]) -> None:
-    owner: dict[int, tuple[str, str]] = {}
-    for name, modules in found.items():
-        for qualified, module in modules:
-            if id(module) in owner:
-                other_name, other_qualified = owner[id(module)]
-                raise ChunkOffloadError(
-                    f"submodule {qualified!r} of stage {stage.stage_index} is matched by offload modules "
-                    f"{other_name!r} and {name!r}; make the selectors disjoint"
-                )
-            owner[id(module)] = (name, qualified)
-    selected = {qualified: name for name, modules in found.items() for qualified, _ in modules}
-    for qualified, name in selected.items():
-        parts = qualified.split(".")
-        for outer in (".".join(parts[:i]) for i in range(1, len(parts))):
-            if outer in selected:
-                raise ChunkOffloadError(
-                    f"offload module {selected[outer]!r} selects {outer!r} and {name!r} selects {qualified!r} inside it "
-                    f"(stage {stage.stage_index}); offload groups cannot nest: choose one of them"
-                )
 
 
 def attach(

@@ -212,3 +212,20 @@ def test_selectors_by_pattern_and_class_and_detach_restores_everything():
         assert all(not m._forward_pre_hooks and not m._forward_hooks for s in submods for m in s.modules())
     finally:
         manager.close()
+
+
+def test_layer_groups_register_each_module_with_its_layer_and_warn_where_none_is():
+    """``group_by="layer"``: the layer of ``0.core_attn`` is the stage's Sequential element ``0`` (NOTE
+    [Layer groups]); a stage whose selected modules lie in no such element says so."""
+    config = OffloadConfig(min_offload_bytes=0, group_by="layer")
+    submods = [nn.Sequential(Block())]
+    manager = attach(_schedule("Schedule1F1B", 0, submods), ["*.core_attn", "*.qkv_linear"], config=config)
+    try:
+        assert [r.layer for r in manager.engine.module_offloads] == [submods[0][0]] * 2
+    finally:
+        manager.detach()
+        manager.close()
+    with pytest.warns(UserWarning, match=r"group_by='layer', but no offload module lies in a layer .*: each call is its own group"):
+        manager = attach(_schedule("Schedule1F1B", 0, [Block()]), ["core_attn", "qkv_linear"], config=config)
+    manager.detach()
+    manager.close()
