@@ -26,12 +26,14 @@ stderr and kills the child; the parent joins with a deadline as well and fails w
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -40,6 +42,7 @@ from tests._megatron_train import gpt_shape, named, reset_mtp_loss_tracker, trai
 from tests._spawn import run_ranks
 
 __all__ = [
+    "NEEDS_MEGATRON_ON_CPU",
     "Hooks",
     "RankResult",
     "Run",
@@ -49,6 +52,15 @@ __all__ = [
     "step_params",
 ]
 
+
+NEEDS_MEGATRON_ON_CPU = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+        reason='megatron-core is not installed (pip install "chunk-offload[megatron]")',
+    ),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="cpu_compat is inert on a CUDA host"),
+]
+"""``pytestmark`` of a module that trains on CPU ranks: megatron-core installed, no CUDA device."""
 
 def _identity(x: Any) -> Any:
     return x

@@ -33,7 +33,7 @@ from ..core.errors import ChunkOffloadError
 from ..module_names import OFFLOAD_MODULE_NAMES, canonical_modules, combination_problem
 from .dims import RECOMPUTE_MODULES
 from .estimate import StageEstimate, StagePlanner
-from .model import layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_recompute_flops, merged_layer_group
+from .model import layer_backward_flops, layer_forward_flops, layer_offload_groups, layer_recompute_flops
 
 __all__ = ["CoPlan", "StagePlan", "co_plan"]
 
@@ -173,9 +173,9 @@ def _offload_ms(planner: StagePlanner, stage: StageEstimate) -> float:
         copied = sum(1 for m in range(planner.pipeline.num_microbatches) if (m, vp) not in kept)
         for i, layer in enumerate(layers):
             receives = i == 0 and (stage.pp_rank, vp) != (0, 0)
-            groups = layer_offload_groups(dims, layer, stage.modules, min_offload_bytes=planner.min_offload_bytes, receives_input=receives)
-            if planner.group_by == "layer":
-                groups = merged_layer_group(dims, groups)
+            groups = planner.as_groups(
+                layer_offload_groups(dims, layer, stage.modules, min_offload_bytes=planner.min_offload_bytes, receives_input=receives)
+            )
             moved = sum(g.nbytes - g.kept_bytes for g in groups)
             out = hardware.copy_seconds(moved) - hardware.compute_seconds(layer_forward_flops(dims, layer))
             back = hardware.reload_seconds(moved) - hardware.compute_seconds(layer_backward_flops(dims, layer))

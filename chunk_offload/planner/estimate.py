@@ -284,6 +284,11 @@ class StagePlanner:
         check_modelled(modules)
         return [self._stage(r, modules) for r in range(self.pipeline.pipeline_parallel)]
 
+    def as_groups(self, layer_groups: list[LayerGroup]) -> list[LayerGroup]:
+        """One layer's module groups (`layer_offload_groups`) as the engine opens them under this
+        planner's ``group_by``: as they are, or one group (`merged_layer_group`)."""
+        return merged_layer_group(self.dims, layer_groups) if self.group_by == "layer" else layer_groups
+
     def _layer_groups(self, pp_rank: int, vp: int, modules: list[str]) -> list[tuple[int, list[LayerGroup]]]:
         """(layer, its groups) for each layer of chunk ``vp`` of ``pp_rank``. The chunk's first layer
         receives its input unless the chunk is the model's first (`model.held_elsewhere`)."""
@@ -297,15 +302,14 @@ class StagePlanner:
     def _stage(self, pp_rank: int, modules: list[str]) -> StageEstimate:
         dims, hardware, layers, plan = self.dims, self.hardware, self.layers[pp_rank], self.plans[pp_rank]
         per_layer = {v: self._layer_groups(pp_rank, v, modules) for v in range(len(layers))}
-        by_layer = merged_layer_group if self.group_by == "layer" else lambda dims, lg: lg
-        groups = {v: [g for _, lg in chunk for g in by_layer(dims, lg)] for v, chunk in per_layer.items()}
+        groups = {v: [g for _, lg in chunk for g in self.as_groups(lg)] for v, chunk in per_layer.items()}
         group_bytes = {v: [g.nbytes for g in gs] for v, gs in groups.items()}
         kept_bytes = {v: [g.kept_bytes for g in gs] for v, gs in groups.items()}
         module_bytes_per_layer: dict[str, int] = {}
         worst, copy_s, compute_s, reload_s = None, 0.0, 0.0, 0.0
         for layer, layer_groups_ in (entry for chunk in per_layer.values() for entry in chunk):
             module_bytes_per_layer.update(_per_name(layer_groups_))
-            offloaded = sum(g.nbytes - g.kept_bytes for g in by_layer(dims, layer_groups_))  # what its copies move
+            offloaded = sum(g.nbytes - g.kept_bytes for g in self.as_groups(layer_groups_))  # what its copies move
             c, f = hardware.copy_seconds(offloaded), hardware.compute_seconds(layer_forward_flops(dims, layer))
             if offloaded and (worst is None or c / f > copy_s / compute_s):
                 worst, copy_s, compute_s, reload_s = layer, c, f, hardware.reload_seconds(offloaded)

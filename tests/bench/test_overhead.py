@@ -62,6 +62,13 @@ def test_bad_argument_is_a_usage_error() -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_modules_per_layer_below_one_is_a_usage_error() -> None:
+    done = _run("--modules-per-layer", "0")
+    assert done.returncode == 2
+    assert "--modules-per-layer: must be an integer >= 1, got '0'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_negative_profile_is_a_usage_error() -> None:
     done = _run("--profile", "-1")
     assert done.returncode == 2

@@ -36,6 +36,13 @@ def test_bad_argument_is_a_usage_error() -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_modules_per_layer_below_one_is_a_usage_error() -> None:
+    done = _run("--modules-per-layer", "0")
+    assert done.returncode == 2
+    assert "--modules-per-layer: must be an integer >= 1, got '0'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_skips_cleanly_without_valgrind(tmp_path: Path) -> None:
     done = _run("--layers", "2", path=str(tmp_path))  # an empty PATH: no valgrind
     assert done.returncode == 0, done.stderr

@@ -24,9 +24,7 @@ from chunk_offload.planner import (
     group_bytes,
     layer_forward_flops,
     layer_groups,
-    layer_offload_groups,
     layer_saved_bytes,
-    merged_layer_group,
     saved_tensors,
 )
 
@@ -340,23 +338,3 @@ def test_unknown_module_names_the_valid_ones():
 def test_invalid_dimensions(overrides, message):
     with pytest.raises(ChunkOffloadError, match=message):
         _tiny(**overrides)
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "local"])
-def test_a_layer_group_counts_each_storage_once(attention: str):
-    """Under ``group_by="layer"`` a layer's groups are one (NOTE [Layer groups]): SDPA's output, which
-    attn_proj saves as its input, is one storage of that group; the local attention saves no output.
-    `tests/planner/test_estimate.py` checks the merged bytes against megatron-core runs."""
-    dims = GPTDims(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2, attention=attention, device="cpu")
-    modules = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_fc1"]
-    groups = layer_offload_groups(dims, 0, modules, min_offload_bytes=1, receives_input=True)
-    (merged,) = merged_layer_group(dims, groups)
-    proj = next(g for g in groups if g.name == "attn_proj")
-    shared = proj.nbytes if attention == "sdpa" else 0
-    assert merged.name == "+".join(modules)
-    assert merged.nbytes == sum(g.nbytes for g in groups) - shared
-    assert merged.kept_bytes == sum(g.kept_bytes for g in groups) > 0  # the received input, held elsewhere
-    assert merged_layer_group(dims, layer_offload_groups(dims, 0, ["core_attn"], min_offload_bytes=1))[0].nbytes == next(
-        g.nbytes for g in groups if g.name == "core_attn"
-    )
-    assert merged_layer_group(dims, []) == []

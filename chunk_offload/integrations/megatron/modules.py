@@ -142,10 +142,12 @@ def resolve(model_chunk: nn.Module, name: str) -> list[nn.Module]:
     Empty when the chunk has no layer with such a module (e.g. ``expert_fc1`` on a dense
     stage of a mixed model); `offload_submodules` warns when a name matches nowhere on the rank.
     """
-    modules: list[nn.Module] = []
-    for layer in transformer_layers(model_chunk):
-        modules += [m for m in _RESOLVERS[name](layer) if _present(m)]
-    return modules
+    return [m for layer in transformer_layers(model_chunk) for m in _layer_modules(layer, name)]
+
+
+def _layer_modules(layer: nn.Module, name: str) -> list[nn.Module]:
+    """The submodules of one transformer layer that offload name ``name`` (canonical) stands for."""
+    return [m for m in _RESOLVERS[name](layer) if _present(m)]
 
 
 def check_model_support(chunks: Sequence[nn.Module], names: Sequence[str]) -> None:
@@ -224,10 +226,9 @@ def offload_submodules(engine: OffloadManager, chunks: Sequence[nn.Module], name
         engine.protect_module(chunk)
         for layer in transformer_layers(chunk):  # each layer's modules: one group with OffloadConfig.group_by="layer"
             for name in names:
-                for module in _RESOLVERS[name](layer):
-                    if _present(module):
-                        engine.offload_module(module, name, layer=layer)
-                        registered[name] = registered.get(name, 0) + 1
+                for module in _layer_modules(layer, name):
+                    engine.offload_module(module, name, layer=layer)
+                    registered[name] = registered.get(name, 0) + 1
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0  # ranks log alike: say which
     for name in names:
         if name not in registered:

@@ -9,22 +9,15 @@ test checks that guard.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import time
 
 import pytest
 import torch
 
-from tests._megatron import Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
+from tests._megatron import NEEDS_MEGATRON_ON_CPU, Hooks, RankResult, Run, TinyGPTConfig, spawn_runs
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-        reason='megatron-core is not installed (pip install "chunk-offload[megatron]")',
-    ),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="cpu_compat is inert on a CUDA host"),
-]
+pytestmark = NEEDS_MEGATRON_ON_CPU
 
 # Hang guard for the children (faulthandler) and the parent's join; a normal test takes ~10-20 s.
 _TIMEOUT_S = 90.0

@@ -13,22 +13,15 @@ in core/marks.py). Each case trains without offload, with per-module groups and 
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 
-from tests._megatron import Hooks, Run, TinyGPTConfig, spawn_runs
+from tests._megatron import NEEDS_MEGATRON_ON_CPU, Hooks, Run, TinyGPTConfig, spawn_runs
 from tests._megatron_offload import OffloadHooks
 from tests.integrations.megatron._attach_expect import module_counts
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-        reason='megatron-core is not installed (pip install "chunk-offload[megatron]")',
-    ),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="cpu_compat is inert on a CUDA host"),
-]
+pytestmark = NEEDS_MEGATRON_ON_CPU
 
 _TIMEOUT_S = 150.0
 _CASES = {
