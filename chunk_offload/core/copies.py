@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from ._torch_compat import weak_storage
-from .saved import Storage, alive, byte_view, copy_pairs
+from .saved import Storage, alive, byte_view, copy_pairs, same_view
 
 if TYPE_CHECKING:
     from .engine_context import EngineContext
@@ -30,13 +30,17 @@ def view_device_bytes(ctx: "EngineContext", name: str, storages: Iterable[Storag
 
     NOTE [Direct copies]
     A storage saved through one contiguous view that covers its whole copied span (the common
-    case: a fresh activation) is copied as that view itself: to a host view of its dtype and
+    case: a fresh activation; also saved several times, as the same view, the way a layer group
+    holds an output that one module saves and the next saves as its input) is copied as that
+    view itself: to a host view of its dtype and
     shape, back into a new device tensor of that dtype and shape, which unpack then returns as
     it is. Any other storage (several views, strided or unaligned ones) is copied as a uint8
     byte span made with ``aten::set_`` and its views are rebuilt on it at unpack. Both copy the
     same bytes and give backward the same values, strides and offsets; the direct form saves
-    per storage the byte view at the offload and the rebuilt view at each unpack, two tensor
-    allocations and two ``set_`` calls on the host path (NOTE [CUDA host path]).
+    per storage the byte view at the offload and the rebuilt view at each unpack, a tensor
+    allocation and a ``set_`` call each on the host path (NOTE [CUDA host path]). Every unpack
+    of a storage copied directly returns the one device copy, as autograd without offload would
+    hand each node the one tensor.
 
     NOTE [Offload order]
     The CUDA sanitizer counts the ``set_`` that makes a byte view as a compute-stream write of
@@ -51,11 +55,12 @@ def view_device_bytes(ctx: "EngineContext", name: str, storages: Iterable[Storag
             continue
         only = storage.only_view()
         if only is not None:
-            tensor, views = only.tensor, 1
+            tensor, views, one_view = only.tensor, 1, True
         else:
             refs = alive(storage)
             tensor, views = refs[0].tensor, len(refs)
-        if views == 1 and tensor.nbytes == storage.nbytes and tensor.is_contiguous():
+            one_view = all(same_view(ref.tensor, tensor) for ref in refs[1:])
+        if one_view and tensor.nbytes == storage.nbytes and tensor.is_contiguous():
             # A group input is held as it is and may require grad: its copy must not record
             # history (a copy into a pooled host buffer would keep the graph alive).
             storage.device_bytes = tensor.detach() if tensor.requires_grad else tensor

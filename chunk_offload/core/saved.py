@@ -16,7 +16,7 @@ from .host_pool import HostBuffer
 
 __all__ = [
     "SPAN_ALIGN", "EmptyTensors", "KeptRef", "SavedRef", "Storage", "alive", "byte_view", "check_version", "copy_pairs",
-    "fix_spans", "version_probe",
+    "fix_spans", "same_view", "version_probe",
 ]  # fmt: skip
 
 # Alignment of a copied span's start, so that every view's offset stays a whole number of
@@ -302,6 +302,16 @@ def alive(storage: Storage) -> list[SavedRef]:
     if storage.more is not None:
         refs += [ref for weak in storage.more if (ref := weak()) is not None]
     return refs
+
+
+def same_view(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``tensor`` views its storage exactly as ``other`` does (dtype, shape, strides, offset)."""
+    return tensor is other or (
+        tensor.dtype == other.dtype
+        and tensor.storage_offset() == other.storage_offset()
+        and tensor.shape == other.shape
+        and tensor.stride() == other.stride()
+    )
 
 
 def byte_view(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:

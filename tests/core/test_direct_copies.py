@@ -1,6 +1,6 @@
 """NOTE [Direct copies] (core/copies.py): a storage saved through one contiguous view that covers
-its span is copied as that view itself; any other storage as a uint8 byte span whose views are
-rebuilt at unpack. Both give backward the same values, shapes and strides.
+its span (once, or several times as the same view) is copied as that view itself; any other
+storage as a uint8 byte span whose views are rebuilt at unpack. Both give backward the same values, shapes and strides.
 
 Which form ran is seen from outside through torch's profiler: the byte form costs one
 ``aten::set_`` at the offload (the byte view) and one per unpack (the rebuilt view); the direct
@@ -87,6 +87,52 @@ class SaveOne(torch.autograd.Function):
         (view,) = ctx.saved_tensors
         SaveOne.seen.append((tuple(view.shape), view.stride()))
         return grad * 2.0 * view
+
+
+@pytest.mark.parametrize(
+    ("make_views", "set_calls_expected"),
+    [
+        (lambda v: (v, v), 0),  # one tensor saved twice (an output, then the next call's input)
+        (lambda v: (v, v.view(v.shape)), 0),  # two tensors, one view of the storage
+        (lambda v: (v, v[1:]), 3),  # two views: a byte view at offload, one rebuilt view per unpack
+        (lambda v: (v, v.view(COLS, ROWS)), 3),  # the same bytes, another shape
+    ],
+    ids=["same-tensor", "same-view", "two-views", "reshaped"],
+)
+def test_a_storage_saved_twice_as_one_view_is_copied_directly(make_views, set_calls_expected: int) -> None:
+    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(5))
+    module = Fn(lambda z: SaveTwo.apply(*make_views(z * 1.5)))
+    SaveTwo.seen.clear()
+    expected, _ = _run(module, x, None)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        manager.offload_module(module, "g")
+        got, set_calls = _run(module, x, manager)
+        stats = manager.stats().groups["g"]
+        assert_clean(manager)
+    finally:
+        manager.close()
+    assert torch.equal(got, expected)
+    assert SaveTwo.seen[1] == SaveTwo.seen[0]
+    assert stats.tensors_offloaded == 2 and stats.bytes_offloaded == x.numel() * x.element_size()
+    assert set_calls == set_calls_expected
+
+
+class SaveTwo(torch.autograd.Function):
+    """``a * b.sum()`` saving ``a`` and ``b``; backward records the shapes and strides it gets back."""
+
+    seen: list[tuple[tuple[int, ...], ...]] = []
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a * b.sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        SaveTwo.seen.append((tuple(a.shape), a.stride(), tuple(b.shape), b.stride()))
+        return grad * b.sum(), (grad * a).sum().expand_as(b)
 
 
 def test_a_group_input_that_requires_grad_is_copied_without_history() -> None:
