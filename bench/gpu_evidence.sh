@@ -19,7 +19,10 @@
 # reload-ahead runs (which replace its fixed 256 MiB ones; the budget runs now reload ahead by
 # timing too, where the budget allows) and the replays' fourth build (--budget-bytes megatron,
 # about 20 s each) and the comparison's layer-group runs (--layer-groups, four runs, about 25 s)
-# were added: about 9 minutes in all. tests/gpu also
+# and the host-bound comparison's profile (--profile 2: two more steps per run, about 20 s) were
+# added; the sanitizer step (118 s on 2026-11-26) now runs the parity tests of one seed (8 of
+# its 12 runs left out, about 40 s less): about 9 minutes in all, and both pytest steps print
+# their per-test times (--durations=0) to plan the next run by. tests/gpu also
 # checks that action starts are device times (NOTE [Action times]), which every timed decision
 # reads. A session's device time is 15 minutes, the machine's start included: run them in one call
 # with a wall-clock limit of about 9 minutes; what the finished steps wrote still comes back if
@@ -39,12 +42,14 @@
 set -u -o pipefail
 
 readonly STEPS=(install env tests sanitizer overhead compare replay replay_coplan sanitizer_pp4 replay_last bandwidth)
-declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=200 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=130 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
+declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=240 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=130 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
-    [tests]='"$PY" -m pytest -v -rsP -p no:cacheprovider tests/gpu'
-    [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu -k "not pp4_stage0 and not saved_twice"'
+    [tests]='"$PY" -m pytest -v -rsP --durations=0 -p no:cacheprovider tests/gpu'
+    # Under the sanitizer the parity runs of seed 0 only: it checks the order of stream accesses,
+    # which no seed changes (the tests step runs all three seeds).
+    [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu -k "not pp4_stage0 and not saved_twice and not -1- and not -2-"'
     [replay]='replay_stage 0 replay.json'
     [compare]='compare_pp1'
     [replay_last]='replay_stage 3 replay_last.json'
@@ -64,7 +69,7 @@ declare -A DESCRIBE=(
     [env]='date, git rev-parse HEAD, nvidia-smi, python/torch/CUDA/device, megatron-core/numpy/pytest versions'
     [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 --attention sdpa [--compare megatron --budget-bytes megatron where --help lists them] --json "$OUT_DIR/replay.json"'
     [replay_last]='the same as replay with --stage 3 (the last stage) --json "$OUT_DIR/replay_last.json"'
-    [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --json "$OUT_DIR/compare.json"; then --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 ... --json "$OUT_DIR/compare_host.json"'
+    [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --json "$OUT_DIR/compare.json"; then --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 ... --profile 2 --json "$OUT_DIR/compare_host.json"'
 )
 readonly LOG_HALF_BYTES=$((1 << 20))  # a step's log above 2 MiB keeps its first and last MiB
 
@@ -149,7 +154,7 @@ compare_pp1() {
         --json "$OUT_DIR/compare.json" || rc=$?
     # shellcheck disable=SC2086
     "$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON \
-        --json "$OUT_DIR/compare_host.json" || rc=$?
+        --profile 2 --json "$OUT_DIR/compare_host.json" || rc=$?
     return "$rc"
 }
 

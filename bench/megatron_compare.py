@@ -25,6 +25,10 @@ model from the same seed (so the same weights and inputs):
   modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
   missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``).
 
+With ``--profile`` each run trains one more step under cProfile, and the table is followed by
+what each run adds to the host time of that step over the run without offload, by function
+(own time per layer call): where an engine's host path goes (issue 26 item 4).
+
 Each iteration is timed with the device synchronised before and after; the peak is
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (on CPU: chunk-offload's
 accounting of saved bytes, n/a for the others). Losses are those of the first measured
@@ -58,6 +62,9 @@ from chunk_offload.module_names import canonical_modules
 from chunk_offload.replay import megatron_builtin as builtin
 from chunk_offload.replay.stage import megatron_stage
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _host_profile import format_rows, over, own_times  # noqa: E402  (the benches' shared profile)
+
 __all__ = ["main", "parse_args"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reload-ahead-bytes", type=int, default=None, help="also run chunk-offload with this reload-ahead budget")
     p.add_argument("--timed-reload-ahead", action="store_true", help="also run chunk-offload with timed_reload_ahead=True")
     p.add_argument("--layer-groups", action="store_true", help="also run chunk-offload with group_by='layer'")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N more steps per run: host time by function over 'none' (0: none)")
     p.add_argument("--iterations", type=int, default=4, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per run (megatron's offload needs >= 1)")
     p.add_argument("--seed", type=int, default=1234)
@@ -93,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
     if args.warmup < 1:
         p.error(f"--warmup must be an integer >= 1 (megatron's offload warms up in its first iteration), got {args.warmup}")
-    for flag in ("min_offload_bytes", "budget_bytes", "reload_ahead_bytes"):
+    for flag in ("min_offload_bytes", "budget_bytes", "reload_ahead_bytes", "profile"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             p.error(f"--{flag.replace('_', '-')} must be an integer >= 0, got {value}")
@@ -153,19 +162,24 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
         cuda, device = stage.device.type == "cuda", stage.device
         forward_backward, step, manager, seen = _with_offload(stack, args, model, modules, run, budget)
         batches = stage.token_batches(args.microbatches, iteration=0)
-        for i in range(args.warmup + args.iterations):
+
+        def train_step() -> list:
             model.zero_grad(set_to_none=False)
             seen.clear()
-            if cuda:  # each iteration timed alone, its peak its own
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
             with builtin.summary_to_log():
                 store = forward_backward(forward_step_func=step, data_iterator=iter(batches), model=model,
                                          num_microbatches=args.microbatches, seq_length=args.seq,
                                          micro_batch_size=args.micro_batch_size, forward_only=False)  # fmt: skip
             if cuda:
                 torch.cuda.synchronize(device)
+            return store
+
+        for i in range(args.warmup + args.iterations):
+            if cuda:  # each iteration timed alone, its peak its own
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            store = train_step()
             elapsed = time.perf_counter() - start
             if i < args.warmup:
                 continue
@@ -177,6 +191,8 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             if losses is None:
                 losses = [d["lm loss"].detach().cpu() for d in store]
         grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+        # More steps, not in the times above.
+        profile = own_times(train_step, steps=args.profile, engine=_engine_files(run)) if args.profile else None
     # A chunk-offload run leaves its model in a reference cycle (model hooks <-> manager) that only
     # the garbage collector frees: collect it, or the next run's peak includes this run's model.
     gc.collect()
@@ -186,7 +202,8 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             "median_step_s": statistics.median(times), "min_step_s": min(times), "bytes_copied": copied[-1],
             "budget_bytes": budget if run.endswith("budget") else None,
             "compute_wait_ms": None if None in waits else statistics.median(waits) * 1e3,
-            "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses, "_grads": grads}  # fmt: skip
+            "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses, "_grads": grads,
+            "_profile": profile}  # fmt: skip
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:
@@ -217,7 +234,34 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
     for row in rows:
         if "skipped" not in row:
             row.update(_same(base, row), overhead=row["median_step_s"] / base["median_step_s"] - 1)
+            if row is not base and row["_profile"] is not None:
+                (times, engine), (base_times, _) = row["_profile"], base["_profile"]
+                row.update(_host_added=over(times, base_times), engine_host_ms=engine * 1e3)
     return rows
+
+
+def _profile_lines(rows: list[dict[str, Any]], layer_calls: int) -> list[str]:
+    """Each run's host time over 'none' by function (`--profile`): what the engine adds to one step."""
+    lines = ["host profile (--profile; cProfile slows every Python call: compare the runs, not with the step times): "
+             f"per layer call (one layer's forward and backward of one microbatch; {layer_calls} per step), median of the "
+             "profiled steps: the engine's own host time (its functions and the C calls they make), then the functions "
+             "adding most own time over 'none' (us, calls)"]  # fmt: skip
+    for r in rows:
+        added = r.get("_host_added")
+        if added is None:
+            continue
+        lines.append(f"{r['modules']} / {r['run']}: engine {r['engine_host_ms'] * 1e3 / layer_calls:.1f} us per layer call")
+        lines.extend(format_rows(added, layer_calls, top=15))
+    return lines
+
+
+def _engine_files(run: str) -> Callable[[str], bool] | None:
+    """Which source files are ``run``'s offload engine (`_host_profile.engine_seconds`)."""
+    if run.startswith("chunk-offload"):
+        return lambda file: "/chunk_offload/" in file and not any(f"/chunk_offload/{part}/" in file for part in ("devkit", "replay"))
+    if run == "megatron":
+        return lambda file: file.endswith("fine_grained_activation_offload.py")
+    return None
 
 
 def _format(rows: list[dict[str, Any]], device: str) -> str:
@@ -261,9 +305,15 @@ def main(argv: list[str] | None = None) -> int:
           f"(megatron no-pipelining schedule); device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; "
           f"megatron-core {megatron.core.__version__}")  # fmt: skip
     print(_format(rows, device))
+    if args.profile:
+        print("\n".join(_profile_lines(rows, args.layers * args.microbatches)))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+        for row, r in zip(public, rows):
+            if r.get("_host_added") is not None:  # the 15 functions adding most host time, seconds per step
+                heaviest = sorted(r["_host_added"].items(), key=lambda item: item[1][1], reverse=True)[:15]
+                row["host_added_s"] = {f"{name} ({file}:{line})": own for (file, line, name), (_, own) in heaviest}
         args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                          "device": device, "megatron_core": megatron.core.__version__, "rows": public},
                                         indent=2))  # fmt: skip

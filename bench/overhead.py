@@ -32,16 +32,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
-import io
-import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 import chunk_offload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _host_profile import format_rows, own_times  # noqa: E402  (the benches' shared profile)
 
 __all__ = ["main"]
 
@@ -150,18 +153,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def print_profile(model: nn.Sequential, manager: chunk_offload.OffloadManager, *, x: torch.Tensor, iterations: int, groups: int) -> None:
     """Host time of the offload mode by function (own time, cProfile), in microseconds per group."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(iterations):
-        one_iteration(model, x, manager)
-    profiler.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out)
-    per_group = 1e6 / (iterations * groups)
-    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:20]  # (cc, nc, tottime, cumtime, callers)
+
+    def work() -> None:
+        for _ in range(iterations):
+            one_iteration(model, x, manager)
+
     print(f"profile of the offload mode, {iterations} iterations: own host time per group (us), calls per group, function")
-    for (file, line, name), (_, calls, own, _, _) in rows:
-        print(f"{own * per_group:9.2f} {calls / (iterations * groups):7.2f}  {name} ({file.rsplit('/', 1)[-1]}:{line})")
+    times, _ = own_times(work)
+    print("\n".join(format_rows(times, iterations * groups)))
 
 
 def main(argv: list[str] | None = None) -> None:

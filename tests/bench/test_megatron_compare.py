@@ -82,6 +82,20 @@ def test_reload_ahead_timed_reload_ahead_and_layer_groups_add_bit_identical_runs
     assert "chunk-offload layer" in done.stdout
 
 
+def test_profile_gives_each_engine_its_host_time(tmp_path) -> None:
+    out = tmp_path / "compare.json"
+    done = _run("--min-offload-bytes", "1", "--iterations", "1", "--warmup", "1", "--modules", "core_attn,qkv_linear",
+                "--profile", "2", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    runs = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "engine_host_ms" not in runs["none"] and "host_added_s" not in runs["none"]
+    for run in ("chunk-offload", "chunk-offload budget", "megatron"):
+        assert runs[run]["engine_host_ms"] > 0, run
+        assert len(runs[run]["host_added_s"]) == 15, run
+        assert f"core_attn,qkv_linear / {run}: engine " in done.stdout
+    assert runs["chunk-offload"]["losses_identical"] and runs["chunk-offload"]["grads_identical"]
+
+
 def test_bad_flag_exits_2() -> None:
     done = _run("--no-such-flag")
     assert done.returncode == 2, done.stderr
@@ -98,6 +112,7 @@ def test_bad_flag_exits_2() -> None:
         (["--budget-bytes", "-1"], "--budget-bytes must be an integer >= 0, got -1"),
         (["--reload-ahead-bytes", "-5"], "--reload-ahead-bytes must be an integer >= 0, got -5"),
         (["--reload-ahead-bytes", "lots"], "argument --reload-ahead-bytes: invalid int value: 'lots'"),
+        (["--profile", "-1"], "--profile must be an integer >= 0, got -1"),
     ],
 )
 def test_usage_errors(capsys, argv: list[str], message: str) -> None:

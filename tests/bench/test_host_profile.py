@@ -1,0 +1,42 @@
+"""`bench/_host_profile.py`: per-function calls and own time, an engine's share, and the difference of two runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from _host_profile import format_rows, over, own_times  # noqa: E402
+
+THIS_FILE = __file__
+
+
+def _leaf(n: int) -> int:
+    return sum(range(n))
+
+
+def _work(calls: int):
+    def work() -> None:
+        for _ in range(calls):
+            _leaf(200)
+
+    return work
+
+
+def test_calls_are_counted_per_step_and_subtracted_exactly() -> None:
+    seven, seven_spent = own_times(_work(7), steps=3, engine=lambda file: file == THIS_FILE)
+    three, _ = own_times(_work(3), steps=3)
+    key = next(k for k in seven if k[2] == "_leaf")
+    assert seven[key][0] == 7 and three[key][0] == 3
+    assert over(seven, three)[key][0] == 4
+    # This file's functions and the C calls they make (sum, range) are the engine here.
+    own_here = sum(own for (file, _, _), (_, own) in seven.items() if file == THIS_FILE)
+    assert seven_spent > own_here > 0
+    rows = format_rows({key: seven[key]}, per=7)
+    assert len(rows) == 1 and rows[0].split()[1] == "1.00" and rows[0].endswith(f"_leaf (test_host_profile.py:{key[1]})")
+
+
+def test_a_function_only_in_the_baseline_counts_negative() -> None:
+    a = {("f.py", 1, "f"): (2, 0.5)}
+    b = {("g.py", 2, "g"): (1, 0.25)}
+    assert over(a, b) == {("f.py", 1, "f"): (2, 0.5), ("g.py", 2, "g"): (-1, -0.25)}
