@@ -40,10 +40,12 @@ class OffloadConfig:
     so device memory follows the program exactly, at the cost of stalls where the link lags.
     False: the originals are handed to the copy stream and their memory is reused once their
     copy ends, with no stall (NOTE [Release by the copy stream] in core/copies.py)."""
-    group_by: Literal["module", "layer"] = config_default("OffloadConfig.group_by")
-    """'module': each call of a registered module is one group. 'layer': calls of modules registered
-    with one ``layer`` (`OffloadManager.offload_module`) that follow one another in a chunk's forward
-    form one group (NOTE [Layer groups] in core/marks.py)."""
+    group_by: Literal["call", "module", "layer"] = config_default("OffloadConfig.group_by")
+    """'module': each call of a registered module is one group, but a call registered to join another
+    (``joins``) that saves a storage of that call's group collects into it (NOTE [Joined calls] in
+    core/marks.py). 'layer': calls of modules registered with one ``layer`` (`OffloadManager.offload_module`)
+    that follow one another in a chunk's forward form one group (NOTE [Layer groups]). 'call': each call
+    its own group, no joins."""
     profile_ranges: bool = config_default("OffloadConfig.profile_ranges")
     """Mark each group's offload and reload issue, the compute waits on them and policy prefetches
     with `torch.profiler.record_function` ranges (NVTX ranges on CUDA under nsys or ``emit_nvtx``),

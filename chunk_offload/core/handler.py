@@ -1,9 +1,6 @@
-"""`ChunkOffloadHandler`: the offload groups of one (microbatch, virtual stage) chunk.
-
-It keeps Transformer Engine's offload-handler protocol (``tensor_push``, ``tensor_pop``,
-``on_group_commit_forward``, ``on_group_commit_backward``, ``bulk_offload_group``,
-``bulk_reload_group``, ``groupid_reset``) so TE's saved-tensor hook can drive it, and adds
-named groups for our own start/commit marks.
+"""`ChunkOffloadHandler`: the offload groups of one (microbatch, virtual stage) chunk. It keeps
+Transformer Engine's offload-handler protocol (``tensor_push``, ``tensor_pop``, ``on_group_commit_*``,
+``bulk_*_group``, ``groupid_reset``) so TE's saved-tensor hook can drive it; named groups for our marks.
 
 NOTE [Release and prefetch order]
 Forward: committing group g issues its copies to host, then releases the device tensors of
@@ -30,6 +27,7 @@ from .errors import ChunkOffloadError
 from .engine_context import EngineContext, profile_range
 from .group import OffloadGroup
 from .group_state import GroupState
+from .joins import CallJoins
 from .saved import KeptRef, SavedRef
 from .ordering import prefetch_selection, reload_ahead_selection
 
@@ -92,8 +90,7 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self._states = _GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
-        self._pending: OffloadGroup | None = None  # a layer group the next call of its layer joins (NOTE [Layer groups] in marks.py)
-        self._pending_layer: object = None
+        self._joins = CallJoins(self._commit)  # NOTE [Layer groups] and NOTE [Joined calls] in marks.py
         self._unreleased = 0
         self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
@@ -114,10 +111,11 @@ class ChunkOffloadHandler:
         return self._unreleased == 0 and self.current is None
 
     # ------------------------------------------------------------------ named groups
-    def open_group(self, name: str, inputs: Sequence[torch.Tensor] = (), layer: object = None) -> OffloadGroup:
+    def open_group(self, name: str, inputs: Sequence[torch.Tensor] = (), layer: object = None, if_shared: bool = False) -> OffloadGroup:
         """Start collecting the tensors saved by one call of submodule ``name`` on ``inputs``.
 
-        ``layer`` (not None): the call joins the pending group of the same layer, if any (NOTE [Layer groups] in marks.py).
+        ``layer`` (not None): the call joins the pending group of the same layer, if any (NOTE [Layer groups] in marks.py);
+        ``if_shared``: only if its first tensor to copy is a storage of that group (NOTE [Joined calls]).
         """
         if self._forward_ended:
             raise ChunkOffloadError(
@@ -130,14 +128,10 @@ class ChunkOffloadHandler:
                 f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
                 "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
             )
-        pending = self._pending
-        if pending is not None:
-            if layer is not None and layer is self._pending_layer:
-                self._pending = self._pending_layer = None
-                pending.join(name, inputs)
-                self.current = pending
-                return pending
-            self._commit_pending()
+        joined = self._joins.join(name, inputs, layer, if_shared)
+        if joined is not None:
+            self.current = joined
+            return joined
         group = OffloadGroup(self, name, len(self.groups), inputs)
         self.groups.append(group)
         self.current = group
@@ -145,10 +139,10 @@ class ChunkOffloadHandler:
         return group
 
     def commit_group(self, name: str | None = None, layer: object = None) -> OffloadGroup:
-        """Close the open group (checking its name) and start its offload.
-
-        ``layer`` (not None): end the call but leave the group pending, for the next call of ``layer`` to join.
-        """
+        """Close the open group (checking its name) and start its offload; ``layer`` (not None): leave
+        it pending instead, for the next call of ``layer`` to join. Returns the call's group."""
+        if self._joins.tentative:  # the call saved nothing
+            self._settle_join(None)
         group = self.current
         if group is None:
             raise ChunkOffloadError(
@@ -162,17 +156,22 @@ class ChunkOffloadHandler:
             )
         self.current = None
         if layer is not None:
-            self._pending, self._pending_layer = group, layer
+            self._joins.leave_pending(group, layer)
             return group
         self._commit(group)
         return group
 
-    def _commit_pending(self) -> None:
-        """Commit the pending layer group, if any: no further call joins it."""
-        group = self._pending
-        if group is not None:
-            self._pending = self._pending_layer = None
-            self._commit(group)
+    def _settle_join(self, first_key: int | None) -> OffloadGroup:
+        """The tentatively joined call's first copied tensor views storage ``first_key``: its group,
+        the joined one or one of its own (NOTE [Joined calls] in marks.py)."""
+        undone = self._joins.settle(first_key)
+        if undone is None:
+            return self.current
+        name, inputs, input_nodes = undone
+        self.current = None
+        group = self.open_group(name, inputs)
+        group.input_nodes = input_nodes
+        return group
 
     def _commit(self, group: OffloadGroup) -> None:
         group.commit()
@@ -193,7 +192,7 @@ class ChunkOffloadHandler:
                 f"chunk {self.key} ended with group {self.current.name!r} still open; every group_start "
                 "needs a group_commit inside the chunk."
             )
-        self._commit_pending()
+        self._joins.commit_pending()
         self._forward_ended = True
         self._release_held()
         held = self.ctx.held_elsewhere
@@ -261,15 +260,15 @@ class ChunkOffloadHandler:
         return self._learned or [0] * len(self.groups)
 
     def group_shared(self) -> list[tuple[int, ...]] | None:
-        """The sets of groups that saved one storage held nowhere else (`HeldElsewhere.shared_groups`),
-        found at the forward's end of a chunk that copies or probes; None in any other chunk."""
+        """`HeldElsewhere.shared_groups` at the forward's end of a chunk that copies or probes; else None."""
         return None if self._shared is None else list(self._shared)
 
     def abort(self) -> None:
         """Discard every group now: copies finished, buffers returned, later unpacks raise."""
         self.ctx.streams.synchronize()
         self._forward_ended = True
-        self.current = self._pending = self._pending_layer = None
+        self.current = None
+        self._joins.clear()
         self._holding = []
         for group in self.groups:
             group.discard()
@@ -295,6 +294,8 @@ class ChunkOffloadHandler:
             group = self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
         offload, key = self._decide(tensor, group.inputs)
         if offload:
+            if self._joins.tentative:
+                group = self._settle_join(key)
             return group.save(tensor, key)
         return group.keep(tensor, key)
 

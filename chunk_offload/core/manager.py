@@ -5,9 +5,8 @@ the iteration, the stats and the iteration records; there is no global instance.
 
 Scopes are method pairs: `begin_iteration` / `end_iteration` around one optimizer step, `begin_chunk`
 / `end_chunk` around one chunk's forward; ``with`` `iteration()` / `chunk()` wrap them (an exception
-discards the iteration, or aborts the chunk).
-Integrations drive the pairs from their hooks and read the public properties (`in_iteration`,
-`closed`, `iteration_handlers`, `current_handler`, `module_offloads`).
+discards the iteration, or aborts the chunk). Integrations drive the pairs from their hooks and read
+the public properties (`in_iteration`, `closed`, `iteration_handlers`, `current_handler`, `module_offloads`).
 """
 
 from __future__ import annotations
@@ -105,14 +104,15 @@ class OffloadManager:
         """What the last iteration that completed did (peaks, traces, bytes per group)."""
 
     # ------------------------------------------------------------------ registration
-    def offload_module(self, module: nn.Module, name: str, *, layer: nn.Module | None = None) -> ModuleOffload:
+    def offload_module(self, module: nn.Module, name: str, *, layer: nn.Module | None = None, joins: str | None = None) -> ModuleOffload:
         """Offload, as one group named ``name``, what each call of ``module`` saves for backward.
 
         ``layer``: the layer ``module`` belongs to; with ``OffloadConfig.group_by="layer"`` the
-        calls of one layer's modules form one group (NOTE [Layer groups] in marks.py). The module's
-        own parameters and buffers are protected. Returns a handle whose ``remove()`` undoes the registration.
+        calls of one layer's modules form one group (NOTE [Layer groups] in marks.py). ``joins``: a
+        module of ``layer`` whose call this one follows and saves a storage of (NOTE [Joined calls]).
+        Its own parameters and buffers are protected. Returns a handle whose ``remove()`` undoes it.
         """
-        registration = self._registry.add(self, module, name, layer, by_layer=self.config.group_by == "layer")
+        registration = self._registry.add(self, module, name, layer, group_by=self.config.group_by, joins=joins)
         self.tensor_filter.protect(module)
         return registration
 

@@ -36,6 +36,24 @@ reload is one. The group's copy starts when the layer's last offload module retu
 module's end, so a layer's originals stay on device until then. The budget and the ordering rules
 see one group per layer: they keep, copy and reload whole layers, so where a chunk's peak is at its
 backward start (a kept tail, a reload ahead) it can hold up to a layer more than module groups would.
+
+NOTE [Joined calls]
+Two modules of one layer may save one storage: SDPA's output is core attention's saved output and
+the attention projection's saved input. As groups of their own both copy it and both reload it:
+link time and host memory spent on bytes that lower no peak. Under ``group_by="module"`` a module
+registered with ``joins=<name>`` (`OffloadManager.offload_module`; the Megatron integration's
+attn_proj, ``joins="core_attn"``) joins the group of the call of ``<name>`` before it in its layer
+if it saves a storage of that group. The call of ``<name>`` stays pending at its end (as in layer
+groups) and the joining call collects into it on trial (`joins.CallJoins`); its first tensor to copy
+decides. A storage of the group keeps the join: the storage is copied and reloaded once, in one
+group named ``<name>+<joiner>``. Anything else, or no tensor to copy by the call's end, undoes it:
+the group commits as it was and the call opens a group of its own, as without ``joins`` (megatron's
+local attention saves no output). Anything else that opens a group, or the forward's end, commits
+the pending group, so a call of ``<name>`` not followed by its joiner stays alone. The copy of
+``<name>``'s group thus starts when the join is decided, not at its own end; in backward a joined
+pair reloads as one when the joining call's backward begins, where module groups would have
+reloaded ``<name>``'s group one group ahead anyway. ``group_by="call"``: no joins; "layer": every
+call of a layer joins. The planner models it (`planner.grouping.joined_groups`).
 """
 
 from __future__ import annotations
@@ -81,14 +99,17 @@ class GroupMarks:
         self.open(handler, _tensors_of(tensors), name)
         return tensors
 
-    def open(self, handler: ChunkOffloadHandler, inputs: list[torch.Tensor], name: str, layer: object = None) -> None:
+    def open(
+        self, handler: ChunkOffloadHandler, inputs: list[torch.Tensor], name: str, layer: object = None, if_shared: bool = False
+    ) -> None:
         """Open group ``name`` on ``handler`` with input tensors ``inputs`` and push its hooks;
-        ``layer``: join the pending group of that layer (NOTE [Layer groups]).
+        ``layer``: join the pending group of that layer (NOTE [Layer groups]), ``if_shared``: only
+        if the call saves a storage of it (NOTE [Joined calls]).
 
         The caller checked that gradients are enabled and no foreign saved-tensor hook is active.
         """
         # A plain call, no autograd node on the inputs: see NOTE [Group backward hook].
-        group = handler.open_group(name, inputs, layer)
+        group = handler.open_group(name, inputs, layer, if_shared)
         # The inputs' nodes as they are now: an input modified in place inside the group gets a
         # node of the group, and an output that is that input is then an output the group created.
         group.input_nodes = [node for t in inputs if (node := t.grad_fn) is not None]
@@ -110,7 +131,7 @@ class GroupMarks:
         pop_saved_tensors_hooks()
         self._hooks_pushed -= 1
         inputs, group.input_nodes = group.input_nodes, ()  # no graph refs kept
-        handler.commit_group(name, layer)
+        group = handler.commit_group(name, layer)  # another group where a tentative join was undone
         # NOTE [Group backward hook]: a gradient hook on each output the group created.
         hook = group.on_output_grad
         if type(tensors) is torch.Tensor:  # the common case, without flattening
@@ -157,6 +178,7 @@ class ModuleOffload:
         marks: GroupMarks,
         on_remove: Callable[["ModuleOffload"], None],
         layer: object = None,
+        joins: str | None = None,
     ) -> None:
         self._manager = weakref.ref(manager)
         self._marks = marks  # the manager's own: the hooks open and commit through it, without its re-checks
@@ -164,6 +186,14 @@ class ModuleOffload:
         self.name = name
         self.layer = layer
         """The layer whose calls form one group with this module's (NOTE [Layer groups]); None: its own group."""
+        self.joins = joins
+        """The module of the same layer whose pending group this module's call joins (NOTE [Joined calls])."""
+        self.open_layer: object = layer
+        """What a call's start passes `GroupMarks.open`: the layer whose pending group it joins, or None."""
+        self.commit_layer: object = layer
+        """What a call's end passes `GroupMarks.commit`: the layer for whose next call it stays pending, or None."""
+        self.if_shared = False
+        """Whether a call joins only if it saves a storage of the group (``joins`` without layer groups)."""
         self._on_remove = on_remove
         self._opened = _OpenedStack()  # per thread and nested call: did the pre-hook open a group?
         self._handles = [
@@ -189,7 +219,7 @@ class ModuleOffload:
         values = (*args, *kwargs.values()) if kwargs else args
         inputs = [a for a in values if isinstance(a, torch.Tensor)]
         try:
-            self._marks.open(handler, inputs, self.name, self.layer)
+            self._marks.open(handler, inputs, self.name, self.open_layer, self.if_shared)
         except BaseException:
             self._opened.stack.append(False)  # the always_call post hook runs next and must not commit
             raise
@@ -200,7 +230,7 @@ class ModuleOffload:
         manager = self._manager()
         if not self._opened.stack.pop() or manager is None:
             return None
-        return self._marks.commit(manager.current_handler, output, self.name, self.layer)
+        return self._marks.commit(manager.current_handler, output, self.name, self.commit_layer)
 
     def __reduce__(self) -> tuple:
         # The manager (streams, threads, weak references) is not part of the model's state.
@@ -221,7 +251,8 @@ class DetachedOffload:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.layer = None
+        self.layer = self.joins = self.open_layer = self.commit_layer = None
+        self.if_shared = False
         self._opened = _OpenedStack()
 
     def __reduce__(self) -> tuple:

@@ -128,11 +128,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "group-by", "choice", "module", "OffloadConfig.group_by",
         help=(
-            "'module': each call of an offload module is one group; 'layer': the calls of a transformer "
-            "layer's offload modules form one group, copied and reloaded together, which cuts the per-group "
-            "host work (events, stream switches, launches) by the modules per layer (default: {default})."
+            "'module': each call of an offload module is one group, except that a call saving a storage of "
+            "the call before it in its layer joins that call's group (attn_proj saves core attention's "
+            "output), so the storage is copied once; 'layer': the calls of a transformer layer's offload "
+            "modules form one group, copied and reloaded together, which cuts the per-group host work "
+            "(events, stream switches, launches) by the modules per layer; 'call': every call its own group, "
+            "a storage two calls save copied twice (default: {default})."
         ),
-        choices=("module", "layer"),
+        choices=("call", "module", "layer"),
     ),
     Option(
         "profile-ranges", "switch", False, "OffloadConfig.profile_ranges",

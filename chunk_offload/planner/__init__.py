@@ -1,8 +1,8 @@
 """The analytic planner: activation bytes per offload module, per-stage drop, copy against compute.
 
 - `GPTDims` (``dims.py``), `saved_tensors`, `group_bytes`, `layer_groups`, `layer_offload_groups`
-  (with `held_elsewhere`, the bytes kept on device; `merged_layer_group`: the one group of a layer
-  under ``OffloadConfig.group_by="layer"``), `layer_saved_bytes`,
+  (with `held_elsewhere`, the bytes kept on device; ``grouping.py``: `joined_groups` and
+  `merged_layer_group`, a layer's groups under ``OffloadConfig.group_by`` "module" and "layer"), `layer_saved_bytes`,
   `layer_forward_flops`, `layer_backward_flops`: the byte and FLOP model of megatron-core GPT/MoE
   layers, per tensor-parallel rank (``model.py``, NOTE [Byte model] says what is exact and what is
   estimated; core attention in ``attention.py``, Transformer Engine's spec in ``te.py``, from
@@ -33,9 +33,9 @@ from .model import (
     layer_groups,
     layer_offload_groups,
     layer_saved_bytes,
-    merged_layer_group,
     saved_tensors,
 )
+from .grouping import joined_groups, merged_layer_group
 from .saved import SavedTensor, group_bytes
 from .recommend import Recommendation, recommend
 from .group_choice import GroupChoice, choose_groups
@@ -67,6 +67,7 @@ __all__ = [
     "expert_tokens",
     "group_bytes",
     "held_elsewhere",
+    "joined_groups",
     "layer_backward_flops",
     "layer_forward_flops",
     "layer_groups",

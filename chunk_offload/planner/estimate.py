@@ -44,8 +44,8 @@ from .model import (
     layer_forward_flops,
     layer_offload_groups,
     layer_saved_bytes,
-    merged_layer_group,
 )
+from .grouping import joined_groups, merged_layer_group
 
 __all__ = ["GB", "Hardware", "PipelineConfig", "StageEstimate", "StagePlanner", "estimate_stages", "stage_layers"]
 
@@ -66,7 +66,7 @@ class StageEstimate:
     """Bytes one layer's calls of each module save (a MoE layer: all its local experts), those held
     elsewhere included (``group_kept_bytes``)."""
     chunk_module_bytes: dict[int, dict[str, int]]
-    """vp stage -> module -> bytes offloaded by one chunk (all its layers)."""
+    """vp stage -> module -> bytes one chunk's calls of it save (all its layers), whatever groups they form."""
     group_bytes: dict[int, list[int]]
     """vp stage -> bytes of each offload group of one chunk, in forward order."""
     group_kept_bytes: dict[int, list[int]]
@@ -74,7 +74,7 @@ class StageEstimate:
     elsewhere (`model.held_elsewhere`; as the engine's `IterationRecord.group_kept_bytes` once it
     learned them, NOTE [Storages held elsewhere]); the same for every microbatch."""
     group_names: dict[int, list[str]]
-    """vp stage -> module name of each offload group of one chunk (parallel to ``group_bytes``)."""
+    """vp stage -> name of each offload group of one chunk, parallel to ``group_bytes`` ('+' joins names)."""
     chunks_in_flight_peak: int
     """Most chunks whose forward ran and whose backward has not, over the plan."""
     kept_chunks: list[tuple[int, int]]
@@ -199,16 +199,15 @@ def estimate_stages(
     schedule: Literal["plan", "group-start"] = "plan",
     other_activation_bytes: int = 0,
     policy: Literal["plan", "all"] | None = None,
-    group_by: Literal["module", "layer"] = "module",
+    group_by: Literal["call", "module", "layer"] = "module",
 ) -> list[StageEstimate]:
     """One `StageEstimate` per pipeline rank for offloading ``modules``.
 
-    ``schedule`` (the launcher's ``--chunk-offload-schedule``): ``"plan"`` uses `PlanPolicy` in
-    its steady state, the groups known (chunks whose backward follows their forward at once copy
-    all but their last group, NOTE [Kept tail]; the next backward chunk is prefetched),
-    ``"group-start"`` the engine's default `SchedulePolicy` (offload every chunk).
-    ``min_offload_bytes`` and ``group_by`` as in `OffloadConfig`. ``policy``: deprecated spelling of
-    ``schedule`` (``"all"`` is ``"group-start"``).
+    ``schedule`` (the launcher's ``--chunk-offload-schedule``): ``"plan"`` uses `PlanPolicy` in its
+    steady state, the groups known (chunks whose backward follows their forward at once copy all but
+    their last group, NOTE [Kept tail]; the next backward chunk is prefetched), ``"group-start"`` the
+    engine's default `SchedulePolicy` (offload every chunk). ``min_offload_bytes`` and ``group_by`` as
+    in `OffloadConfig`. ``policy``: deprecated spelling of ``schedule`` (``"all"`` is ``"group-start"``).
     """
     planner = StagePlanner(
         dims,
@@ -255,7 +254,7 @@ class StagePlanner:
         schedule: Literal["plan", "group-start"] = "plan",
         other_activation_bytes: int = 0,
         policy: Literal["plan", "all"] | None = None,
-        group_by: Literal["module", "layer"] = "module",
+        group_by: Literal["call", "module", "layer"] = "module",
     ) -> None:
         check_value(option("OffloadConfig.min_offload_bytes"), min_offload_bytes)
         check_value(option("OffloadConfig.group_by"), group_by)
@@ -266,8 +265,7 @@ class StagePlanner:
         self.pipeline = pipeline
         self.hardware = hardware if hardware is not None else Hardware()
         self.min_offload_bytes = min_offload_bytes
-        self.group_by = group_by
-        """`OffloadConfig.group_by`: ``"layer"`` estimates one group per layer (`merged_layer_group`)."""
+        self.group_by = group_by  # `OffloadConfig.group_by`: the engine's groups it models (`as_groups`)
         self.schedule = schedule
         """``"plan"`` or ``"group-start"``: the schedule policy the estimate assumes."""
         self.other_activation_bytes = other_activation_bytes
@@ -286,8 +284,11 @@ class StagePlanner:
 
     def as_groups(self, layer_groups: list[LayerGroup]) -> list[LayerGroup]:
         """One layer's module groups (`layer_offload_groups`) as the engine opens them under this
-        planner's ``group_by``: as they are, or one group (`merged_layer_group`)."""
-        return merged_layer_group(self.dims, layer_groups) if self.group_by == "layer" else layer_groups
+        planner's ``group_by``: as they are ("call"), with joined calls ("module", `joined_groups`),
+        or one group ("layer", `merged_layer_group`)."""
+        if self.group_by == "layer":
+            return merged_layer_group(self.dims, layer_groups)
+        return joined_groups(self.dims, layer_groups) if self.group_by == "module" else layer_groups
 
     def _layer_groups(self, pp_rank: int, vp: int, modules: list[str]) -> list[tuple[int, list[LayerGroup]]]:
         """(layer, its groups) for each layer of chunk ``vp`` of ``pp_rank``. The chunk's first layer
@@ -322,7 +323,7 @@ class StagePlanner:
             layers=layers,
             modules=[m for m in modules if m in module_bytes_per_layer],
             module_bytes_per_layer=module_bytes_per_layer,
-            chunk_module_bytes={v: _per_name(g) for v, g in groups.items()},
+            chunk_module_bytes={v: _per_name([g for _, lg in chunk for g in lg]) for v, chunk in per_layer.items()},
             group_bytes=group_bytes,
             group_kept_bytes=kept_bytes,
             group_names={v: [g.name for g in gs] for v, gs in groups.items()},

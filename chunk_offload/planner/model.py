@@ -123,7 +123,6 @@ __all__ = [
     "layer_forward_flops",
     "layer_groups",
     "layer_offload_groups",
-    "merged_layer_group",
     "layer_recompute_flops",
     "layer_saved_bytes",
     "saved_tensors",
@@ -245,23 +244,6 @@ def layer_offload_groups(
         held = held_elsewhere(dims, layer, name, chosen, receives_input=receives_input)
         out.append(LayerGroup(name, sum(spans.values()), sum(n for s, n in spans.items() if s in held)))
     return out
-
-
-def merged_layer_group(dims: GPTDims, groups: Sequence[LayerGroup]) -> list[LayerGroup]:
-    """A layer's groups (`layer_offload_groups`) as the one group ``OffloadConfig.group_by="layer"``
-    opens (NOTE [Layer groups] in core/marks.py); none where the layer opens none.
-
-    Its storages count once: core attention's output that attn_proj saves as its input
-    (`_attention_output_is_proj_input`) is one storage of the layer group, copied once.
-    """
-    if not groups:
-        return []
-    names = [g.name for g in groups]
-    nbytes = sum(g.nbytes for g in groups)
-    if "core_attn" in names and "attn_proj" in names and _attention_output_is_proj_input(dims):
-        nbytes -= groups[names.index("attn_proj")].nbytes  # attn_proj saves that output alone
-    unique = list(dict.fromkeys(names))
-    return [LayerGroup("+".join(unique), nbytes, sum(g.kept_bytes for g in groups))]
 
 
 def layer_groups(dims: GPTDims, layer: int, modules: Sequence[str], *, min_offload_bytes: int) -> list[tuple[str, int]]:

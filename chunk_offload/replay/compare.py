@@ -204,7 +204,7 @@ def compare_with_megatron(
     skip_builtin: str | None = None,
     budget_bytes: int | Literal["megatron"] | None = None,
     timed_reload_ahead: bool = True,
-    group_by: Literal["module", "layer"] = "module",
+    group_by: Literal["call", "module", "layer"] = "module",
 ) -> Comparison:
     """Replay stage ``pp_rank`` of ``pp_size`` without offload, with chunk-offload and with megatron's own.
 

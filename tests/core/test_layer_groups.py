@@ -218,7 +218,7 @@ def test_an_error_in_a_layer_leaves_nothing(make_manager, where: str) -> None:
 
 
 def test_group_by_is_checked(make_manager) -> None:
-    with pytest.raises(ChunkOffloadError, match=r"group_by='block' is not valid; choose one of \('module', 'layer'\)"):
+    with pytest.raises(ChunkOffloadError, match=r"group_by='block' is not valid; choose one of \('call', 'module', 'layer'\)"):
         OffloadManager(OffloadConfig(group_by="block"))
     manager = make_manager(group_by="layer")
     with pytest.raises(ChunkOffloadError, match=r"offload_module\(layer=\.\.\.\) needs an nn.Module or None, got int"):

@@ -161,8 +161,10 @@ def test_example_with_and_without_offload_is_bit_identical(tmp_path, world, pipe
 
     base_losses, off_losses = _losses(base_out), _losses(off_out)
     assert len(base_losses) >= 3 and off_losses == base_losses
+    # The report's groups, ``name:bytes``; a joined pair under one name (``core_attn+attn_proj``, NOTE [Joined calls]).
+    groups = re.findall(r"([a-z0-9_]+(?:\+[a-z0-9_]+)*):(\d+)", off_out)
     for name in modules.split(","):
-        bytes_moved = [int(b) for b in re.findall(rf"{name}:(\d+)", off_out)]
+        bytes_moved = [int(b) for group, b in groups if name in group.split("+")]
         assert len(bytes_moved) == world, off_out
         moves = offloads
         if name == "attn_norm":
@@ -187,7 +189,7 @@ def test_readme_device_budget_is_met_from_its_first_budgeted_iteration(tmp_path)
     (the report's "peak with"). Rank 0's choice is made from the baseline alone (no copy timing yet),
     so it is the same in every run. It used to peak at 627712 bytes there: the baseline had not
     learned that the received input is held by the schedule, nor that core_attn and attn_proj save
-    one storage (NOTE [Storages held elsewhere])."""
+    one storage (NOTE [Storages held elsewhere]); they are one group now (NOTE [Joined calls])."""
     flags = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", "--chunk-offload-modules", MODULES,
              "--chunk-offload-device-budget", "600KiB", "--chunk-offload-host-budget", "4MiB"]  # fmt: skip
     stdout, _ = _launch(tmp_path, "budget", 2, flags, iterations=2)
@@ -195,7 +197,7 @@ def test_readme_device_budget_is_met_from_its_first_budgeted_iteration(tmp_path)
     budgets = _table_rows(stdout.split("budgets (", 1)[1])
     # rank, pp, device budget, levelled, predicted peak, peak with, fits
     assert [row[:7] for row in budgets] == [
-        ["0", "0/2", "614400", "-", "610304", "610304", "yes"],
-        ["1", "1/2", "614400", "-", "445440", "445440", "yes"],
+        ["0", "0/2", "614400", "-", "611328", "611328", "yes"],
+        ["1", "1/2", "614400", "-", "396288", "396288", "yes"],
     ], stdout
 

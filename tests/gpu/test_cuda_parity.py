@@ -136,3 +136,25 @@ def test_layer_groups_on_cuda_streams_are_bit_identical(order_id, on_cuda, make_
         assert g.bytes_offloaded > 0 and g.bytes_reloaded == g.bytes_offloaded, (it, g)
         assert stats.resident_bytes == 0 and stats.host_bytes == 0 and stats.pool.in_use_bytes == 0, (it, stats)
     assert watch.pinned and all(watch.pinned)
+
+
+def test_joined_calls_on_cuda_streams_are_bit_identical(make_manager, deterministic) -> None:
+    """NOTE [Joined calls]: ``proj`` saves ``core``'s output as its input and joins its group; on
+    the CUDA streams the same numbers as without offload, the shared storage copied once (and,
+    under the sanitizer, no race)."""
+    from tests.core import test_joined_calls as joined
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    reference, _ = joined._train(None, device)
+    by_call, manager = make_manager(min_offload_bytes=1, group_by="call"), make_manager(min_offload_bytes=1)
+    try:
+        grads_call, _ = joined._train(by_call, device)
+        grads, names = joined._train(manager, device)
+        copied = [sum(g.bytes_offloaded for g in m.stats().groups.values()) for m in (by_call, manager)]
+    finally:
+        by_call.close()
+        manager.close()
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads_call, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True))
+    assert names == ["core+proj", "post"] * joined.LAYERS
+    assert copied[0] - copied[1] == joined.ROWS * joined.HIDDEN * 4 * joined.LAYERS * joined.MICROBATCHES

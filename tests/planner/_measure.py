@@ -191,7 +191,7 @@ def _measure_case(case: ByteCase) -> CaseBytes:
     from chunk_offload.module_names import MOE_MODULES
 
     result = CaseBytes()
-    # Run 1: every module name the model has, one group per call.
+    # Run 1: every module name the model has, one group per call (no joined calls: each module measured alone).
     chunks = _build(case)
     try:
         names = [n for n in OFFLOAD_MODULE_NAMES if resolve(chunks[0], n)]
@@ -199,7 +199,7 @@ def _measure_case(case: ByteCase) -> CaseBytes:
             names = [n for n in names if n not in MOE_MODULES]
         # schedule_policy=None: offload every chunk (the plan policy keeps a chunk whose backward
         # follows at once, as here with one microbatch).
-        manager = attach(chunks, names, config=OffloadConfig(min_offload_bytes=case.min_offload_bytes), schedule_policy=None)
+        manager = attach(chunks, names, config=OffloadConfig(min_offload_bytes=case.min_offload_bytes, group_by="call"), schedule_policy=None)
         layer_now = [-1]
         called: list[tuple[int, str]] = []
 

@@ -156,7 +156,7 @@ def test_invalid_input_names_the_fix(capsys, extra, message):
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
         (["--min-offload-bytes", "-1"], "argument --min-offload-bytes: expected a byte count >= 0 such as 1048576 or 1MiB"),
         (["--schedule", "all"], "argument --schedule: invalid choice: 'all' (choose from 'plan', 'group-start')"),
-        (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'module', 'layer')"),
+        (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'call', 'module', 'layer')"),
         (["--attention-kernel", "fused"], "argument --attention-kernel: 'fused' is not a kernel of --transformer-impl local; choose from ['flash', 'efficient']"),
         (["--transformer-impl", "transformer_engine", "--attention-kernel", "efficient"], "choose from ['flash', 'fused']"),
     ],

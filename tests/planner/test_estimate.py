@@ -72,12 +72,16 @@ _MOE = TinyGPTConfig(expert_parallel=2, num_experts=4, num_layers=2, num_microba
 _CASES = {
     "pp2": _Case(TinyGPTConfig(pipeline_parallel=2, num_microbatches=4, iterations=2), 2),
     "pp2_local": _Case(TinyGPTConfig(pipeline_parallel=2, num_microbatches=4, iterations=2), 2, attention="local"),
+    # NOTE [Joined calls]: every call its own group, SDPA's output copied by core_attn's and attn_proj's.
+    "pp2_call": _Case(TinyGPTConfig(pipeline_parallel=2, num_microbatches=4, iterations=2), 2, group_by="call"),
     "pp2_vpp2": _Case(TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4, iterations=2), 2),
     "ep2_moe": _Case(_MOE, 2, modules=_DENSE[:-1]),
-    "pp4": _Case(TinyGPTConfig(pipeline_parallel=4, num_microbatches=6, iterations=2), 4),
+    # 4 layers per stage: with 2, a stage's lowest reachable peak (its kept tail and the group it reloads
+    # ahead, core_attn+attn_proj by NOTE [Joined calls]) is above the budgets the test takes, and under
+    # layer groups the last stage keeps one layer and reloads the other ahead (no drop).
+    "pp4": _Case(TinyGPTConfig(pipeline_parallel=4, num_layers=16, num_microbatches=6, iterations=2), 4),
     # NOTE [Layer groups]: one group per layer; SDPA's output, which attn_proj saves too, counts once.
     "pp2_vpp2_layer": _Case(TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4, iterations=2), 2, group_by="layer"),
-    # 4 layers per stage: with 2, the last stage keeps one layer and reloads the other ahead (no drop).
     "pp4_layer": _Case(TinyGPTConfig(pipeline_parallel=4, num_layers=16, num_microbatches=6, iterations=2), 4, group_by="layer"),
 }
 
@@ -184,6 +188,22 @@ def test_budget_choice_from_predicted_bytes_equals_the_one_from_measured_bytes(m
             predicted = choose_offload(plan, stage.group_bytes, budget, kept_bytes=stage.group_kept_bytes)
             assert choose_offload(plan, result.steps[0]["group_bytes"], budget, kept_bytes=learned) == predicted
             assert predicted.fits and predicted.baseline_peak_bytes == result.steps[0]["peak_saved_bytes"]
+
+
+def test_module_groups_save_the_sdpa_output_once(measured):
+    """NOTE [Joined calls]: under module groups attn_proj's call joins core_attn's group, whose SDPA
+    output it saves as its input; as groups of their own ("call") both account and copy it. Per
+    chunk: one group fewer per layer, one SDPA output [s, b, h] (fp32) fewer saved per layer."""
+    cfg = _CASES["pp2"].config
+    sdpa_output = cfg.seq_length * cfg.micro_batch_size * cfg.hidden_size * 4
+    layers = cfg.num_layers // cfg.pipeline_parallel
+    for joined, by_call in zip(measured["pp2"][1], measured["pp2_call"][1], strict=True):  # every chunk offloaded
+        for step_joined, step_call in zip(joined.steps, by_call.steps, strict=True):
+            assert step_joined["group_bytes"].keys() == step_call["group_bytes"].keys()
+            for chunk, sizes in step_joined["group_bytes"].items():
+                assert len(step_call["group_bytes"][chunk]) - len(sizes) == layers
+                assert sum(step_call["group_bytes"][chunk]) - sum(sizes) == layers * sdpa_output
+        assert joined.steps[-1]["bytes_offloaded"] < by_call.steps[-1]["bytes_offloaded"]
 
 
 def test_plan_policy_copies_all_but_the_last_group_on_the_last_stage():

@@ -221,7 +221,7 @@ _CLI = ["--pp", "2", "--stage", "0", "--modules", "core_attn"]
         (["--vpp", "2", "--microbatches", "3"], "--microbatches: chunk_offload: the interleaved schedule needs num_microbatches (3)"),
         (["--modules", "mlp_fc2"], "--modules: chunk_offload: unknown offload module 'mlp_fc2'"),
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
-        (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'module', 'layer')"),
+        (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'call', 'module', 'layer')"),
     ],
 )
 def test_cli_usage_errors(capsys, argv: list[str], message: str) -> None:

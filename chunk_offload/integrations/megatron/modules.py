@@ -215,9 +215,15 @@ def _megatron_version() -> str:
         return "(not installed)"
 
 
+_JOINS = {"attn_proj": "core_attn"}
+"""Offload module -> the module of the same layer whose group it joins (NOTE [Joined calls] in core/marks.py)."""
+
+
 def offload_submodules(engine: OffloadManager, chunks: Sequence[nn.Module], names: Sequence[str]) -> dict[str, int]:
     """Protect each chunk's parameters and register the submodules of each name (canonical) with
-    ``engine``, each with its transformer layer (NOTE [Layer groups] in core/marks.py).
+    ``engine``, each with its transformer layer (NOTE [Layer groups] in core/marks.py); attn_proj
+    joins core_attn's group where the layer offloads both (NOTE [Joined calls]: SDPA's output is
+    core_attn's saved output and attn_proj's saved input, copied once so).
 
     Returns name -> submodules registered on this rank; a name matching none is left out, with a warning.
     """
@@ -225,9 +231,10 @@ def offload_submodules(engine: OffloadManager, chunks: Sequence[nn.Module], name
     for chunk in chunks:
         engine.protect_module(chunk)
         for layer in transformer_layers(chunk):  # each layer's modules: one group with OffloadConfig.group_by="layer"
+            joins = {name: _JOINS[name] for name in names if _JOINS.get(name) in names and _layer_modules(layer, _JOINS[name])}
             for name in names:
                 for module in _layer_modules(layer, name):
-                    engine.offload_module(module, name, layer=layer)
+                    engine.offload_module(module, name, layer=layer, joins=joins.get(name))
                     registered[name] = registered.get(name, 0) + 1
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0  # ranks log alike: say which
     for name in names:

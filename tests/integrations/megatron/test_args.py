@@ -204,7 +204,7 @@ def test_on_exhausted_rejects_other_values(capsys: pytest.CaptureFixture[str]) -
 def test_group_by_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert parser().parse_args(["--chunk-offload-group-by", "layer"]).chunk_offload_group_by == "layer"
     err = parse_error(parser(), ["--chunk-offload-group-by", "block"], capsys)
-    assert "argument --chunk-offload-group-by: invalid choice: 'block' (choose from 'module', 'layer')" in err
+    assert "argument --chunk-offload-group-by: invalid choice: 'block' (choose from 'call', 'module', 'layer')" in err
 
 
 def test_report_help_says_where_the_report_goes() -> None:

@@ -1,0 +1,79 @@
+"""`CallJoins`: which group a module call collects into where calls join (NOTE [Layer groups] and
+NOTE [Joined calls] in marks.py): the group pending for its layer's next call, and a join that
+holds only if the joining call saves a storage of that group."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .group import OffloadGroup
+
+__all__ = ["CallJoins"]
+
+Undone = tuple[str, Sequence[torch.Tensor], Collection]
+"""A joined call's name, inputs and input nodes, for the group of its own it opens instead."""
+
+
+class CallJoins:
+    """A chunk's pending group (committed through ``commit`` once no call joins it) and tentative join."""
+
+    __slots__ = ("_commit", "_pending", "_layer", "_tentative")
+
+    def __init__(self, commit: Callable[["OffloadGroup"], None]) -> None:
+        self._commit = commit
+        self._pending: OffloadGroup | None = None
+        self._layer: object = None
+        self._tentative: tuple[OffloadGroup, str, str, Sequence[torch.Tensor], set[int]] | None = None
+
+    @property
+    def tentative(self) -> bool:
+        """Whether the open call joined on condition and has saved nothing yet."""
+        return self._tentative is not None
+
+    def join(self, name: str, inputs: Sequence[torch.Tensor], layer: object, if_shared: bool) -> "OffloadGroup | None":
+        """The pending group, which call ``name`` of ``layer`` joins (tentatively where ``if_shared``);
+        None once the pending group, if any, is committed: the call opens a group of its own."""
+        pending = self._pending
+        if pending is None:
+            return None
+        joins = layer is not None and layer is self._layer
+        self._pending = self._layer = None
+        if not joins:
+            self._commit(pending)
+            return None
+        if if_shared:
+            self._tentative = (pending, pending.name, pending.member, pending.inputs, set(pending.storages))
+        pending.join(name, inputs)
+        return pending
+
+    def leave_pending(self, group: "OffloadGroup", layer: object) -> None:
+        """``group``'s call ended: the next call of ``layer`` may join it."""
+        self._pending, self._layer = group, layer
+
+    def commit_pending(self) -> None:
+        """Commit the pending group, if any: no further call joins it."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = self._layer = None
+            self._commit(pending)
+
+    def settle(self, first_key: int | None) -> Undone | None:
+        """The tentatively joined call's first tensor to copy views storage ``first_key`` (None: it
+        copies nothing). None if its group held that storage before the join: the join holds. Else
+        the join is undone, the group committed as it was, and the call's name, inputs and input
+        nodes returned (tensors it kept on device so far stay counted in the group it joined)."""
+        group, name, member, inputs, keys = self._tentative
+        self._tentative = None
+        if first_key is not None and first_key in keys:
+            return None
+        undone = (group.member, group.inputs, group.input_nodes)
+        group.name, group.member, group.inputs, group.input_nodes = name, member, inputs, ()
+        self._commit(group)
+        return undone
+
+    def clear(self) -> None:
+        """Forget the pending group and the tentative join (the chunk was aborted)."""
+        self._pending = self._layer = self._tentative = None
