@@ -22,7 +22,8 @@
 # and the host-bound comparison's profile (--profile 2: two more steps per run, about 20 s) were
 # added; the sanitizer step (118 s on 2026-11-26) now runs the parity tests of one seed (8 of
 # its 12 runs left out, about 40 s less): about 9 minutes in all, and both pytest steps print
-# their per-test times (--durations=0) to plan the next run by. tests/gpu also
+# their per-test times (--durations=0) to plan the next run by. The five-module comparison now
+# copies SDPA's output once (NOTE [Joined calls]): its GB copied column shows by how much. tests/gpu also
 # checks that action starts are device times (NOTE [Action times]), which every timed decision
 # reads. A session's device time is 15 minutes, the machine's start included: run them in one call
 # with a wall-clock limit of about 9 minutes; what the finished steps wrote still comes back if
