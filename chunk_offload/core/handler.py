@@ -141,7 +141,7 @@ class ChunkOffloadHandler:
     def commit_group(self, name: str | None = None, layer: object = None) -> OffloadGroup:
         """Close the open group (checking its name) and start its offload; ``layer`` (not None): leave
         it pending instead, for the next call of ``layer`` to join. Returns the call's group."""
-        if self._joins.tentative:  # the call saved nothing
+        if self._joins.tentative is not None:  # the call copied nothing
             self._settle_join(None)
         group = self.current
         if group is None:
@@ -294,7 +294,7 @@ class ChunkOffloadHandler:
             group = self.open_group(_TE_GROUP_NAME)  # driven by TE's hook: groups are delimited by commits
         offload, key = self._decide(tensor, group.inputs)
         if offload:
-            if self._joins.tentative:
+            if self._joins.tentative is not None:
                 group = self._settle_join(key)
             return group.save(tensor, key)
         return group.keep(tensor, key)

@@ -20,18 +20,15 @@ Undone = tuple[str, Sequence[torch.Tensor], Collection]
 class CallJoins:
     """A chunk's pending group (committed through ``commit`` once no call joins it) and tentative join."""
 
-    __slots__ = ("_commit", "_pending", "_layer", "_tentative")
+    __slots__ = ("_commit", "_pending", "_layer", "tentative")
 
     def __init__(self, commit: Callable[["OffloadGroup"], None]) -> None:
         self._commit = commit
         self._pending: OffloadGroup | None = None
         self._layer: object = None
-        self._tentative: tuple[OffloadGroup, str, str, Sequence[torch.Tensor], set[int]] | None = None
-
-    @property
-    def tentative(self) -> bool:
-        """Whether the open call joined on condition and has saved nothing yet."""
-        return self._tentative is not None
+        self.tentative: tuple[OffloadGroup, str, str, Sequence[torch.Tensor], set[int]] | None = None
+        """Set while the open call joined on condition and has copied nothing yet: the group it
+        joined, that group's name, member and inputs before, and the storages it held then."""
 
     def join(self, name: str, inputs: Sequence[torch.Tensor], layer: object, if_shared: bool) -> "OffloadGroup | None":
         """The pending group, which call ``name`` of ``layer`` joins (tentatively where ``if_shared``);
@@ -45,7 +42,7 @@ class CallJoins:
             self._commit(pending)
             return None
         if if_shared:
-            self._tentative = (pending, pending.name, pending.member, pending.inputs, set(pending.storages))
+            self.tentative = (pending, pending.name, pending.member, pending.inputs, set(pending.storages))
         pending.join(name, inputs)
         return pending
 
@@ -65,8 +62,8 @@ class CallJoins:
         copies nothing). None if its group held that storage before the join: the join holds. Else
         the join is undone, the group committed as it was, and the call's name, inputs and input
         nodes returned (tensors it kept on device so far stay counted in the group it joined)."""
-        group, name, member, inputs, keys = self._tentative
-        self._tentative = None
+        group, name, member, inputs, keys = self.tentative
+        self.tentative = None
         if first_key is not None and first_key in keys:
             return None
         undone = (group.member, group.inputs, group.input_nodes)
@@ -76,4 +73,4 @@ class CallJoins:
 
     def clear(self) -> None:
         """Forget the pending group and the tentative join (the chunk was aborted)."""
-        self._pending = self._layer = self._tentative = None
+        self._pending = self._layer = self.tentative = None

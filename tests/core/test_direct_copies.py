@@ -38,6 +38,21 @@ def _run(module: torch.nn.Module, x: torch.Tensor, manager: OffloadManager | Non
     return x.grad, set_calls
 
 
+def _without_and_with_offload(module: torch.nn.Module, x: torch.Tensor):
+    """``module`` run without a manager, then offloaded as group ``g``: the input's gradient of
+    each, the ``aten::set_`` calls of the offloaded run and its group's stats (nothing left after)."""
+    expected, _ = _run(module, x, None)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        manager.offload_module(module, "g")
+        got, set_calls = _run(module, x, manager)
+        stats = manager.stats().groups["g"]
+        assert_clean(manager)
+    finally:
+        manager.close()
+    return expected, got, set_calls, stats
+
+
 @pytest.mark.parametrize(
     ("make_view", "direct"),
     [
@@ -54,17 +69,8 @@ def test_copied_as_itself_or_as_bytes_with_the_same_strides(make_view, direct: b
     def forward(z: torch.Tensor) -> torch.Tensor:
         return SaveOne.apply(make_view(z * 1.5))  # a product by a number saves nothing
 
-    module = Fn(forward)
     SaveOne.seen.clear()
-    expected, _ = _run(module, x, None)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
-    try:
-        manager.offload_module(module, "g")
-        got, set_calls = _run(module, x, manager)
-        stats = manager.stats().groups["g"]
-        assert_clean(manager)
-    finally:
-        manager.close()
+    expected, got, set_calls, stats = _without_and_with_offload(Fn(forward), x)
     assert torch.equal(got, expected)
     assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
     # Shapes and strides backward saw: the run without offload first, then with it.
@@ -101,17 +107,8 @@ class SaveOne(torch.autograd.Function):
 )
 def test_a_storage_saved_twice_as_one_view_is_copied_directly(make_views, set_calls_expected: int) -> None:
     x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(5))
-    module = Fn(lambda z: SaveTwo.apply(*make_views(z * 1.5)))
     SaveTwo.seen.clear()
-    expected, _ = _run(module, x, None)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
-    try:
-        manager.offload_module(module, "g")
-        got, set_calls = _run(module, x, manager)
-        stats = manager.stats().groups["g"]
-        assert_clean(manager)
-    finally:
-        manager.close()
+    expected, got, set_calls, stats = _without_and_with_offload(Fn(lambda z: SaveTwo.apply(*make_views(z * 1.5))), x)
     assert torch.equal(got, expected)
     assert SaveTwo.seen[1] == SaveTwo.seen[0]
     assert stats.tensors_offloaded == 2 and stats.bytes_offloaded == x.numel() * x.element_size()
