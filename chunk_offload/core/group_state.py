@@ -8,11 +8,11 @@ wrong result. `chunk_offload.schedule.simulate` and the ordering rules read the 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from .errors import ChunkOffloadError
 
-__all__ = ["GroupHandler", "GroupState", "TRANSITIONS", "state_error"]
+__all__ = ["GroupHandler", "GroupState", "GroupStates", "TRANSITIONS", "state_error"]
 
 
 class GroupState(enum.Enum):
@@ -66,3 +66,26 @@ class GroupHandler(Protocol):
     def begin_group_backward(self, group: Any) -> None: ...
 
     def _group_released(self, group: Any) -> None: ...
+
+
+class GroupStates(Sequence[tuple[GroupState, int]]):
+    """The chunk's groups as ``(state, saved_bytes)`` pairs, read on access.
+
+    The ordering rules (`ordering.py`) take this sequence; a lazy view lets the rule that
+    looks at one neighbour read one group, not build a list of all of them at each group's
+    backward (quadratic in the groups of a chunk).
+    """
+
+    __slots__ = ("_groups",)
+
+    def __init__(self, groups: list[Any]) -> None:  # the handler's `OffloadGroup`s
+        self._groups = groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __getitem__(self, i: int | slice):  # one pair, or a list of pairs for a slice
+        if isinstance(i, slice):
+            return [(g.state, g.saved_bytes) for g in self._groups[i]]
+        group = self._groups[i]
+        return group.state, group.saved_bytes

@@ -26,7 +26,7 @@ from .actions import ChunkKey
 from .errors import ChunkOffloadError
 from .engine_context import EngineContext, profile_range
 from .group import OffloadGroup
-from .group_state import GroupState
+from .group_state import GroupState, GroupStates
 from .joins import CallJoins
 from .saved import KeptRef, SavedRef
 from .ordering import prefetch_selection, reload_ahead_selection
@@ -34,29 +34,6 @@ from .ordering import prefetch_selection, reload_ahead_selection
 __all__ = ["ChunkOffloadHandler"]
 
 _TE_GROUP_NAME = "te_group"
-
-
-class _GroupStates(Sequence[tuple[GroupState, int]]):
-    """The chunk's groups as ``(state, saved_bytes)`` pairs, read on access.
-
-    The ordering rules (`ordering.py`) take this sequence; a lazy view lets the rule that
-    looks at one neighbour read one group, not build a list of all of them at each group's
-    backward (quadratic in the groups of a chunk).
-    """
-
-    __slots__ = ("_groups",)
-
-    def __init__(self, groups: list[OffloadGroup]) -> None:
-        self._groups = groups
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-    def __getitem__(self, i: int | slice):  # one pair, or a list of pairs for a slice
-        if isinstance(i, slice):
-            return [(g.state, g.saved_bytes) for g in self._groups[i]]
-        group = self._groups[i]
-        return group.state, group.saved_bytes
 
 
 class ChunkOffloadHandler:
@@ -88,7 +65,7 @@ class ChunkOffloadHandler:
         self._learned: list[int] = []  # per group: bytes found held elsewhere at the forward's end
         self._shared: list[tuple[int, ...]] | None = None  # groups that saved one storage (`HeldElsewhere.shared_groups`); None: not looked for
         self.groups: list[OffloadGroup] = []
-        self._states = _GroupStates(self.groups)  # the ordering rules' view of `groups`
+        self._states = GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
         self._joins = CallJoins(self._commit)  # NOTE [Layer groups] and NOTE [Joined calls] in marks.py
         self._unreleased = 0
@@ -117,17 +94,8 @@ class ChunkOffloadHandler:
         ``layer`` (not None): the call joins the pending group of the same layer, if any (NOTE [Layer groups] in marks.py);
         ``if_shared``: only if its first tensor to copy is a storage of that group (NOTE [Joined calls]).
         """
-        if self._forward_ended:
-            raise ChunkOffloadError(
-                f"group {name!r} started on the handler of chunk {self.key} after that chunk's forward ended; "
-                "a handler serves one forward: enter manager.chunk(...) for each forward and use the handler it "
-                "yields (a Transformer Engine style handler reused across iterations is not supported)."
-            )
-        if self.current is not None:
-            raise ChunkOffloadError(
-                f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
-                "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
-            )
+        if self._forward_ended or self.current is not None or self.ctx.streams.capturing():
+            raise self._open_error(name)
         joined = self._joins.join(name, inputs, layer, if_shared)
         if joined is not None:
             self.current = joined
@@ -137,6 +105,27 @@ class ChunkOffloadHandler:
         self.current = group
         self._unreleased += 1
         return group
+
+    def _open_error(self, name: str) -> ChunkOffloadError:
+        """Why group ``name`` cannot open now (`open_group`'s checks, in their order)."""
+        if self._forward_ended:
+            return ChunkOffloadError(
+                f"group {name!r} started on the handler of chunk {self.key} after that chunk's forward ended; "
+                "a handler serves one forward: enter manager.chunk(...) for each forward and use the handler it "
+                "yields (a Transformer Engine style handler reused across iterations is not supported)."
+            )
+        if self.current is not None:
+            return ChunkOffloadError(
+                f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
+                "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
+            )
+        return ChunkOffloadError(  # NOTE [CUDA graph capture] in streams/base.py
+            f"group {name!r} of chunk {self.key} started while a CUDA graph is being captured on the compute stream "
+            "(torch.cuda.graph, megatron-core's cuda_graph_impl, Transformer Engine's make_graphed_callables): a "
+            "graph's replays run without the hooks that copy saved tensors to host and back. Keep offloaded modules "
+            "out of captured regions (megatron-core: --cuda-graph-impl none, or a --cuda-graph-scope without them), "
+            "or do not offload them."
+        )
 
     def commit_group(self, name: str | None = None, layer: object = None) -> OffloadGroup:
         """Close the open group (checking its name) and start its offload; ``layer`` (not None): leave

@@ -143,3 +143,10 @@ def test_events_of_compute_are_always_waited_on(streams) -> None:
     streams.d2h.wait_event(second)
     streams.d2h.wait_event(first)
     assert [event for _, event in FakeStream.waits] == [second.cuda_event, first.cuda_event]
+
+
+def test_capturing_asks_torch_about_the_current_stream(streams, monkeypatch) -> None:
+    """NOTE [CUDA graph capture]: the engine's check is torch's own, on the current (compute) stream."""
+    for answer in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda answer=answer: answer)
+        assert streams.capturing() is answer

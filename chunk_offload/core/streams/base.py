@@ -292,6 +292,20 @@ class StreamBackend:
         compute runs on the host."""
         return host_time_mark()
 
+    def capturing(self) -> bool:
+        """Whether the compute stream is capturing a CUDA graph now (False where there are none).
+
+        NOTE [CUDA graph capture]
+        A CUDA graph replays the kernels and copies issued while it was captured without running
+        any Python: no module hook, saved-tensor hook or group bookkeeping runs on a replay. A group
+        inside a captured region would copy into host buffers the pool hands to other groups between
+        replays, and nothing would reload it. So no group opens while compute is capturing:
+        `ChunkOffloadHandler.open_group` raises, naming the group and the way out, before it pushes a
+        hook or issues a copy. Megatron's integration refuses earlier, at attach, a model configured
+        to capture whole layers (`integrations.megatron.modules.check_model_support`).
+        """
+        return False
+
     def close(self) -> None:
         """Release threads or other resources; the backend is unusable afterwards."""
 

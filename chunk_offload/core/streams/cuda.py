@@ -205,3 +205,7 @@ class CudaStreams(StreamBackend):
     def time_mark(self) -> TimeMark:
         """A timing event recorded on the current (compute) stream now (NOTE [Action times])."""
         return self.compute.time_mark()
+
+    def capturing(self) -> bool:
+        """Whether the current (compute) stream is capturing a CUDA graph (NOTE [CUDA graph capture])."""
+        return torch.cuda.is_current_stream_capturing()

@@ -159,7 +159,9 @@ def check_model_support(chunks: Sequence[nn.Module], names: Sequence[str]) -> No
     model, and TEGroupedMLP experts. ``expert_fc1`` / ``moe_act`` are refused on such experts: the fused grouped MLP runs instead of their fc1 and activation modules, and
     megatron calls those modules' forward pre-hooks with no input (experts.py,
     ``_make_fused_impl_pre_forward_hook``).
+    A model configured to capture whole transformer layers in CUDA graphs is refused too (`_refuse_layer_graphs`).
     """
+    _refuse_layer_graphs(chunks, names)
     if not MOE_MODULES & set(names):
         return
     layers = [layer for chunk in chunks for layer in transformer_layers(chunk)]
@@ -198,6 +200,38 @@ def check_model_support(chunks: Sequence[nn.Module], names: Sequence[str]) -> No
             "use_transformer_engine_op_fuser): the fused grouped MLP runs instead of their fc1 and activation "
             f"modules; offload fused_group_mlp instead (megatron-core {_megatron_version()})"
         )
+
+
+def _refuse_layer_graphs(chunks: Sequence[nn.Module], names: Sequence[str]) -> None:
+    """Refuse a model whose TransformerConfig captures every transformer layer in a CUDA graph: no
+    offload group may run inside one (NOTE [CUDA graph capture] in core/streams/base.py).
+
+    ``cuda_graph_impl`` "local" or "transformer_engine" (``enable_cuda_graph`` and
+    ``external_cuda_graph`` before megatron-core 0.14) with an empty capture scope (the whole layer;
+    "full" before megatron-core turns it into []) or "full_iteration"; the scope is
+    ``cuda_graph_scope``, ``cuda_graph_modules`` where megatron-core has renamed it. A partial scope
+    (attn, mlp, moe, ...) is left to the engine, which refuses a group that opens during a capture.
+    """
+    layer = next((layer for chunk in chunks for layer in transformer_layers(chunk)), None)
+    config = getattr(layer, "config", None)
+    impl = getattr(config, "cuda_graph_impl", None) or "none"
+    if impl == "none" and getattr(config, "enable_cuda_graph", False):
+        impl = "local"
+    elif impl == "none" and getattr(config, "external_cuda_graph", False):
+        impl = "transformer_engine"
+    if impl == "none":
+        return
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    scope = getattr(config, field, None) or []
+    scopes = [getattr(s, "name", s) for s in (scope if isinstance(scope, (list, tuple)) else [scope])]
+    if impl != "full_iteration" and scopes and not {"full", "full_iteration"} & set(scopes):
+        return
+    raise ChunkOffloadError(
+        f"the model's TransformerConfig has cuda_graph_impl={impl!r} with {field}={scopes or 'the whole layer'}: "
+        f"megatron-core captures every transformer layer in a CUDA graph, whose replays run without the hooks that "
+        f"offload {list(names)}; set --cuda-graph-impl none, or a --{field.replace('_', '-')} that leaves the "
+        "offloaded modules out (e.g. moe_router when offloading dense or attention modules), or do not offload them"
+    )
 
 
 def _megatron_has_op_fuser() -> bool:

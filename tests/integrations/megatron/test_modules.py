@@ -206,3 +206,45 @@ def test_fused_group_mlp_names_the_installed_megatron_core_where_it_lacks_the_op
 def test_gdp_qkv_is_refused_with_its_reason():
     with pytest.raises(chunk_offload.ChunkOffloadError, match=r"'gdp_qkv' is not supported: .*a method and not a submodule"):
         attach([_model(_te_layer())], ["gdp_qkv"])
+
+
+def _graphed_model(**graphs: object) -> nn.Module:
+    """Two TE-layout layers whose megatron-core TransformerConfig has the CUDA-graph settings ``graphs``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, **graphs)
+    layers = [_te_layer(), _te_layer()]
+    for layer in layers:
+        layer.config = config
+    return _model(*layers)
+
+
+@pytest.mark.parametrize(
+    "graphs",
+    [
+        {"cuda_graph_impl": "local"},  # megatron-core's default scope, "full": the whole layer
+        {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": []},
+        {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"},  # 0.19 names it cuda_graph_impl="full_iteration"
+    ],
+    ids=["local-full", "te-layer", "local-full-iteration"],
+)
+def test_whole_layer_cuda_graphs_are_refused_at_attach(graphs):
+    """NOTE [CUDA graph capture]: a layer captured whole would run its offload modules inside a graph.
+    megatron-core 0.19 renamed cuda_graph_scope to cuda_graph_modules (the old name still sets it)."""
+    with pytest.raises(
+        chunk_offload.ChunkOffloadError,
+        match=r"cuda_graph_impl='(local|transformer_engine|full_iteration)' with cuda_graph_(scope|modules)="
+        r"(the whole layer|\['full_iteration'\]): megatron-core captures every transformer layer .*offload \['qkv_linear'\]; "
+        r"set --cuda-graph-impl none",
+    ):
+        attach([_graphed_model(**graphs)], ["qkv_linear"])
+
+
+@pytest.mark.parametrize("graphs", [{"cuda_graph_impl": "none"}, {"cuda_graph_impl": "local", "cuda_graph_scope": "attn"}], ids=["none", "attn-scope"])
+def test_no_or_partial_cuda_graphs_attach(graphs):
+    """A partial scope is left to the engine, which refuses a group opened during a capture (tests/core/test_cuda_graph_capture.py)."""
+    manager = attach([_graphed_model(**graphs)], ["qkv_linear"])
+    try:
+        assert manager.registered == {"qkv_linear": 2}
+    finally:
+        manager.close()
