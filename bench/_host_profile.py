@@ -7,7 +7,11 @@ function's median, so that a rare stall (a thread hand-off, a collection) landin
 function of one step does not rank it. `engine_seconds` adds up what one engine spends: the own
 time of the functions in its files and of the C functions they call directly. `over` subtracts
 a baseline run's profile, so that what is left is what an engine adds to the host path of the
-same training step; `format_rows` prints the heaviest per unit of work.
+same training step; `format_rows` prints the heaviest per unit of work. `api_times` counts, with
+torch.profiler, the CUDA runtime and driver calls a step makes, which cProfile sees only inside
+the Python calls that make them (the copies' ``cudaMemcpyAsync``, event records, stream waits, the
+caching allocators' calls, host-device synchronisations); its rows take the same `over` and
+`format_rows`.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from __future__ import annotations
 import cProfile
 import pstats
 import statistics
-from typing import Callable
+from typing import Callable, Iterable
 
-__all__ = ["FunctionTimes", "engine_seconds", "format_rows", "over", "own_times"]
+import torch
+from torch.autograd import DeviceType
+
+__all__ = ["API_FILE", "FunctionTimes", "api_calls", "api_times", "engine_seconds", "format_rows", "over", "own_times"]
 
 FunctionTimes = dict[tuple[str, int, str], tuple[float, float]]
 """(file, line, function) -> (calls, own seconds)."""
@@ -37,13 +44,44 @@ def own_times(work: Callable[[], object], *, steps: int = 1, engine: Callable[[s
     """Median calls and own seconds of every function over ``steps`` profiled calls of ``work()``;
     and the median seconds the ``engine`` spent (`engine_seconds`; 0.0 without a predicate)."""
     runs = [_profile(work) for _ in range(steps)]
-    keys = {key for stats in runs for key in stats}
-    times = {
-        key: (statistics.median(s[key][1] if key in s else 0 for s in runs), statistics.median(s[key][2] if key in s else 0.0 for s in runs))
-        for key in keys
-    }
+    times = _medians([{key: (calls, own) for key, (_, calls, own, _, _) in stats.items()} for stats in runs])
     spent = statistics.median(engine_seconds(stats, engine) for stats in runs) if engine is not None else 0.0
     return times, spent
+
+
+def _medians(runs: list[FunctionTimes]) -> FunctionTimes:
+    """Per key, the median calls and seconds over ``runs`` (a key absent from a run counts 0 there)."""
+    keys = {key for run in runs for key in run}
+    none = (0, 0.0)
+    return {key: (statistics.median(run.get(key, none)[0] for run in runs), statistics.median(run.get(key, none)[1] for run in runs))
+            for key in keys}  # fmt: skip
+
+
+API_FILE = "CUDA API"
+"""The file part of `api_times`' keys: ``(API_FILE, 0, "cudaMemcpyAsync")``."""
+
+
+def api_times(work: Callable[[], object], *, steps: int = 1) -> FunctionTimes:
+    """Median calls and host seconds of each CUDA runtime or driver call made during ``work()``,
+    over ``steps`` calls under torch.profiler; empty without CUDA (nothing to count)."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    runs = []
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            work()
+        runs.append(api_calls(prof.key_averages()))
+    return _medians(runs)
+
+
+def api_calls(averages: Iterable) -> FunctionTimes:
+    """The CUDA API rows of torch.profiler's ``key_averages()``: host-side events named ``cu...``
+    (``cudaMemcpyAsync``, ``cuLaunchKernel``), keyed ``(API_FILE, 0, name)`` with (calls, host seconds);
+    device-side activities (kernels, memcpys on the GPU's timeline) and operators are left out."""
+    return {(API_FILE, 0, e.key): (e.count, e.cpu_time_total / 1e6)
+            for e in averages if e.device_type == DeviceType.CPU and e.key.startswith("cu")}  # fmt: skip
 
 
 def engine_seconds(stats: dict, engine: Callable[[str], bool]) -> float:
@@ -67,7 +105,7 @@ def over(times: FunctionTimes, baseline: FunctionTimes) -> FunctionTimes:
 
 def format_rows(times: FunctionTimes, per: float, *, top: int = 20) -> list[str]:
     """The ``top`` functions by own time, in microseconds and calls per ``per`` units of work
-    (a group, a layer call): own time, calls, ``function (file:line)``."""
+    (a group, a layer call): own time, calls, ``function (file:line)`` (a CUDA API call: its name)."""
     rows = sorted(times.items(), key=lambda item: item[1][1], reverse=True)[:top]
-    return [f"{own * 1e6 / per:10.2f} {calls / per:9.2f}  {name} ({file.rsplit('/', 1)[-1]}:{line})"
+    return [f"{own * 1e6 / per:10.2f} {calls / per:9.2f}  {name}" + ("" if file == API_FILE else f" ({file.rsplit('/', 1)[-1]}:{line})")
             for (file, line, name), (calls, own) in rows]  # fmt: skip

@@ -18,8 +18,10 @@
 # tests and the PP=1 replay test), before replay_coplan (at most 60 s) and the comparison's timed
 # reload-ahead runs (which replace its fixed 256 MiB ones; the budget runs now reload ahead by
 # timing too, where the budget allows) and the replays' fourth build (--budget-bytes megatron,
-# about 20 s each) and the comparison's layer-group runs (--layer-groups, four runs, about 25 s)
-# and the host-bound comparison's profile (--profile 2: two more steps per run, about 20 s) were
+# about 20 s each) and the host-bound comparison's layer-group runs (--layer-groups, two runs,
+# about 10 s; the planner already says layer groups cannot reach the h4096 runs' equal memory)
+# and the host-bound comparison's profile (--profile 2: two more steps per run under cProfile, about
+# 20 s, and two under torch.profiler for the CUDA API calls each engine adds, about 15 s) were
 # added; the sanitizer step (118 s on 2026-11-26) now runs the parity tests of one seed (8 of
 # its 12 runs left out, about 40 s less): about 9 minutes in all, and both pytest steps print
 # their per-test times (--durations=0) to plan the next run by. The five-module comparison now
@@ -27,7 +29,7 @@
 # checks that action starts are device times (NOTE [Action times]), which every timed decision
 # reads. A session's device time is 15 minutes, the machine's start included: run them in one call
 # with a wall-clock limit of about 9 minutes; what the finished steps wrote still comes back if
-# the limit cuts the last ones (replay_last and bandwidth ran on 2026-11-26).
+# the limit cuts the last ones (sanitizer_pp4 runs last: it passed on 2026-11-26).
 # Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
@@ -42,7 +44,7 @@
 # REPLAY_MODULES (default core_attn,qkv_linear).
 set -u -o pipefail
 
-readonly STEPS=(install env tests sanitizer overhead compare replay replay_coplan sanitizer_pp4 replay_last bandwidth)
+readonly STEPS=(install env tests sanitizer overhead compare replay replay_coplan replay_last bandwidth sanitizer_pp4)
 declare -A LIMIT=([install]=30 [env]=20 [tests]=120 [compare]=240 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=130 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'
@@ -63,7 +65,7 @@ declare -A CMD=(
 )
 # Issue 26's configurations, both module sets each: 8 layers at hidden 4096, seq 4096, 4
 # microbatches (compute-bound), then 16 layers at hidden 1024, seq 1024, 8 microbatches (host-bound).
-readonly COMPARE_COMMON='--timed-reload-ahead --layer-groups --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
+readonly COMPARE_COMMON='--timed-reload-ahead --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
 export COMPARE_COMMON
 # What the function steps run, for the plan that --dry-run prints.
 declare -A DESCRIBE=(
@@ -71,7 +73,7 @@ declare -A DESCRIBE=(
     [env]='date, git rev-parse HEAD, nvidia-smi, python/torch/CUDA/device, megatron-core/numpy/pytest versions'
     [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 --attention sdpa [--compare megatron --budget-bytes megatron where --help lists them] --json "$OUT_DIR/replay.json"'
     [replay_last]='the same as replay with --stage 3 (the last stage) --json "$OUT_DIR/replay_last.json"'
-    [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --json "$OUT_DIR/compare.json"; then --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 ... --profile 2 --json "$OUT_DIR/compare_host.json"'
+    [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --json "$OUT_DIR/compare.json"; then --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 ... --layer-groups --profile 2 --json "$OUT_DIR/compare_host.json"'
 )
 readonly LOG_HALF_BYTES=$((1 << 20))  # a step's log above 2 MiB keeps its first and last MiB
 
@@ -156,7 +158,7 @@ compare_pp1() {
         --json "$OUT_DIR/compare.json" || rc=$?
     # shellcheck disable=SC2086
     "$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON \
-        --profile 2 --json "$OUT_DIR/compare_host.json" || rc=$?
+        --layer-groups --profile 2 --json "$OUT_DIR/compare_host.json" || rc=$?
     return "$rc"
 }
 

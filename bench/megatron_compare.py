@@ -25,9 +25,12 @@ model from the same seed (so the same weights and inputs):
   modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
   missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``).
 
-With ``--profile`` each run trains one more step under cProfile, and the table is followed by
-what each run adds to the host time of that step over the run without offload, by function
-(own time per layer call): where an engine's host path goes (issue 26 item 4).
+With ``--profile N`` each run trains N more steps under cProfile, and the table is followed by
+what each run adds to the host time of a step over the run without offload, by function
+(own time per layer call): where an engine's host path goes (issue 26 item 4); on CUDA then N
+more under torch.profiler, for the CUDA runtime and driver calls each run adds (copies, events,
+stream waits, allocations, synchronisations), which cProfile sees only inside the Python calls
+that make them.
 
 Each iteration is timed with the device synchronised before and after; the peak is
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (on CPU: chunk-offload's
@@ -63,7 +66,7 @@ from chunk_offload.replay import megatron_builtin as builtin
 from chunk_offload.replay.stage import megatron_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _host_profile import format_rows, over, own_times  # noqa: E402  (the benches' shared profile)
+from _host_profile import api_times, format_rows, over, own_times  # noqa: E402  (the benches' shared profile)
 
 __all__ = ["main", "parse_args"]
 
@@ -193,6 +196,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
         grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
         # More steps, not in the times above.
         profile = own_times(train_step, steps=args.profile, engine=_engine_files(run)) if args.profile else None
+        api = api_times(train_step, steps=args.profile) if args.profile else None
     # A chunk-offload run leaves its model in a reference cycle (model hooks <-> manager) that only
     # the garbage collector frees: collect it, or the next run's peak includes this run's model.
     gc.collect()
@@ -203,7 +207,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             "budget_bytes": budget if run.endswith("budget") else None,
             "compute_wait_ms": None if None in waits else statistics.median(waits) * 1e3,
             "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses, "_grads": grads,
-            "_profile": profile}  # fmt: skip
+            "_profile": profile, "_api": api}  # fmt: skip
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:
@@ -236,7 +240,7 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
             row.update(_same(base, row), overhead=row["median_step_s"] / base["median_step_s"] - 1)
             if row is not base and row["_profile"] is not None:
                 (times, engine), (base_times, _) = row["_profile"], base["_profile"]
-                row.update(_host_added=over(times, base_times), engine_host_ms=engine * 1e3)
+                row.update(_host_added=over(times, base_times), engine_host_ms=engine * 1e3, _api_added=over(row["_api"], base["_api"]))
     return rows
 
 
@@ -252,6 +256,11 @@ def _profile_lines(rows: list[dict[str, Any]], layer_calls: int) -> list[str]:
             continue
         lines.append(f"{r['modules']} / {r['run']}: engine {r['engine_host_ms'] * 1e3 / layer_calls:.1f} us per layer call")
         lines.extend(format_rows(added, layer_calls, top=15))
+        if r["_api_added"]:
+            lines.append("  CUDA API calls added over 'none' (torch.profiler: host us, calls per layer call):")
+            lines.extend(format_rows(r["_api_added"], layer_calls, top=10))
+    if not torch.cuda.is_available():
+        lines.append("CUDA API calls (torch.profiler): none without CUDA")
     return lines
 
 
@@ -314,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             if r.get("_host_added") is not None:  # the 15 functions adding most host time, seconds per step
                 heaviest = sorted(r["_host_added"].items(), key=lambda item: item[1][1], reverse=True)[:15]
                 row["host_added_s"] = {f"{name} ({file}:{line})": own for (file, line, name), (_, own) in heaviest}
+                # Every CUDA API call's change over 'none', per step: [calls, host seconds].
+                row["cuda_api_added"] = {name: [calls, seconds] for (_, _, name), (calls, seconds) in r["_api_added"].items()}
         args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                          "device": device, "megatron_core": megatron.core.__version__, "rows": public},
                                         indent=2))  # fmt: skip

@@ -23,7 +23,9 @@ for both offload modes ("group" is one module call throughout, also in layer gro
 the medians move with the load; the fastest iterations are the steadier estimate of the cost.
 
 ``--profile N`` then runs N more offload iterations under cProfile and prints the functions
-with the most host time of their own, per group: where the host path spends its time.
+with the most host time of their own, per group: where the host path spends its time; on CUDA
+then N more of the offload and plain modes under torch.profiler, for the CUDA API calls (copies,
+events, stream waits, allocations) the offload path adds per group.
 
     python bench/overhead.py [--layers 200] [--modules-per-layer 5] [--repeats 30] [--hidden 64] [--batch 4] [--profile 0]
 """
@@ -36,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -44,7 +47,7 @@ from torch.autograd.graph import saved_tensors_hooks
 import chunk_offload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _host_profile import format_rows, own_times  # noqa: E402  (the benches' shared profile)
+from _host_profile import api_times, format_rows, over, own_times  # noqa: E402  (the benches' shared profile)
 
 __all__ = ["main"]
 
@@ -151,16 +154,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def print_profile(model: nn.Sequential, manager: chunk_offload.OffloadManager, *, x: torch.Tensor, iterations: int, groups: int) -> None:
-    """Host time of the offload mode by function (own time, cProfile), in microseconds per group."""
+def print_profile(runs: dict[str, tuple[nn.Sequential, chunk_offload.OffloadManager | None]], *, x: torch.Tensor, iterations: int,
+                  groups: int) -> None:  # fmt: skip
+    """Host time of the offload mode by function (own time, cProfile), in microseconds per group;
+    on CUDA also the CUDA API calls it adds over plain autograd (torch.profiler)."""
 
-    def work() -> None:
-        for _ in range(iterations):
-            one_iteration(model, x, manager)
+    def work(mode: str) -> Callable[[], None]:
+        def iterations_of_mode() -> None:
+            for _ in range(iterations):
+                one_iteration(runs[mode][0], x, runs[mode][1])
+
+        return iterations_of_mode
 
     print(f"profile of the offload mode, {iterations} iterations: own host time per group (us), calls per group, function")
-    times, _ = own_times(work)
+    times, _ = own_times(work("offload"))
     print("\n".join(format_rows(times, iterations * groups)))
+    if not torch.cuda.is_available():
+        print("CUDA API calls (torch.profiler): none without CUDA")
+        return
+    added = over(api_times(work("offload")), api_times(work("plain")))
+    print(f"CUDA API calls the offload mode adds over plain, {iterations} iterations (torch.profiler): host us per group, calls per group")
+    print("\n".join(format_rows(added, iterations * groups, top=12)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         saved = offload_mgr.stats().groups["layer"]
         layer_groups = layer_mgr.stats().groups["layer"].groups
         if args.profile:
-            print_profile(*runs["offload"], x=x, iterations=args.profile, groups=args.layers)
+            print_profile(runs, x=x, iterations=args.profile, groups=args.layers)
     finally:
         for manager in (bookkeeping_mgr, offload_mgr, layer_mgr):
             manager.close()

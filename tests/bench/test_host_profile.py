@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from _host_profile import format_rows, over, own_times  # noqa: E402
+from _host_profile import API_FILE, api_calls, format_rows, over, own_times  # noqa: E402
 
 THIS_FILE = __file__
 
@@ -40,3 +43,22 @@ def test_a_function_only_in_the_baseline_counts_negative() -> None:
     a = {("f.py", 1, "f"): (2, 0.5)}
     b = {("g.py", 2, "g"): (1, 0.25)}
     assert over(a, b) == {("f.py", 1, "f"): (2, 0.5), ("g.py", 2, "g"): (-1, -0.25)}
+
+
+def test_api_rows_are_the_host_side_cuda_calls_and_print_by_name() -> None:
+    """`api_calls` keeps torch.profiler's host-side CUDA runtime and driver rows, not operators or device activities."""
+
+    def row(key: str, count: int, us: float, device: DeviceType = DeviceType.CPU) -> SimpleNamespace:
+        return SimpleNamespace(key=key, count=count, cpu_time_total=us, device_type=device)
+
+    averages = [
+        row("cudaMemcpyAsync", 8, 40.0),
+        row("cuLaunchKernel", 3, 9.0),
+        row("aten::copy_", 8, 120.0),  # an operator: its time is in the cProfile rows
+        row("cutlass_80_tensorop_gemm", 3, 0.0, DeviceType.CUDA),  # a kernel on the device's timeline
+        row("Memcpy DtoH (Device -> Pinned)", 8, 0.0, DeviceType.CUDA),
+    ]
+    calls = api_calls(averages)
+    assert calls == {(API_FILE, 0, "cudaMemcpyAsync"): (8, 40e-6), (API_FILE, 0, "cuLaunchKernel"): (3, 9e-6)}
+    rows = format_rows(over(calls, {(API_FILE, 0, "cuLaunchKernel"): (1, 3e-6)}), per=2)
+    assert [r.split() for r in rows] == [["20.00", "4.00", "cudaMemcpyAsync"], ["3.00", "1.00", "cuLaunchKernel"]]

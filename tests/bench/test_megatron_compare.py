@@ -93,6 +93,8 @@ def test_profile_gives_each_engine_its_host_time(tmp_path) -> None:
         assert runs[run]["engine_host_ms"] > 0, run
         assert len(runs[run]["host_added_s"]) == 15, run
         assert f"core_attn,qkv_linear / {run}: engine " in done.stdout
+        assert runs[run]["cuda_api_added"] == {}, run  # torch.profiler counts CUDA API calls on CUDA only
+    assert "CUDA API calls (torch.profiler): none without CUDA" in done.stdout
     assert runs["chunk-offload"]["losses_identical"] and runs["chunk-offload"]["grads_identical"]
 
 

@@ -80,3 +80,4 @@ def test_profile_prints_host_time_per_group() -> None:
     done = _run("--layers", "6", "--repeats", "2", "--hidden", "8", "--batch", "2", "--profile", "2")
     assert done.returncode == 0, done.stderr
     assert "profile of the offload mode, 2 iterations: own host time per group (us), calls per group, function" in done.stdout
+    assert "CUDA API calls (torch.profiler): none without CUDA" in done.stdout  # torch.profiler's part runs on CUDA only
