@@ -17,14 +17,16 @@ caching allocators' calls, host-device synchronisations); its rows take the same
 from __future__ import annotations
 
 import cProfile
+import gc
 import pstats
 import statistics
+import time
 from typing import Callable, Iterable
 
 import torch
 from torch.autograd import DeviceType
 
-__all__ = ["API_FILE", "FunctionTimes", "api_calls", "api_times", "engine_seconds", "format_rows", "over", "own_times"]
+__all__ = ["API_FILE", "FunctionTimes", "GcClock", "api_calls", "api_times", "engine_seconds", "format_rows", "over", "own_times"]
 
 FunctionTimes = dict[tuple[str, int, str], tuple[float, float]]
 """(file, line, function) -> (calls, own seconds)."""
@@ -109,3 +111,28 @@ def format_rows(times: FunctionTimes, per: float, *, top: int = 20) -> list[str]
     rows = sorted(times.items(), key=lambda item: item[1][1], reverse=True)[:top]
     return [f"{own * 1e6 / per:10.2f} {calls / per:9.2f}  {name}" + ("" if file == API_FILE else f" ({file.rsplit('/', 1)[-1]}:{line})")
             for (file, line, name), (calls, own) in rows]  # fmt: skip
+
+
+class GcClock:
+    """Collections by generation and seconds the garbage collector ran while entered (``gc.callbacks``):
+    host time that no function's profile shows as its own (a collection runs inside whatever
+    allocation crosses the threshold), and that grows with the objects an engine makes per step."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)

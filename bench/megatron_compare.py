@@ -66,7 +66,7 @@ from chunk_offload.replay import megatron_builtin as builtin
 from chunk_offload.replay.stage import megatron_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _host_profile import api_times, format_rows, over, own_times  # noqa: E402  (the benches' shared profile)
+from _host_profile import GcClock, api_times, format_rows, over, own_times  # noqa: E402  (the benches' shared profile)
 
 __all__ = ["main", "parse_args"]
 
@@ -157,7 +157,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
     """One run: fresh model, warm-up, measured iterations through megatron's schedule."""
     dtype = _DTYPES[args.dtype]
     overrides = builtin.builtin_config(modules, min_offload_bytes=args.min_offload_bytes, dtype=dtype) if run == "megatron" else None
-    times, peaks, copied, waits, losses = [], [], [], [], None
+    times, peaks, copied, waits, gc_clocks, losses = [], [], [], [], [], None
     with ExitStack() as stack:
         stage = stack.enter_context(megatron_stage(shape, pp_size=1, pp_rank=0, seed=args.seed, config_overrides=overrides))
         # The whole model in the run's dtype (build_gpt_chunks' own dtype handling is being reworked).
@@ -182,11 +182,13 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
-            store = train_step()
+            with GcClock() as gc_clock:
+                store = train_step()
             elapsed = time.perf_counter() - start
             if i < args.warmup:
                 continue
             times.append(elapsed)
+            gc_clocks.append(gc_clock)
             record = manager.engine.last_iteration if manager is not None else None
             peaks.append(torch.cuda.max_memory_allocated(device) if cuda else record.peak_bytes if record else None)
             copied.append(sum(g.bytes_offloaded for g in record.groups.values()) if record else sum(n for _, n in seen.values()))
@@ -207,6 +209,8 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             "budget_bytes": budget if run.endswith("budget") else None,
             "compute_wait_ms": None if None in waits else statistics.median(waits) * 1e3,
             "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses, "_grads": grads,
+            "gc_ms": statistics.median(c.seconds for c in gc_clocks) * 1e3,
+            "gc_collections": [sum(c.collections[g] for c in gc_clocks) / len(gc_clocks) for g in range(3)],
             "_profile": profile, "_api": api}  # fmt: skip
 
 
@@ -237,7 +241,8 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
     base = rows[0]
     for row in rows:
         if "skipped" not in row:
-            row.update(_same(base, row), overhead=row["median_step_s"] / base["median_step_s"] - 1)
+            row.update(_same(base, row), overhead=row["median_step_s"] / base["median_step_s"] - 1,
+                       overhead_min=row["min_step_s"] / base["min_step_s"] - 1)
             if row is not base and row["_profile"] is not None:
                 (times, engine), (base_times, _) = row["_profile"], base["_profile"]
                 row.update(_host_added=over(times, base_times), engine_host_ms=engine * 1e3, _api_added=over(row["_api"], base["_api"]))
@@ -278,22 +283,24 @@ def _format(rows: list[dict[str, Any]], device: str) -> str:
         return "n/a" if value is None else f"{value / _GB:.4g}"
 
     w, rw = 2 + max(len(r["modules"]) for r in rows), 2 + max(len(r["run"]) for r in rows)
-    lines = [f"{'modules':<{w}}{'run':<{rw}}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'GB copied':>11}"
-             f"{'losses =':>10}{'grads =':>9}{'wait ms':>9}"]  # fmt: skip
+    lines = [f"{'modules':<{w}}{'run':<{rw}}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'min ovh':>9}{'GB copied':>11}"
+             f"{'losses =':>10}{'grads =':>9}{'wait ms':>9}{'gc ms':>8}"]  # fmt: skip
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['modules']:<{w}}{r['run']:<{rw}}skipped: {r['skipped']}")
             continue
         lines.append(
             f"{r['modules']:<{w}}{r['run']:<{rw}}{gb(r['peak_bytes']):>9}{r['median_step_s'] * 1e3:>11.2f}{r['min_step_s'] * 1e3:>9.2f}"
-            f"{r['overhead'] * 100:>9.1f}%{gb(r['bytes_copied']):>11}{'yes' if r['losses_identical'] else 'no':>10}"
-            f"{'yes' if r['grads_identical'] else 'no':>9}"
-            f"{'n/a' if r['compute_wait_ms'] is None else format(r['compute_wait_ms'], '.2f'):>9}"
+            f"{r['overhead'] * 100:>9.1f}%{r['overhead_min'] * 100:>8.1f}%{gb(r['bytes_copied']):>11}"
+            f"{'yes' if r['losses_identical'] else 'no':>10}{'yes' if r['grads_identical'] else 'no':>9}"
+            f"{'n/a' if r['compute_wait_ms'] is None else format(r['compute_wait_ms'], '.2f'):>9}{r['gc_ms']:>8.2f}"
         )
     cpu = device == "cpu"
     lines.append("peak: " + ("CPU has no device allocator: chunk-offload's accounting of saved bytes, n/a for the others"
                              if cpu else "torch.cuda.max_memory_allocated per iteration (max over measured iterations)"))  # fmt: skip
-    lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others")
+    lines.append("overhead: median step over 'none''s; min ovh: fastest step over 'none''s (less moved by a busy host)")
+    lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others; "
+                 "gc ms: the garbage collector's time per step (median)")
     lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'"
                  + ("" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)"))
     return "\n".join(lines)

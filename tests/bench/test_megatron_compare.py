@@ -50,6 +50,11 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     ran = [r for r in rows if "skipped" not in r]
     assert all(r["losses_identical"] and r["grads_identical"] for r in ran), done.stdout
     assert all(r["median_step_s"] > 0 and r["min_step_s"] <= r["median_step_s"] for r in ran)
+    base = runs[("core_attn,qkv_linear", "none")]
+    for r in ran:  # both overheads against 'none' of the same module set, and the collector's time per step
+        none = runs[(r["modules"], "none")]
+        assert r["overhead_min"] == r["min_step_s"] / none["min_step_s"] - 1 and r["gc_ms"] >= 0 and len(r["gc_collections"]) == 3
+    assert base["overhead_min"] == 0 and "min ovh" in done.stdout and "gc ms: the garbage collector's time per step" in done.stdout
     modules = "core_attn,qkv_linear"
     # PP=1: every backward follows its forward; from the second iteration on the plan copies all
     # but each chunk's last group (NOTE [Kept tail]).
