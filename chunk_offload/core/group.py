@@ -29,11 +29,8 @@ from .streams import Event
 __all__ = ["OffloadGroup"]
 
 
-# The profiler range of each compute wait, by wait name (`OffloadConfig.profile_ranges`).
-_WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}
-
-# The states the per-tensor paths test, as globals: an Enum member lookup costs several times
-# a global one, and these run for every saved tensor.
+_WAIT_RANGES = {"release_after_offload": "wait_offload", "use_after_reload": "wait_reload"}  # profiler range by wait name
+# The states the per-tensor paths test, as globals (an Enum member lookup costs several global ones).
 _COLLECTING, _KEPT, _DISCARDED = GroupState.COLLECTING, GroupState.KEPT, GroupState.DISCARDED
 
 
@@ -327,6 +324,8 @@ class OffloadGroup:
         self._live_storages -= 1
         if self._live_storages == 0:
             self._to(GroupState.RELEASED)
+            self._storages.clear()  # unread from now on: freed now, not with the handler (a cycle with its groups)
+            self._d2h_event = self._h2d_event = None
             self.handler._group_released(self)
 
     def discard(self) -> None:
