@@ -15,6 +15,8 @@ needs of the script's arguments first and refuses those with the flags as typed:
 * ``--chunk-offload-verify N`` without ``--chunk-offload-modules`` or with ``--chunk-offload-baseline``
   (the run "with offload" would copy nothing); N < 1 is refused by the flag's parser;
 * Megatron's ``--num-experts`` not divisible by ``--expert-model-parallel-size`` (or absent);
+* Megatron's CUDA graphs capturing whole layers (``--cuda-graph-impl`` with no or a full scope)
+  when something is offloaded: no offload group may run inside a graph;
 * a ``--chunk-offload-report`` path whose JSON, Markdown or PNG file cannot be written;
 * a ``--chunk-offload-plan`` FILE that is not a plan, or a plan with ``--chunk-offload-verify``.
 """
@@ -30,6 +32,7 @@ from typing import Sequence
 
 from ..core import ChunkOffloadError
 from ..integrations.megatron import add_arguments, check_args
+from ..integrations.megatron.modules import whole_layer_graphs
 from ..report import report_files
 from .plan import load_plan
 
@@ -97,6 +100,8 @@ def preflight(script_args: Sequence[str], *, prog: str) -> argparse.Namespace:
             why, fix = "without --chunk-offload-modules nothing is offloaded", "add --chunk-offload-modules NAMES"
         parser.error(f"--chunk-offload-verify {verify} compares a run without offload with one with offload, but {why}; {fix}")
     _check_experts(script_args, parser)
+    if args.chunk_offload_modules or plan is not None:
+        _check_cuda_graphs(script_args, parser)
     if report:
         problem = unwritable(report)
         if problem:
@@ -128,6 +133,27 @@ def _check_experts(script_args: Sequence[str], parser: argparse.ArgumentParser) 
             f"holds the same number of experts; use a multiple of {ep} for --num-experts ("
             + (f"{lower} or " if lower else "")
             + f"{lower + ep}) or an --expert-model-parallel-size that divides {experts}"
+        )
+
+
+def _check_cuda_graphs(script_args: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    """Megatron's CUDA graphs that capture every transformer layer whole (`whole_layer_graphs`), where
+    no offload group may run (NOTE [CUDA graph capture]); ``attach`` refuses them too, after set-up."""
+    megatron = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    megatron.add_argument("--cuda-graph-impl", default="none")
+    for flag in ("--cuda-graph-scope", "--cuda-graph-modules"):
+        megatron.add_argument(flag, nargs="+", default=None)
+    for flag in ("--enable-cuda-graph", "--external-cuda-graph"):
+        megatron.add_argument(flag, action="store_true")
+    given, _ = megatron.parse_known_args(list(script_args))
+    flag, scopes = ("--cuda-graph-modules", given.cuda_graph_modules) if given.cuda_graph_modules else ("--cuda-graph-scope", given.cuda_graph_scope)
+    impl = whole_layer_graphs(given.cuda_graph_impl, scopes or [], enable_cuda_graph=given.enable_cuda_graph,
+                              external_cuda_graph=given.external_cuda_graph)  # fmt: skip
+    if impl is not None:
+        parser.error(
+            f"Megatron's CUDA graphs (--cuda-graph-impl {impl}, {flag} {' '.join(scopes) if scopes else 'not given: the whole layer'}) "
+            "capture every transformer layer, and a graph's replays run without the hooks that offload; use "
+            f"--cuda-graph-impl none, or a {flag} that leaves the offloaded modules out, or drop --chunk-offload-modules"
         )
 
 

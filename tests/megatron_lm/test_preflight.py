@@ -200,3 +200,35 @@ def test_plan_usage_errors(script: Path, capsys, args: list[str], message: str) 
 def test_a_plan_with_a_device_budget_passes_the_checks() -> None:
     args = preflight(["--chunk-offload-plan", "auto", "--chunk-offload-device-budget", "1GiB", "--chunk-offload-report", "r"], prog=PROG)
     assert (args.chunk_offload_plan, args.chunk_offload_device_budget, args.chunk_offload_modules) == ("auto", 1 << 30, None)
+
+
+@pytest.mark.parametrize(
+    "graphs, shown",
+    [
+        (["--cuda-graph-impl", "local"], "--cuda-graph-impl local, --cuda-graph-scope not given: the whole layer"),
+        (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "full"], "--cuda-graph-impl transformer_engine, --cuda-graph-scope full"),
+        (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl full_iteration, --cuda-graph-scope not given"),  # megatron-core 0.19
+        (["--enable-cuda-graph"], "--cuda-graph-impl local, --cuda-graph-scope not given"),  # before megatron-core 0.14
+    ],
+    ids=["local", "te-full", "full-iteration", "enable-cuda-graph"],
+)
+def test_whole_layer_cuda_graphs_are_refused_when_offloading(script: Path, capsys, graphs: list[str], shown: str) -> None:
+    """NOTE [CUDA graph capture]: exit 2 before Megatron's set-up, where attach would refuse after it."""
+    err = _refused(script, capsys, "--chunk-offload-modules", "core_attn", *graphs)
+    assert f"{PROG}: error: Megatron's CUDA graphs ({shown}" in err
+    assert "use --cuda-graph-impl none, or a --cuda-graph-" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--cuda-graph-impl", "local"],  # nothing offloaded
+        ["--chunk-offload-modules", "mlp_fc1", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"],
+        ["--chunk-offload-modules", "core_attn", "--cuda-graph-impl", "local", "--cuda-graph-scope", "moe_router", "moe_preprocess"],
+        ["--chunk-offload-modules", "core_attn", "--cuda-graph-impl", "none"],
+    ],
+    ids=["no-offload", "modules-attn", "scope-router", "none"],
+)
+def test_partial_or_no_cuda_graphs_pass(args: list[str]) -> None:
+    """A partial scope is left to the engine, which refuses a group opened during a capture."""
+    preflight(args, prog=PROG)

@@ -39,6 +39,7 @@ __all__ = [
     "offload_submodules",
     "resolve",
     "transformer_layers",
+    "whole_layer_graphs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -202,36 +203,41 @@ def check_model_support(chunks: Sequence[nn.Module], names: Sequence[str]) -> No
         )
 
 
-def _refuse_layer_graphs(chunks: Sequence[nn.Module], names: Sequence[str]) -> None:
-    """Refuse a model whose TransformerConfig captures every transformer layer in a CUDA graph: no
-    offload group may run inside one (NOTE [CUDA graph capture] in core/streams/base.py).
-
-    ``cuda_graph_impl`` "local" or "transformer_engine" (``enable_cuda_graph`` and
-    ``external_cuda_graph`` before megatron-core 0.14) with an empty capture scope (the whole layer;
-    "full" before megatron-core turns it into []) or "full_iteration"; the scope is
-    ``cuda_graph_scope``, ``cuda_graph_modules`` where megatron-core has renamed it. A partial scope
-    (attn, mlp, moe, ...) is left to the engine, which refuses a group that opens during a capture.
-    """
-    layer = next((layer for chunk in chunks for layer in transformer_layers(chunk)), None)
-    config = getattr(layer, "config", None)
-    impl = getattr(config, "cuda_graph_impl", None) or "none"
-    if impl == "none" and getattr(config, "enable_cuda_graph", False):
-        impl = "local"
-    elif impl == "none" and getattr(config, "external_cuda_graph", False):
-        impl = "transformer_engine"
+def whole_layer_graphs(impl: str | None, scopes: Sequence[str], *, enable_cuda_graph: bool = False,
+                       external_cuda_graph: bool = False) -> str | None:  # fmt: skip
+    """The CUDA-graph implementation if megatron-core's settings capture every transformer layer
+    whole, else None: ``cuda_graph_impl`` ``impl`` ("local" or "transformer_engine"; before
+    megatron-core 0.14 ``enable_cuda_graph`` or ``external_cuda_graph``) with an empty capture scope
+    ``scopes`` (the whole layer; "full" before megatron-core turns it into []) or "full_iteration"
+    (a scope before megatron-core 0.19, an ``impl`` from it). Read from a model's config at attach
+    (`check_model_support`) and from the launcher's command line (`chunk_offload.megatron_lm.preflight`)."""
+    if impl in (None, "none"):
+        impl = "local" if enable_cuda_graph else "transformer_engine" if external_cuda_graph else "none"
     if impl == "none":
-        return
+        return None
+    whole = impl == "full_iteration" or not scopes or bool({"full", "full_iteration"} & set(scopes))
+    return impl if whole else None
+
+
+def _refuse_layer_graphs(chunks: Sequence[nn.Module], names: Sequence[str]) -> None:
+    """Refuse a model whose TransformerConfig captures every transformer layer in a CUDA graph
+    (`whole_layer_graphs`): no offload group may run inside one (NOTE [CUDA graph capture] in
+    core/streams/base.py). The scope is ``cuda_graph_scope``, ``cuda_graph_modules`` where
+    megatron-core has renamed it; a partial one (attn, mlp, moe, ...) is left to the engine, which
+    refuses a group that opens during a capture."""
+    config = getattr(next((layer for chunk in chunks for layer in transformer_layers(chunk)), None), "config", None)
     field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
     scope = getattr(config, field, None) or []
     scopes = [getattr(s, "name", s) for s in (scope if isinstance(scope, (list, tuple)) else [scope])]
-    if impl != "full_iteration" and scopes and not {"full", "full_iteration"} & set(scopes):
-        return
-    raise ChunkOffloadError(
-        f"the model's TransformerConfig has cuda_graph_impl={impl!r} with {field}={scopes or 'the whole layer'}: "
-        f"megatron-core captures every transformer layer in a CUDA graph, whose replays run without the hooks that "
-        f"offload {list(names)}; set --cuda-graph-impl none, or a --{field.replace('_', '-')} that leaves the "
-        "offloaded modules out (e.g. moe_router when offloading dense or attention modules), or do not offload them"
-    )
+    impl = whole_layer_graphs(getattr(config, "cuda_graph_impl", None), scopes, enable_cuda_graph=getattr(config, "enable_cuda_graph", False),
+                              external_cuda_graph=getattr(config, "external_cuda_graph", False))  # fmt: skip
+    if impl is not None:
+        raise ChunkOffloadError(
+            f"the model's TransformerConfig has cuda_graph_impl={impl!r} with {field}={scopes or 'the whole layer'}: "
+            f"megatron-core captures every transformer layer in a CUDA graph, whose replays run without the hooks that "
+            f"offload {list(names)}; set --cuda-graph-impl none, or a --{field.replace('_', '-')} that leaves the "
+            "offloaded modules out (e.g. moe_router when offloading dense or attention modules), or do not offload them"
+        )
 
 
 def _megatron_has_op_fuser() -> bool:
