@@ -37,8 +37,7 @@ _COLLECTING, _KEPT, _DISCARDED = GroupState.COLLECTING, GroupState.KEPT, GroupSt
 class OffloadGroup:
     """The saved tensors of one call of one named submodule within one chunk."""
 
-    # Slots: one group per layer call, so no per-instance dict for the garbage collector to track.
-    __slots__ = (
+    __slots__ = (  # one group per layer call: no per-instance dict for the garbage collector to track
         "handler", "name", "member", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "_ctx",
         "_storages", "_live_storages", "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event", "_offload_cancelled",
     )  # fmt: skip
@@ -346,4 +345,6 @@ class OffloadGroup:
             for ref in alive(storage):
                 ref.tensor = None
             storage.forget_refs()
+        self._storages.clear()  # as for a released group (`_storage_released`)
+        self._d2h_event = self._h2d_event = None
         self._to(GroupState.DISCARDED)

@@ -107,12 +107,13 @@ class Storage:
         (``no_memory``: `SavedRef.drop_original`'s empty tensor on their device)."""
         self.device_bytes = None
         self.on_host = True
+        shape = None if self.layout is None else self.layout[1]
         only = self.only_view()
         if only is not None:
-            only.drop_original(no_memory)
+            only.drop_original(no_memory, shape)
         else:
             for ref in alive(self):
-                ref.drop_original(no_memory)
+                ref.drop_original(no_memory, shape)
 
     def view_of(self, ref: "SavedRef") -> torch.Tensor:
         """``ref``'s saved view on the device copy: the copy itself where the storage was copied
@@ -151,15 +152,20 @@ class SavedRef:
         storage.add(self)
         self.storage = storage
 
-    def drop_original(self, no_memory: torch.Tensor) -> None:
-        """Stop holding the device original; keep its view and a probe of its version counter
-        (``no_memory``: an empty tensor on the original's device, see `version_probe`)."""
+    def drop_original(self, no_memory: torch.Tensor, shape: torch.Size | None = None) -> None:
+        """Stop holding the device original; keep a probe of its version counter (``no_memory``: an
+        empty tensor on the original's device, see `version_probe`) and what unpack needs of its
+        view: all of it where the storage was copied as bytes (`Storage.view_of` rebuilds the view);
+        only its ``shape``, for a version error, where it was copied as this view (NOTE [Direct copies])."""
         tensor = self.tensor
         if tensor is not None:
-            self.dtype = tensor.dtype
-            self.size = tensor.size()
-            self.stride = tensor.stride()
-            self.offset_bytes = tensor.storage_offset() * tensor.element_size()
+            if shape is None:
+                self.dtype = tensor.dtype
+                self.size = tensor.size()
+                self.stride = tensor.stride()
+                self.offset_bytes = tensor.storage_offset() * tensor.element_size()
+            else:
+                self.size = shape  # the storage's, no new object: one fewer for the garbage collector
             self.probe = version_probe(tensor, no_memory)
             self.tensor = None
 
