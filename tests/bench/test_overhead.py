@@ -53,6 +53,14 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
             assert abs(float(match.group(1)) - expected) <= 0.01 + 0.01 * abs(expected), (mode, match.group(1), expected)
     # 12 modules in layers of 5 (the default): 3 layer groups for 12 module groups.
     assert re.search(r"^tensors offloaded per group: [0-9.]+; offload_layer: 0.25 groups per module group$", done.stdout, re.M), done.stdout
+    cyclic = re.search(r"^objects left in reference cycles per group and iteration \(freed only by the garbage collector\): "
+                       + ", ".join(rf"{mode} {_NUMBER}" for mode in ("plain", "floor", "bookkeeping", "offload", "offload_layer")) + "$",
+                       done.stdout, re.M)  # fmt: skip
+    assert cyclic, done.stdout
+    plain, floor, bookkeeping, offload, _ = (float(v) for v in cyclic.groups())
+    # Autograd alone leaves none; a released group lets go of its storages and copy events, so
+    # copying leaves no more than bookkeeping does (the handler and its groups, a cycle).
+    assert plain == floor == 0 and 0 < bookkeeping == offload, done.stdout
 
 
 def test_bad_argument_is_a_usage_error() -> None:
