@@ -11,7 +11,7 @@ same training step; `format_rows` prints the heaviest per unit of work. `api_tim
 torch.profiler, the CUDA runtime and driver calls a step makes, which cProfile sees only inside
 the Python calls that make them (the copies' ``cudaMemcpyAsync``, event records, stream waits, the
 caching allocators' calls, host-device synchronisations); its rows take the same `over` and
-`format_rows`.
+`format_rows`. `GcClock` times the garbage collector's runs, which no function owns.
 """
 
 from __future__ import annotations

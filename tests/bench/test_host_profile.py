@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from _host_profile import API_FILE, api_calls, format_rows, over, own_times  # noqa: E402
+from _host_profile import API_FILE, GcClock, api_calls, format_rows, over, own_times  # noqa: E402
 
 THIS_FILE = __file__
 
@@ -62,3 +63,13 @@ def test_api_rows_are_the_host_side_cuda_calls_and_print_by_name() -> None:
     assert calls == {(API_FILE, 0, "cudaMemcpyAsync"): (8, 40e-6), (API_FILE, 0, "cuLaunchKernel"): (3, 9e-6)}
     rows = format_rows(over(calls, {(API_FILE, 0, "cuLaunchKernel"): (1, 3e-6)}), per=2)
     assert [r.split() for r in rows] == [["20.00", "4.00", "cudaMemcpyAsync"], ["3.00", "1.00", "cuLaunchKernel"]]
+
+
+def test_gc_clock_counts_the_collections_run_while_entered() -> None:
+    callbacks = len(gc.callbacks)
+    with GcClock() as clock:
+        gc.collect(1)
+        gc.collect()
+    gc.collect()  # after the clock: not counted
+    assert clock.collections == [0, 1, 1] and clock.seconds > 0
+    assert len(gc.callbacks) == callbacks
