@@ -1,10 +1,9 @@
 """One offload group: the tensors one call of one submodule saved, and their copies.
 
-A group moves through an explicit state machine (`GroupState`, group_state.py). Every change of
-state goes through `OffloadGroup._to`, which checks it against one table (`TRANSITIONS`), and every
-operation checks the state it expects (`OffloadGroup._expect`, or `internal_assert` for
-states only a bug of ours can produce), so a call out of order is an error naming the state,
-never a silent wrong result.
+A group moves through an explicit state machine (`GroupState`, group_state.py): every change goes
+through `OffloadGroup._to`, checked against one table (`TRANSITIONS`), and every operation checks
+the state it expects (`_expect`, or `internal_assert` for states only a bug of ours can produce),
+so a call out of order is an error naming the state, never a silent wrong result.
 
 Each saved tensor is represented by a `saved.SavedRef`, the object autograd keeps in its graph;
 views of one storage share a `saved.Storage` that is copied once. When autograd drops the last
@@ -186,11 +185,9 @@ class OffloadGroup:
 
     def release_device(self) -> None:
         """Drop the device originals of the copied storages once their copy to host is ordered
-        before any reuse of their memory (NOTE [Release by the copy stream] in copies.py).
-
-        No-op when backward already reached the group (its offload was cancelled: RESIDENT) or
-        autograd already freed all of it (RELEASED); any other state is a bug of ours.
-        """
+        before any reuse of their memory (NOTE [Release by the copy stream] in copies.py). No-op
+        when backward already reached the group (its offload was cancelled: RESIDENT) or autograd
+        already freed all of it (RELEASED); any other state is a bug of ours."""
         if self.state in (GroupState.RESIDENT, GroupState.RELEASED):
             return
         if self.state is not GroupState.OFFLOADING:
@@ -323,9 +320,13 @@ class OffloadGroup:
         self._live_storages -= 1
         if self._live_storages == 0:
             self._to(GroupState.RELEASED)
-            self._storages.clear()  # unread from now on: freed now, not with the handler (a cycle with its groups)
-            self._d2h_event = self._h2d_event = None
+            self._let_go()
             self.handler._group_released(self)
+
+    def _let_go(self) -> None:
+        """Drop the storage records and copy events, unread once released or discarded: freed now, not with the handler (a cycle)."""
+        self._storages.clear()
+        self._d2h_event = self._h2d_event = None
 
     def discard(self) -> None:
         """Free every copy now (copy streams must be idle); later unpacks raise."""
@@ -345,6 +346,5 @@ class OffloadGroup:
             for ref in alive(storage):
                 ref.tensor = None
             storage.forget_refs()
-        self._storages.clear()  # as for a released group (`_storage_released`)
-        self._d2h_event = self._h2d_event = None
+        self._let_go()
         self._to(GroupState.DISCARDED)

@@ -51,6 +51,7 @@ class ChunkOffloadHandler:
     ) -> None:
         self.ctx = ctx
         self._decide = ctx.decide
+        self._capturing = ctx.streams.capturing  # asked at each group's open (NOTE [CUDA graph capture])
         self.key = key
         self.offload = offload
         """Whether committed groups are copied to host (False: kept on device, still accounted)."""
@@ -94,7 +95,7 @@ class ChunkOffloadHandler:
         ``layer`` (not None): the call joins the pending group of the same layer, if any (NOTE [Layer groups] in marks.py);
         ``if_shared``: only if its first tensor to copy is a storage of that group (NOTE [Joined calls]).
         """
-        if self._forward_ended or self.current is not None or self.ctx.streams.capturing():
+        if self._forward_ended or self.current is not None or self._capturing():
             raise self._open_error(name)
         joined = self._joins.join(name, inputs, layer, if_shared)
         if joined is not None:
