@@ -2,8 +2,8 @@
 
 One GPT on one device, trained through megatron's own no-pipelining schedule (PP=1,
 ``get_forward_backward_func()`` in a one-process world), which is how both offloads are meant
-to be used. For each ``--modules`` set, four runs one after another, each on a fresh build of the
-model from the same seed (so the same weights and inputs):
+to be used. For each ``--modules`` set, three runs or more one after another, each on a fresh
+build of the model from the same seed (so the same weights and inputs):
 
 - none: no offload;
 - chunk-offload: `chunk_offload.integrations.megatron.attach` with its defaults (at PP=1 every
@@ -25,18 +25,20 @@ model from the same seed (so the same weights and inputs):
   modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
   missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``).
 
-With ``--profile N`` each run trains N more steps under cProfile, and the table is followed by
-what each run adds to the host time of a step over the run without offload, by function
-(own time per layer call): where an engine's host path goes (issue 26 item 4); on CUDA then N
-more under torch.profiler, for the CUDA runtime and driver calls each run adds (copies, events,
-stream waits, allocations, synchronisations), which cProfile sees only inside the Python calls
-that make them.
+With ``--profile N``, once every run is timed, each run is built again and trains N steps under
+cProfile, and the table is followed by what each run adds to the host time of a step over the
+run without offload, by function (own time per layer call): where an engine's host path goes
+(issue 26 item 4); on CUDA then N more under torch.profiler, for the CUDA runtime and driver
+calls each run adds (copies, events, stream waits, allocations, synchronisations), which
+cProfile sees only inside the Python calls that make them. The profiles come after the timed
+runs so that no profiler's residue slows the times.
 
 Each iteration is timed with the device synchronised before and after; the peak is
-``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (on CPU: chunk-offload's
-accounting of saved bytes, n/a for the others). Losses are those of the first measured
-iteration; grads those of the last; both are compared with ``torch.equal`` to the run without
-offload. On CUDA, flash attention's backward is not deterministic, so grads may differ without
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was still
+allocated before the run built its model (on CPU: chunk-offload's accounting of saved bytes,
+n/a for the others); each row's ``wall_s`` in the JSON is the run's whole time, its build
+included. Losses are those of the first measured iteration; grads those of the last; both are
+compared with ``torch.equal`` to the run without offload. On CUDA, flash attention's backward is not deterministic, so grads may differ without
 any offload; the losses (forward only) are the fair check there.
 
     python bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 \\
@@ -66,13 +68,13 @@ from chunk_offload.replay import megatron_builtin as builtin
 from chunk_offload.replay.stage import megatron_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _host_profile import GcClock, api_times, format_rows, over, own_times  # noqa: E402  (the benches' shared profile)
+from _compare_text import format_profiles, format_table  # noqa: E402  (this bench's text)
+from _host_profile import GcClock, api_times, over, own_times  # noqa: E402  (the benches' shared profile)
 
 __all__ = ["main", "parse_args"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RUNS = ("none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed", "chunk-offload layer", "megatron")
-_GB = 1e9
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,17 +155,33 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
     return forward_backward, step, manager, seen
 
 
-def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str, budget: int | None) -> dict[str, Any]:
-    """One run: fresh model, warm-up, measured iterations through megatron's schedule."""
+def _allocated_left() -> int:
+    """Device bytes still allocated before a run builds its model (0 on CPU): what earlier runs
+    left behind. Each run's peak and budget are taken over it, so one run's leftovers never
+    count as another's memory; the table says when any is left."""
+    gc.collect()
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str, budget: int | None,
+         *, profile: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One run: fresh model, warm-up, measured iterations through megatron's schedule; with
+    ``profile``, the ``--profile`` steps instead of the measured iterations (`_add_profiles`)."""
     dtype = _DTYPES[args.dtype]
     overrides = builtin.builtin_config(modules, min_offload_bytes=args.min_offload_bytes, dtype=dtype) if run == "megatron" else None
     times, peaks, copied, waits, gc_clocks, losses = [], [], [], [], [], None
+    started, left = time.perf_counter(), _allocated_left()
     with ExitStack() as stack:
         stage = stack.enter_context(megatron_stage(shape, pp_size=1, pp_rank=0, seed=args.seed, config_overrides=overrides))
         # The whole model in the run's dtype (build_gpt_chunks' own dtype handling is being reworked).
         model = stage.chunks[0].to(dtype)
         cuda, device = stage.device.type == "cuda", stage.device
-        forward_backward, step, manager, seen = _with_offload(stack, args, model, modules, run, budget)
+        # The budget is device memory this run's model and activations may take: over what is left.
+        forward_backward, step, manager, seen = _with_offload(stack, args, model, modules, run, None if budget is None else budget + left)
         batches = stage.token_batches(args.microbatches, iteration=0)
 
         def train_step() -> list:
@@ -177,7 +195,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
                 torch.cuda.synchronize(device)
             return store
 
-        for i in range(args.warmup + args.iterations):
+        for i in range(args.warmup + (0 if profile else args.iterations)):
             if cuda:  # each iteration timed alone, its peak its own
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -190,20 +208,15 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             times.append(elapsed)
             gc_clocks.append(gc_clock)
             record = manager.engine.last_iteration if manager is not None else None
-            peaks.append(torch.cuda.max_memory_allocated(device) if cuda else record.peak_bytes if record else None)
+            peaks.append(torch.cuda.max_memory_allocated(device) - left if cuda else record.peak_bytes if record else None)
             copied.append(sum(g.bytes_offloaded for g in record.groups.values()) if record else sum(n for _, n in seen.values()))
             waits.append(sum(g.wait_time_s for g in record.groups.values()) if record else None)
             if losses is None:
                 losses = [d["lm loss"].detach().cpu() for d in store]
+        if profile:
+            return {"_profile": own_times(train_step, steps=args.profile, engine=_engine_files(run)),
+                    "_api": api_times(train_step, steps=args.profile)}  # fmt: skip
         grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
-        # More steps, not in the times above.
-        profile = own_times(train_step, steps=args.profile, engine=_engine_files(run)) if args.profile else None
-        api = api_times(train_step, steps=args.profile) if args.profile else None
-    # A chunk-offload run leaves its model in a reference cycle (model hooks <-> manager) that only
-    # the garbage collector frees: collect it, or the next run's peak includes this run's model.
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return {"run": run, "modules": ",".join(modules), "peak_bytes": None if None in peaks else max(peaks),
             "median_step_s": statistics.median(times), "min_step_s": min(times), "bytes_copied": copied[-1],
             "budget_bytes": budget if run.endswith("budget") else None,
@@ -211,7 +224,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
             "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses, "_grads": grads,
             "gc_ms": statistics.median(c.seconds for c in gc_clocks) * 1e3,
             "gc_collections": [sum(c.collections[g] for c in gc_clocks) / len(gc_clocks) for g in range(3)],
-            "_profile": profile, "_api": api}  # fmt: skip
+            "left_bytes": left, "wall_s": time.perf_counter() - started}  # fmt: skip
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:
@@ -243,30 +256,25 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
         if "skipped" not in row:
             row.update(_same(base, row), overhead=row["median_step_s"] / base["median_step_s"] - 1,
                        overhead_min=row["min_step_s"] / base["min_step_s"] - 1)
-            if row is not base and row["_profile"] is not None:
-                (times, engine), (base_times, _) = row["_profile"], base["_profile"]
-                row.update(_host_added=over(times, base_times), engine_host_ms=engine * 1e3, _api_added=over(row["_api"], base["_api"]))
     return rows
 
 
-def _profile_lines(rows: list[dict[str, Any]], layer_calls: int) -> list[str]:
-    """Each run's host time over 'none' by function (`--profile`): what the engine adds to one step."""
-    lines = ["host profile (--profile; cProfile slows every Python call: compare the runs, not with the step times): "
-             f"per layer call (one layer's forward and backward of one microbatch; {layer_calls} per step), median of the "
-             "profiled steps: the engine's own host time (its functions and the C calls they make), then the functions "
-             "adding most own time over 'none' (us, calls)"]  # fmt: skip
-    for r in rows:
-        added = r.get("_host_added")
-        if added is None:
+def _add_profiles(args: argparse.Namespace, shape: GPTShape, rows: list[dict[str, Any]]) -> None:
+    """``--profile``: each run once more, its profiled steps and what they add over its set's 'none'.
+
+    After every timed run, not inside them: torch.profiler's CUDA activity tracing (CUPTI) can
+    leave later CUDA calls of the process slower, which would tilt the times of the runs after it.
+    """
+    base = None
+    for row in rows:
+        if "skipped" in row:
             continue
-        lines.append(f"{r['modules']} / {r['run']}: engine {r['engine_host_ms'] * 1e3 / layer_calls:.1f} us per layer call")
-        lines.extend(format_rows(added, layer_calls, top=15))
-        if r["_api_added"]:
-            lines.append("  CUDA API calls added over 'none' (torch.profiler: host us, calls per layer call):")
-            lines.extend(format_rows(r["_api_added"], layer_calls, top=10))
-    if not torch.cuda.is_available():
-        lines.append("CUDA API calls (torch.profiler): none without CUDA")
-    return lines
+        row.update(_run(args, shape, row["modules"].split(","), row["run"], row["budget_bytes"], profile=True))
+        if row["run"] == "none":
+            base = row
+            continue
+        (times, engine), (base_times, _) = row["_profile"], base["_profile"]
+        row.update(_host_added=over(times, base_times), engine_host_ms=engine * 1e3, _api_added=over(row["_api"], base["_api"]))
 
 
 def _engine_files(run: str) -> Callable[[str], bool] | None:
@@ -276,34 +284,6 @@ def _engine_files(run: str) -> Callable[[str], bool] | None:
     if run == "megatron":
         return lambda file: file.endswith("fine_grained_activation_offload.py")
     return None
-
-
-def _format(rows: list[dict[str, Any]], device: str) -> str:
-    def gb(value: int | None) -> str:
-        return "n/a" if value is None else f"{value / _GB:.4g}"
-
-    w, rw = 2 + max(len(r["modules"]) for r in rows), 2 + max(len(r["run"]) for r in rows)
-    lines = [f"{'modules':<{w}}{'run':<{rw}}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'min ovh':>9}{'GB copied':>11}"
-             f"{'losses =':>10}{'grads =':>9}{'wait ms':>9}{'gc ms':>8}"]  # fmt: skip
-    for r in rows:
-        if "skipped" in r:
-            lines.append(f"{r['modules']:<{w}}{r['run']:<{rw}}skipped: {r['skipped']}")
-            continue
-        lines.append(
-            f"{r['modules']:<{w}}{r['run']:<{rw}}{gb(r['peak_bytes']):>9}{r['median_step_s'] * 1e3:>11.2f}{r['min_step_s'] * 1e3:>9.2f}"
-            f"{r['overhead'] * 100:>9.1f}%{r['overhead_min'] * 100:>8.1f}%{gb(r['bytes_copied']):>11}"
-            f"{'yes' if r['losses_identical'] else 'no':>10}{'yes' if r['grads_identical'] else 'no':>9}"
-            f"{'n/a' if r['compute_wait_ms'] is None else format(r['compute_wait_ms'], '.2f'):>9}{r['gc_ms']:>8.2f}"
-        )
-    cpu = device == "cpu"
-    lines.append("peak: " + ("CPU has no device allocator: chunk-offload's accounting of saved bytes, n/a for the others"
-                             if cpu else "torch.cuda.max_memory_allocated per iteration (max over measured iterations)"))  # fmt: skip
-    lines.append("overhead: median step over 'none''s; min ovh: fastest step over 'none''s (less moved by a busy host)")
-    lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others; "
-                 "gc ms: the garbage collector's time per step (median)")
-    lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'"
-                 + ("" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)"))
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,13 +296,15 @@ def main(argv: list[str] | None = None) -> int:
                      attention=args.attention)  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [row for modules in args.modules for row in _module_set(args, shape, modules)]
+    if args.profile:
+        _add_profiles(args, shape, rows)
     print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro batch "
           f"{args.micro_batch_size}, {args.microbatches} microbatches, {args.dtype}, {args.attention}; PP=1 "
           f"(megatron no-pipelining schedule); device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; "
           f"megatron-core {megatron.core.__version__}")  # fmt: skip
-    print(_format(rows, device))
+    print(format_table(rows, device))
     if args.profile:
-        print("\n".join(_profile_lines(rows, args.layers * args.microbatches)))
+        print("\n".join(format_profiles(rows, args.layers * args.microbatches)))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]

@@ -101,6 +101,27 @@ def test_profile_gives_each_engine_its_host_time(tmp_path) -> None:
         assert runs[run]["cuda_api_added"] == {}, run  # torch.profiler counts CUDA API calls on CUDA only
     assert "CUDA API calls (torch.profiler): none without CUDA" in done.stdout
     assert runs["chunk-offload"]["losses_identical"] and runs["chunk-offload"]["grads_identical"]
+    # The profiles come once every run is timed, each run built once more: its wall time is its timed run's.
+    assert all(r["wall_s"] > 0 and r["left_bytes"] == 0 for r in runs.values())
+    assert done.stdout.index("core_attn,qkv_linear  megatron") < done.stdout.index("host profile")
+
+
+def test_memory_left_by_earlier_runs_is_named_under_the_table() -> None:
+    spec = importlib.util.spec_from_file_location("compare_text", ROOT / "bench" / "_compare_text.py")
+    text = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(text)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    row = {"modules": "core_attn", "peak_bytes": 2 * 10**9, "median_step_s": 0.2, "min_step_s": 0.1, "overhead": 0.0,
+           "overhead_min": 0.0, "bytes_copied": 0, "losses_identical": True, "grads_identical": True,
+           "compute_wait_ms": None, "gc_ms": 0.0}  # fmt: skip
+    rows = [{**row, "run": "none", "left_bytes": 0}, {**row, "run": "chunk-offload", "left_bytes": 7_560_000_000}]
+    table = text.format_table(rows, "cuda")
+    assert ("left allocated by the runs before (GB; taken off that run's peak and added to its budget): "
+            "core_attn / chunk-offload 7.56") in table  # fmt: skip
+    assert "left allocated" not in text.format_table(rows[:1], "cuda")
 
 
 def test_bad_flag_exits_2() -> None:

@@ -1,0 +1,64 @@
+"""The text `bench/megatron_compare.py` prints: its table of runs and, with ``--profile``, each
+run's host time over the run without offload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from _host_profile import format_rows
+
+__all__ = ["format_profiles", "format_table"]
+
+_GB = 1e9
+
+
+def format_profiles(rows: list[dict[str, Any]], layer_calls: int) -> list[str]:
+    """Each run's host time over 'none' by function (`--profile`): what the engine adds to one step."""
+    lines = ["host profile (--profile; cProfile slows every Python call: compare the runs, not with the step times): "
+             f"per layer call (one layer's forward and backward of one microbatch; {layer_calls} per step), median of the "
+             "profiled steps: the engine's own host time (its functions and the C calls they make), then the functions "
+             "adding most own time over 'none' (us, calls)"]  # fmt: skip
+    for r in rows:
+        added = r.get("_host_added")
+        if added is None:
+            continue
+        lines.append(f"{r['modules']} / {r['run']}: engine {r['engine_host_ms'] * 1e3 / layer_calls:.1f} us per layer call")
+        lines.extend(format_rows(added, layer_calls, top=15))
+        if r["_api_added"]:
+            lines.append("  CUDA API calls added over 'none' (torch.profiler: host us, calls per layer call):")
+            lines.extend(format_rows(r["_api_added"], layer_calls, top=10))
+    if not torch.cuda.is_available():
+        lines.append("CUDA API calls (torch.profiler): none without CUDA")
+    return lines
+
+
+def format_table(rows: list[dict[str, Any]], device: str) -> str:
+    def gb(value: int | None) -> str:
+        return "n/a" if value is None else f"{value / _GB:.4g}"
+
+    w, rw = 2 + max(len(r["modules"]) for r in rows), 2 + max(len(r["run"]) for r in rows)
+    lines = [f"{'modules':<{w}}{'run':<{rw}}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'min ovh':>9}{'GB copied':>11}"
+             f"{'losses =':>10}{'grads =':>9}{'wait ms':>9}{'gc ms':>8}"]  # fmt: skip
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['modules']:<{w}}{r['run']:<{rw}}skipped: {r['skipped']}")
+            continue
+        lines.append(
+            f"{r['modules']:<{w}}{r['run']:<{rw}}{gb(r['peak_bytes']):>9}{r['median_step_s'] * 1e3:>11.2f}{r['min_step_s'] * 1e3:>9.2f}"
+            f"{r['overhead'] * 100:>9.1f}%{r['overhead_min'] * 100:>8.1f}%{gb(r['bytes_copied']):>11}"
+            f"{'yes' if r['losses_identical'] else 'no':>10}{'yes' if r['grads_identical'] else 'no':>9}"
+            f"{'n/a' if r['compute_wait_ms'] is None else format(r['compute_wait_ms'], '.2f'):>9}{r['gc_ms']:>8.2f}"
+        )
+    cpu = device == "cpu"
+    lines.append("peak: " + ("CPU has no device allocator: chunk-offload's accounting of saved bytes, n/a for the others"
+                             if cpu else "torch.cuda.max_memory_allocated per iteration (max over measured iterations)"))  # fmt: skip
+    left = [f"{r['modules']} / {r['run']} {gb(r['left_bytes'])}" for r in rows if r.get("left_bytes")]
+    if left:
+        lines.append("left allocated by the runs before (GB; taken off that run's peak and added to its budget): " + ", ".join(left))
+    lines.append("overhead: median step over 'none''s; min ovh: fastest step over 'none''s (less moved by a busy host)")
+    lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others; "
+                 "gc ms: the garbage collector's time per step (median)")
+    lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'"
+                 + ("" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)"))
+    return "\n".join(lines)
