@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_evidence.sh"
-STEPS = ("install", "env", "tests", "sanitizer", "overhead", "compare", "replay", "replay_coplan", "replay_last",
+STEPS = ("install", "env", "tests", "sanitizer", "overhead", "compare", "compare_host", "replay", "replay_coplan", "replay_last",
          "bandwidth", "sanitizer_pp4")  # fmt: skip
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
