@@ -48,7 +48,6 @@ any offload; the losses (forward only) are the fair check there.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -65,7 +64,7 @@ from chunk_offload.devkit.gpt import ATTENTIONS, GPTShape, gpt_forward_step
 from chunk_offload.integrations.megatron import attach
 from chunk_offload.module_names import canonical_modules
 from chunk_offload.replay import megatron_builtin as builtin
-from chunk_offload.replay.stage import megatron_stage
+from chunk_offload.replay.stage import device_bytes_left, megatron_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compare_text import format_profiles, format_table  # noqa: E402  (this bench's text)
@@ -155,18 +154,6 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
     return forward_backward, step, manager, seen
 
 
-def _allocated_left() -> int:
-    """Device bytes still allocated before a run builds its model (0 on CPU): what earlier runs
-    left behind. Each run's peak and budget are taken over it, so one run's leftovers never
-    count as another's memory; the table says when any is left."""
-    gc.collect()
-    if not torch.cuda.is_available():
-        return 0
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated()
-
-
 def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str, budget: int | None,
          *, profile: bool = False) -> dict[str, Any]:  # fmt: skip
     """One run: fresh model, warm-up, measured iterations through megatron's schedule; with
@@ -174,7 +161,7 @@ def _run(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str
     dtype = _DTYPES[args.dtype]
     overrides = builtin.builtin_config(modules, min_offload_bytes=args.min_offload_bytes, dtype=dtype) if run == "megatron" else None
     times, peaks, copied, waits, gc_clocks, losses = [], [], [], [], [], None
-    started, left = time.perf_counter(), _allocated_left()
+    started, left = time.perf_counter(), device_bytes_left()  # what earlier runs left: off the peak, onto the budget
     with ExitStack() as stack:
         stage = stack.enter_context(megatron_stage(shape, pp_size=1, pp_rank=0, seed=args.seed, config_overrides=overrides))
         # The whole model in the run's dtype (build_gpt_chunks' own dtype handling is being reworked).

@@ -11,16 +11,17 @@ cannot run, `Comparison.skipped` says why and the other two modes stand alone. W
 (`replay_under_budget`); ``"megatron"`` takes megatron's measured peak as the budget, so that
 the two engines compare at equal memory (CUDA only: on CPU megatron's path has no peak).
 
-Peaks: on CUDA ``torch.cuda.max_memory_allocated`` of each iteration for every mode; on CPU
-there is no device allocator, so the table shows chunk-offload's accounting of saved bytes for
-the first two modes and n/a for megatron's.
+Peaks: on CUDA ``torch.cuda.max_memory_allocated`` of each iteration for every mode, each later
+build's (and its budget) over what the builds before it left allocated (`Comparison.left_bytes`,
+named under the table when not 0); on CPU there is no device allocator, so the table shows
+chunk-offload's accounting of saved bytes for the first two modes and n/a for megatron's.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from ..module_names import canonical_modules
 from .megatron_builtin import BuiltinResult, builtin_config, builtin_unavailable, run_builtin
 from .result import BudgetReplay, ReplayResult
 from .run import replay, replay_under_budget
-from .stage import megatron_stage
+from .stage import device_bytes_left, megatron_stage
 
 __all__ = ["Comparison", "compare_with_megatron"]
 
@@ -61,6 +62,9 @@ class Comparison:
     """Whether that budget is megatron's measured peak (``budget_bytes="megatron"``)."""
     budget_skipped: str | None = None
     """Why the budget mode asked for did not run (megatron's peak unknown); None otherwise."""
+    left_bytes: dict[str, int] = field(default_factory=dict)
+    """Per later build (``"megatron"``, ``"chunk_offload_budget"``): device bytes the builds before
+    it left allocated (`device_bytes_left`), taken off its peaks and its budget; 0 on CPU."""
 
     def identical(self, mode: str) -> dict[str, bool | None]:
         """Whether ``mode``'s losses and parameter gradients equal the no-offload run's (`torch.equal`).
@@ -98,11 +102,12 @@ class Comparison:
         if self.builtin is None:
             modes["megatron"] = {"skipped": self.skipped}
         else:
-            b = self.builtin
+            b, peak = self.builtin, self.megatron_peak_bytes
             modes["megatron"] = {
                 "step_time_s": b.step_time_s,
-                "peak_bytes": b.peak_bytes,
-                "drop_bytes": None if b.peak_bytes is None or cpu else r.baseline.peak_bytes - b.peak_bytes,
+                "peak_bytes": peak,
+                "left_bytes": self.left_bytes.get("megatron", 0),
+                "drop_bytes": None if peak is None or cpu else r.baseline.peak_bytes - peak,
                 "bytes_offloaded": b.bytes_offloaded[-1],
                 "megatron_version": self.megatron_version,
                 **self.identical("megatron"),
@@ -110,13 +115,22 @@ class Comparison:
         if self.budget_skipped is not None:
             modes["chunk_offload_budget"] = {"skipped": self.budget_skipped}
         if self.budget is not None:
+            left = self.left_bytes.get("chunk_offload_budget", 0)
             budget = self.budget.summary()
+            budget.update(budget_bytes=budget["budget_bytes"] - left, peak_bytes=budget["peak_bytes"] - left, left_bytes=left)
             modes["chunk_offload_budget"] = {
                 **budget,
                 "drop_bytes": r.baseline.peak_bytes - budget["peak_bytes"],
                 **self.identical("chunk_offload_budget"),
             }
         return modes
+
+    @property
+    def megatron_peak_bytes(self) -> int | None:
+        """megatron's measured peak over what the builds before it left (None: no peak, or skipped)."""
+        if self.builtin is None or self.builtin.peak_bytes is None:
+            return None
+        return self.builtin.peak_bytes - self.left_bytes.get("megatron", 0)
 
     def summary(self) -> dict[str, Any]:
         """The figures of `format` as plain numbers (for JSON), with the replay's own summary."""
@@ -174,6 +188,9 @@ class Comparison:
                 + "; groups copied: "
                 + (", ".join(f"{name} {count}" for name, count in budget["offloaded_groups"].items()) or "none")
             )
+        if any(self.left_bytes.values()):
+            rows.append("left allocated by the builds before (MiB; taken off that column's peak and added to its budget): "
+                        + ", ".join(f"{headers[n]} {mib(b)}" for n, b in self.left_bytes.items() if b))  # fmt: skip
         if self.budget_skipped is not None:
             rows.append(f"chunk-offload budget: skipped: {self.budget_skipped}")
         if self.skipped is not None:
@@ -230,12 +247,15 @@ def compare_with_megatron(
             streams=None if streams is None else streams(), group_by=group_by,
         )  # fmt: skip
 
+    left: dict[str, int] = {}
+    first = device_bytes_left()
     with stage_of() as stage:
         result = replay(stage, num_microbatches=num_microbatches, **chunk_offload_run())
     reason = skip_builtin or builtin_unavailable(modules)
     builtin = None
     if reason is None:
         overrides = builtin_config(modules, min_offload_bytes=min_offload_bytes, dtype=shape.dtype)
+        left["megatron"] = device_bytes_left() - first
         try:
             with stage_of(config_overrides=overrides) as stage:
                 builtin = run_builtin(stage, result.plan, iterations=iterations, warmup=warmup, keep_tensors=True)
@@ -244,19 +264,21 @@ def compare_with_megatron(
         except (AssertionError, ValueError, RuntimeError) as e:  # megatron's own refusals are asserts
             logger.debug("megatron-core's built-in offload failed", exc_info=True)
             reason = f"megatron-core raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
-    comparison = Comparison(replay=result, builtin=builtin, skipped=reason, megatron_version=megatron.core.__version__)
+    comparison = Comparison(replay=result, builtin=builtin, skipped=reason, megatron_version=megatron.core.__version__, left_bytes=left)
     if budget_bytes is None:
         return comparison
     if budget_bytes == "megatron":
-        if builtin is None or builtin.peak_bytes is None:
+        if comparison.megatron_peak_bytes is None:
             comparison.budget_skipped = "megatron's peak is the budget, and megatron's path " + (
                 "did not run" if builtin is None else "has no peak on CPU (no device allocator)"
             )
             return comparison
-        budget_bytes, comparison.budget_is_megatron_peak = builtin.peak_bytes, True
-    with stage_of() as stage:
+        budget_bytes, comparison.budget_is_megatron_peak = comparison.megatron_peak_bytes, True
+    left_before = comparison.left_bytes["chunk_offload_budget"] = device_bytes_left() - first
+    with stage_of() as stage:  # the budget is over what the builds before left (`Comparison.left_bytes`)
         comparison.budget = replay_under_budget(
-            stage, plan=result.plan, device_budget_bytes=budget_bytes, timed_reload_ahead=timed_reload_ahead, **chunk_offload_run()
-        )
+            stage, plan=result.plan, device_budget_bytes=budget_bytes + left_before,
+            timed_reload_ahead=timed_reload_ahead, **chunk_offload_run(),
+        )  # fmt: skip
     return comparison
 

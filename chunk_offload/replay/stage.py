@@ -15,6 +15,7 @@ per forward and a received gradient per backward, drawn from generators seeded b
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import warnings
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from ..devkit.gpt import GPTShape, build_gpt_chunks, random_token_batches
 from ..schedule.megatron import megatron_plan
 from ..schedule.plan import Plan
 
-__all__ = ["MegatronStage", "megatron_stage"]
+__all__ = ["MegatronStage", "device_bytes_left", "megatron_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -215,3 +216,19 @@ def megatron_stage(
         yield MegatronStage(
             shape=shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, chunks=chunks, device=device, seed=seed
         )
+
+
+def device_bytes_left() -> int:
+    """Device bytes still allocated after a garbage collection (0 without CUDA).
+
+    Taken before a build, what the builds before it left behind: several builds in one process
+    compare peaks (``torch.cuda.max_memory_allocated``) and budgets only over what each found.
+    On the H200 on 2026-11-27 the build after a chunk-offload build still found that model's
+    parameters and gradients allocated (bench/results/2026-11-27-h200).
+    """
+    gc.collect()
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()

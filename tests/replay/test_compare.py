@@ -157,6 +157,33 @@ def test_budget_mode_trains_under_the_budget_bit_identical() -> None:
     assert f"chunk-offload budget: device budget {budget / (1 << 20):.2f} MiB, predicted to fit, measured peak " in table
 
 
+def test_what_earlier_builds_left_comes_off_the_peaks_and_onto_the_budget(monkeypatch) -> None:
+    """On CUDA a build can find device memory still allocated by the builds before it (the H200
+    run of 2026-11-27): each later build's peak and budget are taken over what it found. Here the
+    device memory left is a stand-in (0 at the first build, then 1 and 3 MiB)."""
+    from chunk_offload.replay import compare
+
+    left = iter([0, 1 << 20, 3 << 20])
+    monkeypatch.setattr(compare, "device_bytes_left", lambda: next(left))
+    given, real = [], compare.replay_under_budget
+
+    def under_budget(*args, device_budget_bytes: int, **kwargs):
+        given.append(device_budget_bytes)
+        return real(*args, device_budget_bytes=device_budget_bytes, **kwargs)
+
+    monkeypatch.setattr(compare, "replay_under_budget", under_budget)
+    budget = 64 << 20
+    comparison = compare.compare_with_megatron(_SHAPE, pp_size=2, pp_rank=0, modules="core_attn", num_microbatches=4, budget_bytes=budget)
+    assert comparison.left_bytes == {"megatron": 1 << 20, "chunk_offload_budget": 3 << 20}
+    assert given == [budget + (3 << 20)]
+    under = comparison.summary()["modes"]["chunk_offload_budget"]
+    assert under["budget_bytes"] == budget and under["left_bytes"] == 3 << 20
+    assert under["peak_bytes"] == comparison.budget.result.peak_bytes - (3 << 20)
+    assert comparison.summary()["modes"]["megatron"]["left_bytes"] == 1 << 20
+    assert ("left allocated by the builds before (MiB; taken off that column's peak and added to its budget): "
+            "megatron 0.16.1 1.00, chunk-offload budget 3.00").replace("0.16.1", comparison.megatron_version) in comparison.format()  # fmt: skip
+
+
 def test_budget_at_megatrons_peak_is_skipped_without_one() -> None:
     """On CPU megatron's path has no peak: the budget mode at its peak says so in one line, and the rest runs."""
     from chunk_offload.replay.compare import compare_with_megatron
