@@ -10,9 +10,11 @@ second starts; when something is, it names what holds the CUDA tensors still ali
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -39,20 +41,39 @@ def _bench():
         sys.path.remove(str(BENCH))
 
 
+def _referrer_chain(obj: object, depth: int = 4) -> str:
+    """The types on one path of referrers up from ``obj`` (for the failure message)."""
+    chain, seen = [], {id(obj)}
+    for _ in range(depth):
+        referrers = [r for r in gc.get_referrers(obj) if id(r) not in seen and not isinstance(r, type(sys._getframe()))]
+        if not referrers:
+            break
+        obj = referrers[0]
+        seen.update((id(obj), id(referrers)))  # this lookup's own list refers to the next object too
+        chain.append(type(obj).__qualname__)
+    return " <- ".join(chain) or "nothing Python sees"
+
+
 def _holders() -> list[str]:
     """What refers to each CUDA tensor the garbage collector still sees (types, for the message)."""
     gc.collect()
-    found = []
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            kinds = sorted({type(r).__qualname__ for r in gc.get_referrers(obj) if r is not found})
-            found.append(f"{tuple(obj.shape)} {obj.dtype}: held by {', '.join(kinds) or 'nothing Python sees'}")
-    return found[:20]
+    return [f"{tuple(t.shape)} {t.dtype}: {_referrer_chain(t)}" for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.is_cuda][:20]
 
 
 @pytest.mark.parametrize("run", ["chunk-offload", "chunk-offload timed", "chunk-offload layer"])
-def test_a_run_leaves_no_device_memory_behind(run: str) -> None:
+def test_a_run_leaves_no_device_memory_behind(run: str, monkeypatch) -> None:
     bench = _bench()
+    built = {}
+    stage_of = bench.megatron_stage
+
+    @contextlib.contextmanager
+    def watched_stage(*args, **kwargs):
+        with stage_of(*args, **kwargs) as stage:
+            built["model"] = weakref.ref(stage.chunks[0])
+            built["weight"] = weakref.ref(next(stage.chunks[0].parameters()))
+            yield stage
+
+    monkeypatch.setattr(bench, "megatron_stage", watched_stage)
     args = bench.parse_args(["--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "256", "--dtype", "bf16",
                              "--min-offload-bytes", "1", "--warmup", "1", "--iterations", "1", "--timed-reload-ahead"])  # fmt: skip
     shape = bench.GPTShape(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=args.vocab, seq_length=256,
@@ -61,4 +82,9 @@ def test_a_run_leaves_no_device_memory_behind(run: str) -> None:
     row = bench._run(args, shape, ["core_attn", "qkv_linear"], run, None)
     assert row["left_bytes"] == before and row["bytes_copied"] > 0
     left = bench.device_bytes_left()
-    assert left == before, f"{left - before} bytes of the run still allocated after it: {_holders()}"
+    model, weight = built["model"](), built["weight"]()
+    assert left == before, (
+        f"{left - before} bytes of the run still allocated after it; the model is "
+        f"{'alive: ' + _referrer_chain(model) if model is not None else 'gone'}; a weight is "
+        f"{'alive: ' + _referrer_chain(weight) if weight is not None else 'gone'}; CUDA tensors: {_holders()}"
+    )
