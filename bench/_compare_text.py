@@ -34,6 +34,7 @@ def format_profiles(rows: list[dict[str, Any]], layer_calls: int) -> list[str]:
 
 
 def format_table(rows: list[dict[str, Any]], device: str) -> str:
+    """One line per run (a skip line for a run that could not run), then what the columns measure."""
     def gb(value: int | None) -> str:
         return "n/a" if value is None else f"{value / _GB:.4g}"
 

@@ -38,8 +38,9 @@ Each iteration is timed with the device synchronised before and after; the peak 
 allocated before the run built its model (on CPU: chunk-offload's accounting of saved bytes,
 n/a for the others); each row's ``wall_s`` in the JSON is the run's whole time, its build
 included. Losses are those of the first measured iteration; grads those of the last; both are
-compared with ``torch.equal`` to the run without offload. On CUDA, flash attention's backward is not deterministic, so grads may differ without
-any offload; the losses (forward only) are the fair check there.
+compared with ``torch.equal`` to the run without offload. On CUDA, flash attention's backward is
+not deterministic, so grads may differ without any offload; the losses (forward only) are the
+fair check there.
 
     python bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 \\
         --dtype bf16 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm
@@ -249,8 +250,8 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
 def _add_profiles(args: argparse.Namespace, shape: GPTShape, rows: list[dict[str, Any]]) -> None:
     """``--profile``: each run once more, its profiled steps and what they add over its set's 'none'.
 
-    After every timed run, not inside them: torch.profiler's CUDA activity tracing (CUPTI) can
-    leave later CUDA calls of the process slower, which would tilt the times of the runs after it.
+    After every timed run, not inside them: a profiler may leave the process slower after it
+    (torch.profiler's CUDA activity tracing), which would tilt the times of the runs after it.
     """
     base = None
     for row in rows:
