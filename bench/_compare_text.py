@@ -57,7 +57,8 @@ def format_table(rows: list[dict[str, Any]], device: str) -> str:
     left = [f"{r['modules']} / {r['run']} {gb(r['left_bytes'])}" for r in rows if r.get("left_bytes")]
     if left:
         lines.append("left allocated by the runs before (GB; taken off that run's peak and added to its budget): " + ", ".join(left))
-    lines.append("overhead: median step over 'none''s; min ovh: fastest step over 'none''s (less moved by a busy host)")
+    lines.append("overhead: median step over 'none''s; min ovh: fastest step over 'none''s (less moved by a busy host)"
+                 + ("; with 'none again': over the mean of both medians, and the faster fastest step" if any(r["run"] == "none again" for r in rows) else ""))
     lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others; "
                  "gc ms: the garbage collector's time per step (median)")
     lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'"

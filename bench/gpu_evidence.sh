@@ -51,7 +51,7 @@ declare -A CMD=(
     [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu -k "not pp4_stage0 and not saved_twice and not -1- and not -2- and not captured_graph and not device_memory"'
     [replay]='replay_stage 0 replay.json'
     [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --timed-reload-ahead --json "$OUT_DIR/compare.json"'
-    [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --layer-groups --profile 2 --json "$OUT_DIR/compare_host.json"'
+    [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --layer-groups --none-again --profile 2 --json "$OUT_DIR/compare_host.json"'
     [replay_last]='replay_stage 3 replay_last.json'
     # README's co-plan, stage 0: attn_norm,qkv_linear offloaded, core attention recomputed.
     [replay_coplan]='"$PY" -m chunk_offload.replay --pp 2 --stage 0 --layers 8 --hidden 1024 --heads 16 --seq 4096 --microbatches 8 --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention local --modules attn_norm,qkv_linear --recompute-modules core_attn --iterations 3 --warmup 1 --json "$OUT_DIR/replay_coplan.json"'
@@ -61,7 +61,8 @@ declare -A CMD=(
 )
 # Issue 26's configurations, both module sets each: 8 layers at hidden 4096, seq 4096, 4
 # microbatches (compute-bound; with timed reload ahead), then 16 layers at hidden 1024, seq 1024, 8
-# microbatches (host-bound; with layer groups, and each run's host profile once all are timed).
+# microbatches (host-bound; with layer groups, the run without offload again at the end of each set
+# to show the host's drift, and each run's host profile once all are timed).
 readonly COMPARE_COMMON='--micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
 export COMPARE_COMMON
 # What the function steps run, for the plan that --dry-run prints.

@@ -23,7 +23,10 @@ build of the model from the same seed (so the same weights and inputs):
   reloaded together (NOTE [Layer groups] in chunk_offload/core/marks.py);
 - megatron: megatron-core's built-in offload (``fine_grained_activation_offloading``, same
   modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
-  missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``).
+  missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``);
+- none again (only with ``--none-again``): the run without offload once more, last: the
+  overheads are then over the mean of both runs' median steps (and the faster of their fastest
+  steps), and the two rows' own overheads show how far the host drifted during the set.
 
 With ``--profile N``, once every run is timed, each run is built again and trains N steps under
 cProfile, and the table is followed by what each run adds to the host time of a step over the
@@ -74,7 +77,8 @@ from _host_profile import GcClock, api_times, over, own_times  # noqa: E402  (th
 __all__ = ["main", "parse_args"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RUNS = ("none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed", "chunk-offload layer", "megatron")
+RUNS = ("none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed", "chunk-offload layer", "megatron",
+        "none again")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reload-ahead-bytes", type=int, default=None, help="also run chunk-offload with this reload-ahead budget")
     p.add_argument("--timed-reload-ahead", action="store_true", help="also run chunk-offload with timed_reload_ahead=True")
     p.add_argument("--layer-groups", action="store_true", help="also run chunk-offload with group_by='layer'")
+    p.add_argument("--none-again", action="store_true",
+                   help="run 'none' again after each set's other runs; overheads over both (a drifting host shows)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N more steps per run: host time by function over 'none' (0: none)")
     p.add_argument("--iterations", type=int, default=4, help="measured iterations per run")
@@ -239,11 +245,15 @@ def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -
     if args.layer_groups:
         rows.append(_run(args, shape, modules, "chunk-offload layer", None))
     rows.append(megatron if megatron is not None else {"run": "megatron", "modules": ",".join(modules), "skipped": skip})
-    base = rows[0]
+    if args.none_again:
+        rows.append(_run(args, shape, modules, "none again", None))
+    base, nones = rows[0], [r for r in rows if r["run"] in ("none", "none again")]
+    # Over both runs without offload where there are two: a host whose speed drifts during the set
+    # moves both, and their own overheads (one below 0, one above) show by how much.
+    median, fastest = statistics.mean(r["median_step_s"] for r in nones), min(r["min_step_s"] for r in nones)
     for row in rows:
         if "skipped" not in row:
-            row.update(_same(base, row), overhead=row["median_step_s"] / base["median_step_s"] - 1,
-                       overhead_min=row["min_step_s"] / base["min_step_s"] - 1)
+            row.update(_same(base, row), overhead=row["median_step_s"] / median - 1, overhead_min=row["min_step_s"] / fastest - 1)
     return rows
 
 
@@ -255,7 +265,7 @@ def _add_profiles(args: argparse.Namespace, shape: GPTShape, rows: list[dict[str
     """
     base = None
     for row in rows:
-        if "skipped" in row:
+        if "skipped" in row or row["run"] == "none again":
             continue
         row.update(_run(args, shape, row["modules"].split(","), row["run"], row["budget_bytes"], profile=True))
         if row["run"] == "none":

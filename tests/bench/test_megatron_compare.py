@@ -87,6 +87,22 @@ def test_reload_ahead_timed_reload_ahead_and_layer_groups_add_bit_identical_runs
     assert "chunk-offload layer" in done.stdout
 
 
+def test_none_again_runs_the_baseline_last_and_overheads_are_over_both(tmp_path) -> None:
+    out = tmp_path / "compare.json"
+    done = _run("--min-offload-bytes", "1", "--iterations", "2", "--warmup", "1", "--modules", "core_attn,qkv_linear",
+                "--none-again", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["none", "chunk-offload", "chunk-offload budget", "megatron", "none again"]
+    first, again = rows[0], rows[-1]
+    median = (first["median_step_s"] + again["median_step_s"]) / 2
+    fastest = min(first["min_step_s"], again["min_step_s"])
+    for r in rows:
+        assert r["overhead"] == r["median_step_s"] / median - 1 and r["overhead_min"] == r["min_step_s"] / fastest - 1, r["run"]
+    assert again["losses_identical"] and again["grads_identical"] and again["bytes_copied"] == 0
+    assert "with 'none again': over the mean of both medians" in done.stdout
+
+
 def test_profile_gives_each_engine_its_host_time(tmp_path) -> None:
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "1", "--warmup", "1", "--modules", "core_attn,qkv_linear",
