@@ -230,5 +230,10 @@ def device_bytes_left() -> int:
     if not torch.cuda.is_available():
         return 0
     torch.cuda.synchronize()
+    # cuBLAS keeps a workspace per handle (one per thread) and stream once a matmul ran there: let
+    # each build allocate its own, as the first one does, rather than count the earlier ones' as left.
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated()
