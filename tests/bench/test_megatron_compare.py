@@ -122,6 +122,28 @@ def test_profile_gives_each_engine_its_host_time(tmp_path) -> None:
     assert done.stdout.index("core_attn,qkv_linear  megatron") < done.stdout.index("host profile")
 
 
+def test_profiles_take_each_sets_none_first_and_megatrons_second(monkeypatch) -> None:
+    """Whatever a profiler leaves in the process counts against chunk-offload's runs, never for them."""
+    spec = importlib.util.spec_from_file_location("megatron_compare", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    profiled = []
+
+    def profile_run(args, shape, modules, run, budget, *, profile):
+        assert profile
+        profiled.append((",".join(modules), run))
+        return {"_profile": ({}, 1.0), "_api": {}}
+
+    monkeypatch.setattr(bench, "_run", profile_run)
+    runs = ["none", "chunk-offload", "chunk-offload budget", "megatron", "none again"]
+    rows = [{"modules": m, "run": r, "budget_bytes": None} for m in ("b", "a") for r in runs]
+    rows[8] = {"modules": "a", "run": "megatron", "skipped": "not here"}
+    bench._add_profiles(None, None, rows)
+    assert profiled == [("b", "none"), ("b", "megatron"), ("b", "chunk-offload"), ("b", "chunk-offload budget"),
+                        ("a", "none"), ("a", "chunk-offload"), ("a", "chunk-offload budget")]  # fmt: skip
+    assert all(r["engine_host_ms"] == 1e3 for r in rows if r["run"] not in ("none", "none again") and "skipped" not in r)
+
+
 def test_memory_left_by_earlier_runs_is_named_under_the_table() -> None:
     spec = importlib.util.spec_from_file_location("compare_text", ROOT / "bench" / "_compare_text.py")
     text = importlib.util.module_from_spec(spec)
