@@ -15,10 +15,11 @@ import gc
 import importlib.util
 import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.bench._scripts import load_bench_script
 
 from .conftest import REQUIRES_CUDA_REASON
 
@@ -26,20 +27,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason=REQUIRES_CUDA_REASON),
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("megatron_compare", BENCH / "megatron_compare.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
 
 def _referrer_chain(obj: object, depth: int = 4) -> str:
     """The types on one path of referrers up from ``obj`` (for the failure message)."""
@@ -62,7 +49,7 @@ def _holders() -> list[str]:
 
 @pytest.mark.parametrize("run", ["chunk-offload", "chunk-offload timed", "chunk-offload layer"])
 def test_a_run_leaves_no_device_memory_behind(run: str, monkeypatch) -> None:
-    bench = _bench()
+    bench = load_bench_script("megatron_compare")
     built = {}
     stage_of = bench.megatron_stage
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +26,8 @@ from chunk_offload.planner import (
     layer_forward_flops,
     saved_tensors,
 )
+
+from tests.bench._scripts import load_bench_script
 
 _B, _S, _NP, _HN = 2, 16, 4, 8
 
@@ -136,9 +137,7 @@ def test_the_issues_70b_like_job():
 @pytest.mark.parametrize(("groups", "dtype"), [(4, torch.float32), (2, torch.bfloat16), (1, torch.bfloat16)])
 def test_bench_sdpa_saved_agrees_with_the_cpu_model(groups, dtype):
     """``bench/sdpa_saved.py`` (the GPU session's probe) lists on CPU what the measured model predicts."""
-    spec = importlib.util.spec_from_file_location("sdpa_saved", Path(__file__).resolve().parents[2] / "bench" / "sdpa_saved.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_script("sdpa_saved")
     result = bench.saved_by_sdpa(s=_S, b=_B, heads=_NP, groups=groups, hn=_HN, dtype=dtype, backend=None)
     spans: dict[str, tuple[int, int]] = {}
     for i, t in enumerate(result["saved"]):  # the engine's rule: one span per storage
