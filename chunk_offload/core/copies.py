@@ -2,7 +2,8 @@
 
 Functions of the group's storages and the engine context, so that `OffloadGroup` keeps only
 its states; each copy direction is one launch on its stream (one stream switch and one
-timing per group: NOTE [CUDA host path] in streams/cuda.py).
+timing per group: NOTE [CUDA host path] in streams/cuda.py), whose event is the timing's end
+(NOTE [Timing end events] there).
 """
 
 from __future__ import annotations
@@ -101,10 +102,10 @@ def copy_to_host(ctx: "EngineContext", name: str, storages: Iterable[Storage], w
         storage.host = buf
         pairs.append((host_view(storage), storage.device_bytes))
         nbytes += storage.nbytes
-    _, timing = d2h.launch(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
+    event, timing = d2h.launch_recorded(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
     ctx.stats.timing(name, "offload_time_s", timing)
     ctx.stats.group(name).bytes_offloaded += nbytes
-    return d2h.record_event()
+    return event
 
 
 def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], offload_event: "Event", wait: Wait) -> "Event":
@@ -138,11 +139,10 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
     h2d.require(offload_event.mark, rule="R4", what="reload of {!r} reading a host buffer before its offload finished", subject=name)
     for storage in storages:
         storage.on_host = False
-    _, timing = h2d.launch(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
+    event, timing = h2d.launch_recorded(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
     ctx.stats.timing(name, "reload_time_s", timing)
     ctx.stats.group(name).bytes_reloaded += nbytes
     ctx.resident.moved_to_device(nbytes)
-    event = h2d.record_event()
     for storage in storages:
         ctx.pool.release(storage.host, event)
         storage.host = None

@@ -61,6 +61,11 @@ class CountingStream:
         self._log("record_event", self.name, False, 0)
         return self.inner.record_event()
 
+    def launch_recorded(self, fn, *, timed: bool = False, nbytes: int = 0):
+        self._log("copy", self.name, timed, nbytes)
+        self._log("record_event", self.name, False, 0)
+        return self.inner.launch_recorded(fn, timed=timed, nbytes=nbytes)
+
     def wait_event(self, event, *, timed: bool = False):
         if not self.inner.implies(event):  # an implied wait issues nothing (NOTE [Implied waits])
             self._log("wait_event", self.name, timed, 0)

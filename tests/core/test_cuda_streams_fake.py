@@ -150,3 +150,53 @@ def test_capturing_asks_torch_about_the_current_stream(streams, monkeypatch) -> 
     for answer in (False, True):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda answer=answer: answer)
         assert streams.capturing() is answer
+
+
+def _records() -> int:
+    return sum(len(event.records) for event in FakeEvent.made)
+
+
+def test_a_timed_copy_records_one_event_as_its_end_and_its_event(streams) -> None:
+    """NOTE [Timing end events]: two records per timed copy (start, and the end others wait on), not three."""
+    before = _records()
+    event, timing = streams.h2d.launch_recorded(lambda: None, timed=True)
+    assert _records() - before == 2
+    assert event.timing_end and timing._end is event.cuda_event
+    assert timing.seconds() == 0.002  # the fake device: 2 ms between two records
+    untimed, none = streams.h2d.launch_recorded(lambda: None)
+    assert none is None and not untimed.timing_end and _records() - before == 3
+
+
+def test_a_shared_end_event_returns_to_its_pool_only_once_freed_and_read(streams) -> None:
+    event, timing = streams.d2h.launch_recorded(lambda: None, timed=True)
+    end = event.cuda_event
+    del event
+    gc.collect()  # the wrapper is held by the timing: `end` is not handed out again
+    _, other = streams.d2h.launch_recorded(lambda: None, timed=True)
+    assert other._end is not end and other._start is not end
+    assert timing.seconds() == 0.002
+    gc.collect()  # read and freed: back to the timing pool, with the start event
+    again, again_timing = streams.d2h.launch_recorded(lambda: None, timed=True)
+    assert end in (again.cuda_event, again_timing._start)
+
+    kept, timing = streams.d2h.launch_recorded(lambda: None, timed=True)
+    assert timing.seconds() == 0.002  # read first: the wrapper still holds the event
+    third, third_timing = streams.d2h.launch_recorded(lambda: None, timed=True)
+    assert kept.cuda_event not in (third.cuda_event, third_timing._start)
+
+
+def test_a_timed_wait_on_a_copy_event_ends_on_that_event(streams) -> None:
+    """The stall is from compute reaching the wait to the reload's end, 0 where the reload ended first;
+    one record on compute (the start), where a pair around the wait cost two."""
+    reload, _ = streams.h2d.launch_recorded(lambda: None, timed=True)
+    before = _records()
+    stall = streams.compute.wait_event(reload, timed=True)
+    assert _records() - before == 1 and FakeStream.waits[-1] == (1, reload.cuda_event)
+    assert stall.seconds() == 0.0  # the fake device ended the reload (earlier record) before compute got there
+    late, _ = streams.h2d.launch_recorded(lambda: None, timed=True)
+    stall = streams.compute.wait_event(late, timed=True)
+    late.cuda_event.at_ms = stall._start.at_ms + 7.0  # the device ends this reload 7 ms after compute waits
+    assert stall.seconds() == 0.007
+    plain = streams.h2d.record_event()  # not a timing event: a pair around the wait, as before
+    before = _records()
+    assert streams.compute.wait_event(plain, timed=True).seconds() == 0.002 and _records() - before == 2

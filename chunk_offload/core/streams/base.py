@@ -65,25 +65,37 @@ class Mark(NamedTuple):
 class Timing:
     """Seconds spent by one launched copy or one compute wait, known once it is done."""
 
-    __slots__ = ("_seconds", "_start", "_end", "_done", "_recycle")
+    __slots__ = ("_seconds", "_start", "_end", "_done", "_recycle", "_end_owner", "_sync_start")
 
-    def __init__(self, seconds: float | None = None, start=None, end=None, done=None, recycle=None) -> None:
+    def __init__(
+        self, seconds: float | None = None, start=None, end=None, done=None, recycle=None, end_owner: "Event | None" = None, sync_start: bool = False
+    ) -> None:
         self._seconds = seconds
         self._start = start
         self._end = end
         self._done = done  # CPU copy streams: a flag (``set``/``wait``) the worker sets once the work ran (or was skipped)
         self._recycle = recycle  # takes the start and end events back once their elapsed time is read
+        self._end_owner = end_owner
+        """The `Event` recorded as ``end`` itself (NOTE [Timing end events] in streams/cuda.py): held
+        until the time is read, so that ``end`` is not recorded again before; it gives ``end`` back."""
+        self._sync_start = sync_start  # ``start`` is on another stream than ``end``: it may end last
 
     def seconds(self) -> float:
-        """Block until the timed work is done and return its duration in seconds."""
+        """Block until the timed work is done and return its duration in seconds (a wait that
+        did not stall: 0)."""
         if self._done is not None:
             self._done.wait()
         if self._seconds is None and self._start is not None:
+            if self._sync_start:
+                self._start.synchronize()
             self._end.synchronize()
-            self._seconds = self._start.elapsed_time(self._end) / 1000.0
+            self._seconds = max(0.0, self._start.elapsed_time(self._end) / 1000.0)
             if self._recycle is not None:
-                self._recycle(self._start, self._end)
-            self._start = self._end = None
+                if self._end_owner is None:
+                    self._recycle(self._start, self._end)
+                else:
+                    self._recycle(self._start)
+            self._start = self._end = self._end_owner = None
         return self._seconds or 0.0
 
 
@@ -237,6 +249,12 @@ class Stream:
     def record_event(self) -> Event:
         """An event that completes when all work issued to this stream so far is done."""
         raise NotImplementedError
+
+    def launch_recorded(self, fn: Callable[[], None], *, timed: bool = False, nbytes: int = 0) -> tuple[Event, Timing | None]:
+        """`launch`, then `record_event`: the event of ``fn``'s work, and its timing. A backend
+        may record one event as both (NOTE [Timing end events] in streams/cuda.py)."""
+        _, timing = self.launch(fn, timed=timed, nbytes=nbytes)
+        return self.record_event(), timing
 
     def wait_event(self, event: Event, *, timed: bool = False) -> Timing | None:
         """Make later work of this stream wait for ``event``."""

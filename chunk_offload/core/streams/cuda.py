@@ -22,20 +22,23 @@ class _EventPool:
     ``measure_time``. A synchronisation event comes back when its `_CudaEvent` is freed: no
     group, buffer or later wait can reach it, and the waits issued on it captured its record
     (``cudaStreamWaitEvent`` waits for the record made before it, whatever is recorded later).
-    A timing pair comes back once its elapsed time was read (`Timing.seconds`).
+    A timing pair comes back once its elapsed time was read (`Timing.seconds`); an end event that
+    is also a synchronisation event once both its `_CudaEvent` is freed and its time was read
+    (NOTE [Timing end events]).
     """
 
-    __slots__ = ("_free", "_timing")
+    __slots__ = ("_free", "timing")
 
     def __init__(self, enable_timing: bool) -> None:
         self._free: list[torch.cuda.Event] = []
-        self._timing = enable_timing
+        self.timing = enable_timing
+        """Whether its events are made with ``enable_timing`` (they can end a `Timing`)."""
 
     def take(self) -> torch.cuda.Event:
         try:
             return self._free.pop()
         except IndexError:  # none free (a check first could race a free on another thread)
-            return torch.cuda.Event(enable_timing=self._timing)
+            return torch.cuda.Event(enable_timing=self.timing)
 
     def give(self, *events: torch.cuda.Event) -> None:
         self._free.extend(events)
@@ -51,6 +54,11 @@ class _CudaEvent(Event):
 
     def __del__(self) -> None:
         self._pool.give(self.cuda_event)  # NOTE [CUDA event pool]
+
+    @property
+    def timing_end(self) -> bool:
+        """Whether the event was made with ``enable_timing``: a `Timing` can end on it (NOTE [Timing end events])."""
+        return self._pool.timing
 
     def synchronize(self) -> None:
         self.cuda_event.synchronize()
@@ -94,6 +102,19 @@ class _CudaStream(Stream):
     devices on entry and exit); and `wait_stream` re-records one event per stream pair instead
     of making one per call. Re-recording is safe: a ``cudaStreamWaitEvent`` waits for the
     record made before it, whatever is recorded later.
+
+    NOTE [Timing end events]
+    With ``measure_time`` a copy's launch is timed by two timing events around it, and its
+    synchronisation event (what later waits and buffer fences use) is recorded right after it,
+    at the point the pair's end marks. `launch_recorded` records one timing event there and hands
+    it out as both: the `Timing`'s end and the `_CudaEvent` others wait on. A compute wait on
+    such an event is timed from one event recorded on compute before the wait to the waited event
+    itself: compute stalls from reaching the wait until that event completes, so the time between
+    them, or 0 where the event completed first, is the stall; the start may then complete last,
+    so both are synchronised before the read. Per offloaded group with ``measure_time``: 7 event
+    records instead of 10. The shared event is recorded once and given back to its pool only when
+    nothing can read it: the `Timing` holds its `_CudaEvent` until the time is read, and the
+    `_CudaEvent` gives it back once freed (NOTE [CUDA event pool]).
     """
 
     def __init__(self, name: str, clocks: VectorClocks, stream: torch.cuda.Stream | None, device_index: int) -> None:
@@ -123,22 +144,39 @@ class _CudaStream(Stream):
             self.after = {}  # another queue: it waited on nothing yet (NOTE [Implied waits])
         return self._current
 
+    def _issue(self, fn) -> None:
+        """Run ``fn`` with this stream current (`_raw` ran just before: NOTE [CUDA host path])."""
+        previous = current_stream_data(self._index)
+        set_stream_data(self._data if self._data is not None else self._current_data)
+        try:
+            fn()
+        finally:
+            set_stream_data(previous)
+
     def launch(self, fn, *, timed=False, nbytes=0):
         raw = self._raw()
         mark = self._vc.tick(self.id)
         start = end = None
         if timed:
             start, end = self._timing(raw)
-        previous = current_stream_data(self._index)
-        set_stream_data(self._data if self._data is not None else self._current_data)  # `_raw` just read it
-        try:
-            fn()
-        finally:
-            set_stream_data(previous)
+        self._issue(fn)
         if timed:
             end.record(raw)
             return mark, Timing(start=start, end=end, recycle=self._timing_events.give)
         return mark, None
+
+    def launch_recorded(self, fn, *, timed=False, nbytes=0):
+        """`launch` and `record_event` with one event recorded after ``fn`` (NOTE [Timing end events])."""
+        if not timed:
+            self.launch(fn, nbytes=nbytes)
+            return self.record_event(), None
+        raw = self._raw()
+        self._vc.tick(self.id)
+        start, end = self._timing(raw)
+        self._issue(fn)
+        end.record(raw)
+        event = self._event(end, self._timing_events)
+        return event, Timing(start=start, end=end, recycle=self._timing_events.give, end_owner=event)
 
     def time_mark(self) -> TimeMark:
         """A timing event recorded on this stream now (NOTE [Action times])."""
@@ -149,9 +187,13 @@ class _CudaStream(Stream):
     def record_event(self) -> Event:
         event = self._events.take()
         event.record(self._raw())
+        return self._event(event, self._events)
+
+    def _event(self, recorded: torch.cuda.Event, pool: _EventPool) -> _CudaEvent:
+        """``recorded``, just recorded on this stream, as an `Event` that gives it back to ``pool`` once freed."""
         clocks = self._vc.snapshot(self.id)
         mark = Mark(self.id, clocks[self.id]) if clocks is not None else None
-        return self.stamp(_CudaEvent(clocks, mark, event, self._events), tracked=self._stream is not None)
+        return self.stamp(_CudaEvent(clocks, mark, recorded, pool), tracked=self._stream is not None)
 
     def wait_event(self, event, *, timed=False):
         raw = self._raw()  # first: it forgets the waits of a compute queue that changed
@@ -159,6 +201,12 @@ class _CudaStream(Stream):
             self._vc.merge(self.id, event.clocks)
             return None
         self.waited(event)
+        if timed and event.timing_end:  # NOTE [Timing end events]: the stall ends with ``event``
+            start = self._timing_events.take()
+            start.record(raw)
+            raw.wait_event(event.cuda_event)
+            self._vc.merge(self.id, event.clocks)
+            return Timing(start=start, end=event.cuda_event, recycle=self._timing_events.give, end_owner=event, sync_start=True)
         start = end = None
         if timed:
             start, end = self._timing(raw)
