@@ -2,7 +2,8 @@
 
 A table with a row per rank (pipeline stage, bytes offloaded per iteration, device peak, measured
 drop and R where the report has them, compute wait), the reasons of ranks that copied nothing
-(warnings when no rank copied anything), and where the report files are. With
+(warnings when no rank copied anything), a hint where compute waited on its copies on a GPU
+(`wait_hint`), and where the report files are. With
 ``--chunk-offload-report`` the report is written here; a failure to write it is an error of the
 run (exit status 1), after the summary and the report's table are printed all the same.
 """
@@ -18,7 +19,7 @@ from ..report import MEASURES, ReportFiles, format_table, write_report
 from ..report.render import table_lines
 from .summary import StageSummary, absent_modules, why_nothing
 
-__all__ = ["Closing", "close_run"]
+__all__ = ["WAIT_HINT_SHARE", "Closing", "close_run", "wait_hint"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,6 +82,7 @@ def close_run(summaries: Sequence[StageSummary] | None, *, report_path: str | No
     ]
     if copied:  # notes: the run offloaded, some modules or ranks did not
         lines += [*absent, *(f"{_ranks(ranks)} copied nothing: {reason}" for reason, ranks in reasons.items())]
+        lines += wait_hint(summaries)
     else:
         closing.warnings += [*absent, *(f"nothing was offloaded on {_ranks(ranks)}: {reason}" for reason, ranks in reasons.items())]
     lines += [files_line, NOTATION]
@@ -88,6 +90,32 @@ def close_run(summaries: Sequence[StageSummary] | None, *, report_path: str | No
         lines += ["", "the report that could not be written:", "", format_table([s.report for s in summaries if s.report is not None])]
     closing.summary = "\n".join(lines)
     return closing
+
+
+WAIT_HINT_SHARE = 0.02
+"""`wait_hint` speaks from this share of an iteration spent waiting on copies."""
+
+
+def wait_hint(summaries: Sequence[StageSummary]) -> list[str]:
+    """One line for the ranks whose compute waited on copies for `WAIT_HINT_SHARE` of their last
+    iteration or more, on a GPU, without ``--chunk-offload-timed-reload-ahead``: by default a
+    chunk's backward reloads one group ahead, which a link slower than the backward of the
+    groups between (norms, small projections) leaves waiting; the timed budgets start each reload
+    early enough by the measured copy timing (NOTE [Timed reload ahead] in core/ordering.py).
+    On CPU streams the waits are the host's thread scheduling, not a link: no hint there."""
+    waiting = [
+        s for s in summaries
+        if s.measure == "cuda_max_memory_allocated" and s.offload and not s.timed_reload_ahead and s.iteration_ms > 0
+        and s.wait_ms >= WAIT_HINT_SHARE * s.iteration_ms
+    ]  # fmt: skip
+    if not waiting:
+        return []
+    worst = max(waiting, key=lambda s: s.wait_ms / s.iteration_ms)
+    return [
+        f"{_ranks([s.rank for s in waiting])}: compute waited on copies for up to {worst.wait_ms:.1f} ms of a "
+        f"{worst.iteration_ms:.1f} ms iteration ({worst.wait_ms / worst.iteration_ms:.0%}, rank {worst.rank}): where reloads lag "
+        "the backward, --chunk-offload-timed-reload-ahead starts each one early enough by the measured copy timing"
+    ]
 
 
 def _write(summaries: list[StageSummary], report_path: str | None, closing: Closing) -> str:

@@ -61,6 +61,10 @@ class StageSummary:
     """What ``peak_bytes`` counts: a key of `chunk_offload.report.MEASURES`."""
     wait_ms: float = 0.0
     """Time compute waited on copies in it, in milliseconds."""
+    iteration_ms: float = 0.0
+    """Its wall time, in milliseconds (0: no iteration recorded)."""
+    timed_reload_ahead: bool = False
+    """``--chunk-offload-timed-reload-ahead``: the rank's reloads start by the measured timing."""
     min_offload_bytes: int = 0
     """``--chunk-offload-min-offload-bytes``."""
     min_offload_flag: str = ""
@@ -134,6 +138,8 @@ def stage_summary(
     summary.peak_bytes = record.peak_bytes
     summary.measure = "cpu_saved_bytes_accounting" if record.device_peak_bytes is None else "cuda_max_memory_allocated"
     summary.wait_ms = sum(g.wait_time_s for g in record.groups.values()) * 1e3
+    summary.iteration_ms = record.wall_time_s * 1e3
+    summary.timed_reload_ahead = manager.tracking.timed_reload_ahead
     if manager.budgets.active:
         summary.budget_fits = manager.budgets.summary(record)["budget_fits"]
     return summary

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from chunk_offload.core.actions import NOTATION
-from chunk_offload.megatron_lm.closing import close_run
+from chunk_offload.megatron_lm.closing import WAIT_HINT_SHARE, close_run, wait_hint
 from chunk_offload.megatron_lm.cli import _close
 from chunk_offload.megatron_lm.summary import StageSummary, stage_summary, why_nothing
 from chunk_offload.report import format_table, read_json
@@ -58,6 +58,22 @@ def test_the_summary_has_a_row_per_rank_and_says_where_the_report_is(tmp_path: P
     assert "--chunk-offload-modules expert_fc1 matches no submodule on ranks 0, 1: nothing of it is offloaded there" in lines
     assert lines[-2:] == [f"report: {tmp_path / 'out' / 'r.json'}, {tmp_path / 'out' / 'r.md'}, {tmp_path / 'out' / 'r.png'}", NOTATION]
     assert read_json(closing.files.json) == [sample_report(0), sample_report(1)]
+
+
+def test_compute_waiting_on_copies_on_a_gpu_hints_at_timed_reload_ahead() -> None:
+    """From `WAIT_HINT_SHARE` of the iteration on, on a GPU, without timed reload ahead: one line
+    naming the ranks and the worst share; never on CPU streams (their waits are thread scheduling)."""
+    cuda = dict(measure="cuda_max_memory_allocated", iteration_ms=400.0)
+    at_share = WAIT_HINT_SHARE * 400.0
+    summaries = [_summary(0, wait_ms=at_share, **cuda), _summary(1, wait_ms=74.0, **cuda), _summary(2, wait_ms=at_share - 0.1, **cuda)]
+    assert wait_hint(summaries) == [
+        "ranks 0, 1: compute waited on copies for up to 74.0 ms of a 400.0 ms iteration (18%, rank 1): where reloads lag "
+        "the backward, --chunk-offload-timed-reload-ahead starts each one early enough by the measured copy timing"
+    ]
+    assert wait_hint(summaries[1:2])[0] in close_run(summaries[1:2], report_path=None).summary.splitlines()
+    assert wait_hint([_summary(1, wait_ms=74.0, timed_reload_ahead=True, **cuda)]) == []
+    assert wait_hint([_summary(1, wait_ms=74.0, iteration_ms=400.0)]) == []  # the CPU accounting: no link to speak of
+    assert wait_hint([_summary(1, wait_ms=74.0, offload=False, **cuda)]) == []  # a baseline iteration
 
 
 def test_a_rank_that_copied_nothing_is_a_note_when_others_copied() -> None:
@@ -172,6 +188,7 @@ def test_stage_summary_reads_the_managers_record_and_report(managed, min_offload
     assert summary.report is not None and summary.report_error is None
     assert summary.measure == summary.report.measure == "cpu_saved_bytes_accounting"
     assert summary.peak_bytes == summary.report.peak_with
+    assert summary.iteration_ms == manager.records[-1].wall_time_s * 1e3 > 0 and summary.timed_reload_ahead is False
     assert reason in why_nothing(summary)
 
 
