@@ -9,6 +9,7 @@ evidence.log, summary.txt says which step failed, and the exit status is 1.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_evidence.sh"
-STEPS = ("install", "env", "tests", "sanitizer", "overhead", "compare", "compare_host", "replay", "replay_coplan", "replay_last",
-         "bandwidth", "sanitizer_pp4")  # fmt: skip
+STEPS = ("install", "env", "tests", "sanitizer", "overhead", "compare", "compare_host", "replay", "replay_last", "bandwidth",
+         "replay_coplan", "sanitizer_pp4")  # fmt: skip
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 
@@ -36,7 +37,9 @@ def test_dry_run_lists_every_step_and_writes_nothing(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "dry run: nothing is run" and lines[1] == f"output folder: {out}"
-    assert [line.split()[0] for line in lines[2:]] == list(STEPS)
+    assert [line.split()[0] for line in lines[2:-1]] == list(STEPS)
+    limits = sum(int(line.split("(limit ")[1].split("s)")[0]) for line in lines[2:-1])
+    assert lines[-1] == f"budget: 540s for every step together; their limits add up to {limits}s"
     assert "TORCH_CUDA_SANITIZER=1" in lines[2 + STEPS.index("sanitizer")]
     assert "--pp 4 --vpp 2 --stage 0" in lines[2 + STEPS.index("replay")]
     assert "--modules attn_norm,qkv_linear --recompute-modules core_attn" in lines[2 + STEPS.index("replay_coplan")]
@@ -48,7 +51,7 @@ def test_without_cuda_it_prints_the_plan_and_exits_0(tmp_path: Path) -> None:
     done = _run("--out", str(out), "--only", "tests,replay")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].startswith("no CUDA device")
-    assert [line.split()[0] for line in done.stdout.splitlines()[2:]] == ["tests", "replay"]
+    assert [line.split()[0] for line in done.stdout.splitlines()[2:-1]] == ["tests", "replay"]
     assert not out.exists()
 
 
@@ -65,6 +68,9 @@ def test_relative_out_is_relative_to_the_caller(tmp_path: Path) -> None:
         (["--out"], "--out needs a value"),
         (["--out", "--dry-run"], "--out needs a value"),
         (["--only", "tests,nope"], "--only: unknown step 'nope'"),
+        (["--budget", "0"], "--budget: expected a whole number of seconds >= 1, got '0'"),
+        (["--budget=9m"], "--budget: expected a whole number of seconds >= 1, got '9m'"),
+        (["--budget"], "--budget needs a value"),
     ],
 )
 def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
@@ -100,3 +106,36 @@ def test_a_failing_step_does_not_stop_the_others(tmp_path: Path) -> None:
     assert "=== step env: print_environment" in log and "command: bash bench/gpu_evidence.sh" in log
     assert f"torch {__import__('torch').__version__}" in log
     assert "bandwidth stand-in fails" in log and "=== limit 30s" in log
+
+
+def _stand_in(tmp_path: Path, bandwidth: str) -> Path:
+    """A Python for which CUDA is 'available' and bench/bandwidth.py runs ``bandwidth`` (bash); the rest is the real one."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ "$*" == *"torch.cuda.is_available"* ]]; then exit 0; fi\n'
+        f'if [[ "$*" == *bench/bandwidth.py* ]]; then {bandwidth}; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def test_a_step_gets_at_most_what_is_left_of_the_budget(tmp_path: Path) -> None:
+    """bandwidth's own limit is 30 s; with a budget of 16 s it is stopped at 16 s or less."""
+    out = tmp_path / "evidence"
+    done = _run("--out", str(out), "--only", "bandwidth", "--budget", "16", python=str(_stand_in(tmp_path, "sleep 40")))
+    assert done.returncode == 1, done.stdout + done.stderr
+    row = (out / "summary.txt").read_text().splitlines()[1].split()
+    assert row[:2] == ["bandwidth", "timed"] and int(row[-1].removesuffix("s")) <= 16
+
+
+def test_steps_without_enough_budget_left_are_skipped_and_listed(tmp_path: Path) -> None:
+    out = tmp_path / "evidence"
+    done = _run("--out", str(out), "--only", "env,bandwidth", "--budget", "14", python=str(_stand_in(tmp_path, "exit 0")))
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = [row.split()[:3] for row in (out / "summary.txt").read_text().splitlines()[1:]]
+    assert rows == [["env", "skipped", "(budget)"], ["bandwidth", "skipped", "(budget)"]]
+    log = (out / "evidence.log").read_text()
+    # 14 s left at the first step, 13 where the clock's second turned since the steps began
+    assert re.search(r"=== step env: print_environment\n=== skipped: 1[34]s of the 14s budget left \(under 15s\)", log), log
