@@ -57,6 +57,9 @@ def format_table(rows: list[dict[str, Any]], device: str) -> str:
     left = [f"{r['modules']} / {r['run']} {gb(r['left_bytes'])}" for r in rows if r.get("left_bytes")]
     if left:
         lines.append("left allocated by the runs before (GB; taken off that run's peak and added to its budget): " + ", ".join(left))
+    shared = [r for r in rows if "same_run_as" in r]
+    if shared:
+        lines.append(f"none: one run, shown in every module set (it offloads nothing): the run of {shared[0]['same_run_as']}")
     lines.append("overhead: median step over 'none''s; min ovh: fastest step over 'none''s (less moved by a busy host)"
                  + ("; with 'none again': over the mean of both medians, and the faster fastest step" if any(r["run"] == "none again" for r in rows) else ""))
     lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others; "

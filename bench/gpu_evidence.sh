@@ -23,7 +23,8 @@
 # Since then the host-bound comparison leaves out the timed reload-ahead runs (a hidden-4096
 # question) and profiles each run after all are timed (a profiler's residue no longer slows the
 # later runs' times), and every comparison row's JSON has its run's wall time (wall_s), so the
-# next run says where the time goes. The steps after replay (replay_last, bandwidth, replay_coplan,
+# next run says where the time goes; the run without offload runs once for both module sets of a
+# comparison. The steps after replay (replay_last, bandwidth, replay_coplan,
 # sanitizer_pp4: about 4 minutes on 2026-11-26) may not fit the budget: summary.txt lists them as
 # skipped; run them in a second call with --only. A session's device time is 15 minutes, the
 # machine's start included: run in one call of at most 10 minutes, or two back to back (the machine

@@ -5,7 +5,7 @@ One GPT on one device, trained through megatron's own no-pipelining schedule (PP
 to be used. For each ``--modules`` set, three runs or more one after another, each on a fresh
 build of the model from the same seed (so the same weights and inputs):
 
-- none: no offload;
+- none: no offload (one run, shown in every set: it offloads nothing, whatever the modules);
 - chunk-offload: `chunk_offload.integrations.megatron.attach` with its defaults (at PP=1 every
   backward follows its forward at once: the default plan copies all but a chunk's last groups,
   NOTE [Kept tail] in chunk_offload/core/ordering.py);
@@ -227,9 +227,13 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:
     return {"losses_identical": losses, "grads_identical": grads}
 
 
-def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str]) -> list[dict[str, Any]]:
-    """The four (five) runs of one module set (megatron's replaced by one skip row where it cannot run)."""
-    rows = [_run(args, shape, modules, "none", None)]
+def _module_set(args: argparse.Namespace, shape: GPTShape, modules: list[str], none: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The four (five) runs of one module set (megatron's replaced by one skip row where it cannot run).
+
+    ``none``: an earlier set's run without offload, shown again in this set (``same_run_as``: its
+    set): a run that offloads nothing does not depend on the modules, so it runs once.
+    """
+    rows = [_run(args, shape, modules, "none", None) if none is None else {**none, "modules": ",".join(modules), "same_run_as": none["modules"]}]
     skip = builtin.builtin_unavailable(modules)
     megatron = None if skip else _run(args, shape, modules, "megatron", None)
     rows.append(_run(args, shape, modules, "chunk-offload", None))
@@ -266,13 +270,16 @@ def _add_profiles(args: argparse.Namespace, shape: GPTShape, rows: list[dict[str
     profiler leaves behind then counts against chunk-offload's runs, never for them.
     """
     sets, first = list(dict.fromkeys(r["modules"] for r in rows)), {"none": 0, "megatron": 1}
-    base = None
+    base, nones = None, {}
     for row in sorted(rows, key=lambda r: (sets.index(r["modules"]), first.get(r["run"], 2))):
         if "skipped" in row or row["run"] == "none again":
             continue
-        row.update(_run(args, shape, row["modules"].split(","), row["run"], row["budget_bytes"], profile=True))
+        if "same_run_as" in row:  # the run without offload of another set: profiled once, with it
+            row.update({key: nones[row["same_run_as"]][key] for key in ("_profile", "_api")})
+        else:
+            row.update(_run(args, shape, row["modules"].split(","), row["run"], row["budget_bytes"], profile=True))
         if row["run"] == "none":
-            base = row
+            base = nones[row["modules"]] = row
             continue
         (times, engine), (base_times, _) = row["_profile"], base["_profile"]
         row.update(_host_added=over(times, base_times), engine_host_ms=engine * 1e3, _api_added=over(row["_api"], base["_api"]))
@@ -296,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                      seq_length=args.seq, micro_batch_size=args.micro_batch_size, dtype=_DTYPES[args.dtype],
                      attention=args.attention)  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = [row for modules in args.modules for row in _module_set(args, shape, modules)]
+    rows: list[dict[str, Any]] = []
+    for modules in args.modules:
+        rows += _module_set(args, shape, modules, rows[0] if rows else None)
     if args.profile:
         _add_profiles(args, shape, rows)
     print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro batch "

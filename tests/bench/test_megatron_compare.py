@@ -53,6 +53,9 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     assert all(r["losses_identical"] and r["grads_identical"] for r in ran), done.stdout
     assert all(r["median_step_s"] > 0 and r["min_step_s"] <= r["median_step_s"] for r in ran)
     base = runs[("core_attn,qkv_linear", "none")]
+    shared = runs[("mlp_fc1", "none")]  # the run without offload ran once, shown in both sets
+    assert shared["same_run_as"] == "core_attn,qkv_linear" and shared["wall_s"] == base["wall_s"] and "same_run_as" not in base
+    assert "none: one run, shown in every module set (it offloads nothing): the run of core_attn,qkv_linear" in done.stdout
     for r in ran:  # both overheads against 'none' of the same module set, and the collector's time per step
         none = runs[(r["modules"], "none")]
         assert r["overhead_min"] == r["min_step_s"] / none["min_step_s"] - 1 and r["gc_ms"] >= 0 and len(r["gc_collections"]) == 3
@@ -138,10 +141,12 @@ def test_profiles_take_each_sets_none_first_and_megatrons_second(monkeypatch) ->
     runs = ["none", "chunk-offload", "chunk-offload budget", "megatron", "none again"]
     rows = [{"modules": m, "run": r, "budget_bytes": None} for m in ("b", "a") for r in runs]
     rows[8] = {"modules": "a", "run": "megatron", "skipped": "not here"}
+    rows[5]["same_run_as"] = "b"  # set a shows set b's run without offload: profiled once
     bench._add_profiles(None, None, rows)
     assert profiled == [("b", "none"), ("b", "megatron"), ("b", "chunk-offload"), ("b", "chunk-offload budget"),
-                        ("a", "none"), ("a", "chunk-offload"), ("a", "chunk-offload budget")]  # fmt: skip
+                        ("a", "chunk-offload"), ("a", "chunk-offload budget")]  # fmt: skip
     assert all(r["engine_host_ms"] == 1e3 for r in rows if r["run"] not in ("none", "none again") and "skipped" not in r)
+    assert rows[5]["_profile"] is rows[0]["_profile"]
 
 
 def test_memory_left_by_earlier_runs_is_named_under_the_table() -> None:
