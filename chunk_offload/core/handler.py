@@ -36,6 +36,11 @@ __all__ = ["ChunkOffloadHandler"]
 _TE_GROUP_NAME = "te_group"
 
 
+def _no_commit(group: OffloadGroup) -> None:
+    """The joins of a handler let go of (NOTE [No cycles per iteration]): nothing may be pending there."""
+    raise ChunkOffloadError(f"commit of {group!r} in a chunk whose iteration is over")
+
+
 class ChunkOffloadHandler:
     """Offload groups of one chunk, in forward order. See NOTE [Release and prefetch order]."""
 
@@ -266,6 +271,28 @@ class ChunkOffloadHandler:
 
     def _group_released(self, group: OffloadGroup) -> None:
         self._unreleased -= 1
+
+    def let_go(self) -> None:
+        """Unlink the handler from its groups once its iteration is over and every group released.
+
+        NOTE [No cycles per iteration]
+        Each group names its handler, the handler lists its groups and keeps its own bound
+        hooks: reference cycles that only the garbage collector frees. Left so, every iteration
+        leaves a chunk's handler and groups to the collector: host time in each collection, and
+        objects that survive into the older generations, whose full collections stall a training
+        process at unpredictable steps (Megatron-LM's ``--manual-gc`` exists for such stalls). The
+        manager calls this for each released handler when an iteration ends (`OffloadManager.end_iteration`,
+        and for a handler released later, at the next end), after the record read the groups;
+        the handler then holds no group, hook or join, and is freed by reference counting, like its
+        groups. A handler still holding groups (a retained graph) is left as it is.
+        """
+        if not self.released:
+            return
+        self.groups = []
+        self._states = GroupStates(self.groups)
+        self._holding = []
+        self._joins = CallJoins(_no_commit)
+        self.pack_hook = self.unpack_hook = None
 
     # ------------------------------------------------------------------ TE protocol
     def tensor_push(self, tensor: torch.Tensor, **kwargs: Any) -> Any:

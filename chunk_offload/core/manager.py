@@ -187,7 +187,13 @@ class OffloadManager:
             return record
         finally:
             self._window = None
-            self._live_handlers = [h for h in (*self._live_handlers, *window.handlers) if not h.released]
+            live = []
+            for handler in (*self._live_handlers, *window.handlers):
+                if handler.released:
+                    handler.let_go()  # NOTE [No cycles per iteration] in handler.py
+                else:
+                    live.append(handler)
+            self._live_handlers = live
 
     @contextlib.contextmanager
     def iteration(self, *, offload: bool | None = None) -> Iterator["OffloadManager"]:
