@@ -37,12 +37,14 @@ class OffloadGroup:
     """The saved tensors of one call of one named submodule within one chunk."""
 
     __slots__ = (  # one group per layer call: no per-instance dict for the garbage collector to track
-        "handler", "name", "member", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "_ctx",
+        "handler", "key", "name", "member", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "_ctx",
         "_storages", "_live_storages", "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event", "_offload_cancelled",
     )  # fmt: skip
 
     def __init__(self, handler: GroupHandler, name: str, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
-        self.handler = handler
+        self.handler: GroupHandler | None = handler
+        """The chunk's handler; None once it let go of its iteration (NOTE [No cycles per iteration] in handler.py)."""
+        self.key = handler.key  # the chunk's
         self.name = name  # its module's; a layer group's: its members' names joined by '+'
         self.member = name  # the name of the call collecting now (NOTE [Layer groups] in marks.py)
         self.index = index
@@ -64,7 +66,7 @@ class OffloadGroup:
         self.kept_bytes = 0  # of those, bytes of storages kept on device (pinned): saved, never moved
 
     def __repr__(self) -> str:
-        return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.handler.key}, state={self.state.value})"
+        return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.key}, state={self.state.value})"
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -91,7 +93,7 @@ class OffloadGroup:
 
     def _expect(self, allowed: tuple[GroupState, ...], action: str) -> None:
         if self.state not in allowed:
-            raise state_error(self.name, self.handler.key, self.state, allowed, action)
+            raise state_error(self.name, self.key, self.state, allowed, action)
 
     def _wait(self, stream, event: Event | None, name: str, timed_kind: str | None = None) -> None:
         ctx = self._ctx
@@ -154,7 +156,7 @@ class OffloadGroup:
         stats.groups += 1
         handler = self.handler
         # See NOTE [Storages held elsewhere]: ordinals of live storages to keep at this place.
-        held = ctx.held_elsewhere.kept(handler.key.vp_stage, self.index, self.name)
+        held = ctx.held_elsewhere.kept(self.key.vp_stage, self.index, self.name)
         live = len(self._storages)
         saved_bytes, kept_bytes, kept_views, held_bytes = fix_spans(self._storages, self._kept_storages, held)
         self._live_storages -= live - len(self._storages)
@@ -206,15 +208,18 @@ class OffloadGroup:
         """At its chunk's forward end: learn which copied storages another reference keeps on
         device (NOTE [Storages held elsewhere]); returns their bytes. The handler waits first for
         copies that hold their sources (NOTE [Release by the copy stream] in copies.py)."""
-        nbytes = self._ctx.held_elsewhere.learn(self.handler.key.vp_stage, self.index, self.name, self._storages.values())
+        nbytes = self._ctx.held_elsewhere.learn(self.key.vp_stage, self.index, self.name, self._storages.values())
         if nbytes:
             self._ctx.stats.group(self.name).bytes_copied_held_elsewhere += nbytes
         return nbytes
 
     # ------------------------------------------------------------------ backward
     def on_output_grad(self, grad: torch.Tensor | None) -> None:
-        """The gradient hook on the group's outputs: backward reached the group (NOTE [Group backward hook])."""
-        self.handler.begin_group_backward(self)
+        """The gradient hook on the group's outputs: backward reached the group (NOTE [Group backward hook]).
+        A group whose handler let go of it (discarded with its iteration) raises at its first unpack."""
+        handler = self.handler
+        if handler is not None:
+            handler.begin_group_backward(self)
 
     def reload(self) -> None:
         """Start the copies back to device (idempotent; prefetch and on-demand share it).
@@ -264,8 +269,8 @@ class OffloadGroup:
 
     def unpack(self, ref: SavedRef) -> torch.Tensor:
         """Return the saved tensor for autograd (the unpack hook)."""
-        if not self.backward_begun:  # its gradient hook could not run: NOTE [Group backward hook]
-            self.handler.begin_group_backward(self)
+        if not self.backward_begun and self.handler is not None:  # its gradient hook could not run: NOTE [Group backward hook]
+            self.handler.begin_group_backward(self)  # (None: a discarded group of a finished iteration, which raises below)
         tensor = ref.tensor
         if tensor is not None:  # the device original is still held: nothing was released
             if tensor._version != ref.version:
@@ -322,6 +327,13 @@ class OffloadGroup:
             self._to(GroupState.RELEASED)
             self._let_go()
             self.handler._group_released(self)
+
+    def forget_handler(self) -> None:
+        """Drop the reference to the chunk's handler, which let go of its finished iteration (NOTE
+        [No cycles per iteration] in handler.py): a released or discarded group calls it no more."""
+        if self.state is not GroupState.RELEASED and self.state is not _DISCARDED:
+            internal_assert(False, f"forget_handler of {self!r}")
+        self.handler = None
 
     def _let_go(self) -> None:
         """Drop the storage records and copy events, unread once released or discarded: freed now, not with the handler (a cycle)."""

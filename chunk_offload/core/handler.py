@@ -282,14 +282,15 @@ class ChunkOffloadHandler:
         objects that survive into the older generations, whose full collections stall a training
         process at unpredictable steps (Megatron-LM's ``--manual-gc`` exists for such stalls). The
         manager calls this for each released handler when an iteration ends (`OffloadManager.end_iteration`,
-        and for a handler released later, at the next end), after the record read the groups;
-        the handler then holds no group, hook or join, and is freed by reference counting, like its
-        groups. A handler still holding groups (a retained graph) is left as it is.
+        and for a handler released later, at the next end): its groups forget it, and it drops its
+        bound hooks and joins; it still lists its groups, for whoever reads them after the iteration,
+        and both are freed by reference counting. A handler whose groups are not all released (a
+        retained graph) is left as it is.
         """
         if not self.released:
             return
-        self.groups = []
-        self._states = GroupStates(self.groups)
+        for group in self.groups:
+            group.forget_handler()
         self._holding = []
         self._joins = CallJoins(_no_commit)
         self.pack_hook = self.unpack_hook = None
@@ -318,7 +319,7 @@ class ChunkOffloadHandler:
 
     def _unpack(self, tensor_tag: Any) -> torch.Tensor:
         tag_type = type(tensor_tag)
-        if tag_type is SavedRef and tensor_tag.group.handler is self:
+        if tag_type is SavedRef and tensor_tag.group.handler in (self, None):  # None: let go of, NOTE [No cycles per iteration]
             return tensor_tag.group.unpack(tensor_tag)
         if tag_type is KeptRef:
             return tensor_tag.unpack()

@@ -58,7 +58,7 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
                        done.stdout, re.M)  # fmt: skip
     assert cyclic, done.stdout
     # Autograd alone leaves none, and neither does the engine: a released group lets go of its
-    # storages and copy events, a released handler of its groups (NOTE [No cycles per iteration]).
+    # storages and copy events, and the groups of a released handler forget it (NOTE [No cycles per iteration]).
     assert [float(v) for v in cyclic.groups()] == [0.0] * 5, done.stdout
 
 

@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 
+import chunk_offload
 from chunk_offload import OffloadConfig, OffloadManager
 
 from ._models import INTERLEAVED, ONE_F_ONE_B, run_schedule
@@ -80,4 +81,22 @@ def test_a_discarded_iteration_leaves_no_reference_cycle() -> None:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+        manager.close()
+
+
+def test_a_graph_of_a_discarded_iteration_still_says_so_after_its_handler_let_go() -> None:
+    """The handler let go of its discarded groups at the iteration's end; a backward over the graph
+    kept from that iteration still gets the discarded group's error, not a missing handler."""
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    try:
+        layer = torch.nn.Linear(8, 8)
+        manager.offload_module(layer, "layer")
+        manager.begin_iteration()
+        with manager.chunk(microbatch=0) as handler:
+            loss = layer(torch.randn(4, 8, requires_grad=True)).sum()
+        manager.end_iteration(discard=True)
+        assert [group.handler for group in handler.groups] == [None]
+        with pytest.raises(chunk_offload.ChunkOffloadError, match=r"cannot unpack a tensor of group 'layer' .*: the group was discarded"):
+            loss.backward()
+    finally:
         manager.close()
