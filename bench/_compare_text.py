@@ -33,8 +33,9 @@ def format_profiles(rows: list[dict[str, Any]], layer_calls: int) -> list[str]:
     return lines
 
 
-def format_table(rows: list[dict[str, Any]], device: str) -> str:
-    """One line per run (a skip line for a run that could not run), then what the columns measure."""
+def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool = False) -> str:
+    """One line per run (a skip line for a run that could not run), then what the columns measure
+    (``deterministic``: every run ran on deterministic kernels, ``--deterministic``)."""
     def gb(value: int | None) -> str:
         return "n/a" if value is None else f"{value / _GB:.4g}"
 
@@ -64,6 +65,7 @@ def format_table(rows: list[dict[str, Any]], device: str) -> str:
                  + ("; with 'none again': over the mean of both medians, and the faster fastest step" if any(r["run"] == "none again" for r in rows) else ""))
     lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others; "
                  "gc ms: the garbage collector's time per step (median)")
-    lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'"
-                 + ("" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)"))
+    kernels = (" (deterministic kernels, --deterministic: a difference is the offload's)" if deterministic
+               else "" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)")  # fmt: skip
+    lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'" + kernels)
     return "\n".join(lines)

@@ -56,7 +56,9 @@ declare -A CMD=(
     [replay]='replay_stage 0 replay.json'
     [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --timed-reload-ahead --json "$OUT_DIR/compare.json"'
     [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --layer-groups --none-again --profile 2 --json "$OUT_DIR/compare_host.json"'
-    [replay_last]='replay_stage 3 replay_last.json'
+    # The last stage on deterministic kernels: its losses and grads rows say, for both engines,
+    # whether the offload changed a bit at this size (its step times are those kernels').
+    [replay_last]='replay_stage 3 replay_last.json --deterministic'
     # README's co-plan, stage 0: attn_norm,qkv_linear offloaded, core attention recomputed.
     [replay_coplan]='"$PY" -m chunk_offload.replay --pp 2 --stage 0 --layers 8 --hidden 1024 --heads 16 --seq 4096 --microbatches 8 --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention local --modules attn_norm,qkv_linear --recompute-modules core_attn --iterations 3 --warmup 1 --json "$OUT_DIR/replay_coplan.json"'
     [bandwidth]='"$PY" bench/bandwidth.py --json "$OUT_DIR/bandwidth.json"'
@@ -74,7 +76,7 @@ declare -A DESCRIBE=(
     [install]='"$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl (when .whl/ has wheels)'
     [env]='date, git rev-parse HEAD, nvidia-smi, python/torch/CUDA/device, megatron-core/numpy/pytest versions'
     [replay]='"$PY" -m chunk_offload.replay --pp 4 --vpp 2 --stage 0 --microbatches 8 --layers 32 --hidden 4096 --heads 32 --seq $REPLAY_SEQS (first that fits) --micro-batch-size 1 --vocab 32000 --dtype bf16 --modules $REPLAY_MODULES --iterations 3 --warmup 1 --attention sdpa [--compare megatron --budget-bytes megatron where --help lists them] --json "$OUT_DIR/replay.json"'
-    [replay_last]='the same as replay with --stage 3 (the last stage) --json "$OUT_DIR/replay_last.json"'
+    [replay_last]='the same as replay with --stage 3 (the last stage) --deterministic --json "$OUT_DIR/replay_last.json"'
 )
 readonly LOG_HALF_BYTES=$((1 << 20))  # a step's log above 2 MiB keeps its first and last MiB
 readonly DEFAULT_BUDGET=540           # seconds for every step together (issue 22: under 9 minutes)
@@ -135,8 +137,12 @@ PY
 }
 
 replay_stage() {
-    local stage=$1 json=$2 extra=(--attention sdpa) seq rc help
+    local stage=$1 json=$2 extra=(--attention sdpa) seq rc help flag
+    shift 2
     help=$("$PY" -m chunk_offload.replay --help 2>/dev/null)
+    for flag in "$@"; do  # further options, where this replay has them
+        [[ $help == *"$flag"* ]] && extra+=("$flag")
+    done
     if [[ $help == *--compare* ]]; then
         extra+=(--compare megatron)
     fi

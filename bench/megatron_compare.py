@@ -43,7 +43,8 @@ n/a for the others); each row's ``wall_s`` in the JSON is the run's whole time, 
 included. Losses are those of the first measured iteration; grads those of the last; both are
 compared with ``torch.equal`` to the run without offload. On CUDA, flash attention's backward is
 not deterministic, so grads may differ without any offload; the losses (forward only) are the
-fair check there.
+fair check there, or every run on deterministic kernels (``--deterministic``,
+`chunk_offload.devkit.deterministic`; the step times are then those kernels').
 
     python bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 \\
         --dtype bf16 --modules core_attn,qkv_linear --modules attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm
@@ -52,6 +53,7 @@ fair check there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -64,6 +66,7 @@ import torch
 
 from chunk_offload.core.config import OffloadConfig
 from chunk_offload.core.errors import ChunkOffloadError
+from chunk_offload.devkit.deterministic import deterministic_kernels
 from chunk_offload.devkit.gpt import ATTENTIONS, GPTShape, gpt_forward_step
 from chunk_offload.integrations.megatron import attach
 from chunk_offload.module_names import canonical_modules
@@ -106,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iterations", type=int, default=4, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per run (megatron's offload needs >= 1)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--deterministic", action="store_true", help="every run on deterministic kernels: grads compare bit for bit on CUDA too")
     p.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     for flag in ("layers", "hidden", "heads", "seq", "micro_batch_size", "microbatches", "vocab", "iterations"):
@@ -304,15 +308,16 @@ def main(argv: list[str] | None = None) -> int:
                      attention=args.attention)  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: list[dict[str, Any]] = []
-    for modules in args.modules:
-        rows += _module_set(args, shape, modules, rows[0] if rows else None)
-    if args.profile:
-        _add_profiles(args, shape, rows)
+    with deterministic_kernels() if args.deterministic else contextlib.nullcontext():
+        for modules in args.modules:
+            rows += _module_set(args, shape, modules, rows[0] if rows else None)
+        if args.profile:
+            _add_profiles(args, shape, rows)
     print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro batch "
           f"{args.micro_batch_size}, {args.microbatches} microbatches, {args.dtype}, {args.attention}; PP=1 "
           f"(megatron no-pipelining schedule); device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; "
           f"megatron-core {megatron.core.__version__}")  # fmt: skip
-    print(format_table(rows, device))
+    print(format_table(rows, device, deterministic=args.deterministic))
     if args.profile:
         print("\n".join(format_profiles(rows, args.layers * args.microbatches)))
     if args.json is not None:

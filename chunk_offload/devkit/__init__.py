@@ -1,6 +1,6 @@
 """Development infrastructure: run megatron-core where there is no GPU, and build small GPT models.
 
-Not part of the offload engine. Five modules, each imported explicitly (importing megatron-core
+Not part of the offload engine. Six modules, each imported explicitly (importing megatron-core
 is slow, so nothing here is imported by ``chunk_offload`` itself):
 
 - `chunk_offload.devkit.cpu_compat`: named, reversible rules that redirect megatron-core's CUDA
@@ -13,7 +13,9 @@ is slow, so nothing here is imported by ``chunk_offload`` itself):
 - `chunk_offload.devkit.attention`: a flash-style core attention for megatron-core on torch's
   ``scaled_dot_product_attention`` (the builder's ``attention="sdpa"``);
 - `chunk_offload.devkit.slow_link`: a chain of groups whose backward compute and reload link take
-  real (slept) time, so that waits on reloads are measured on CPU streams.
+  real (slept) time, so that waits on reloads are measured on CPU streams;
+- `chunk_offload.devkit.deterministic`: torch's deterministic kernels for a block, so that the
+  replay and the benches compare runs bit for bit on CUDA too.
 """
 
 __all__: list[str] = []

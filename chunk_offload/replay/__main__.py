@@ -10,6 +10,8 @@ Exit status 3 when the device runs out of memory, so scripts can retry a smaller
 mode on the same stage, plan, modules and seed (`chunk_offload.replay.compare`), and
 ``--budget-bytes BYTES|megatron`` a fourth: chunk-offload as training runs it under that device
 budget (``megatron``: megatron's measured peak, for a comparison at equal memory).
+``--deterministic`` runs every mode on deterministic kernels (`chunk_offload.devkit.deterministic`),
+so that on CUDA too the losses and grads rows say whether the offload changed a bit.
 
 A co-planned stage (``chunk-offload plan --co-plan``): its offload modules and megatron's selective
 recompute of its recompute modules, both modes built with the recompute::
@@ -26,18 +28,21 @@ and the combinations `chunk_offload.module_names.combination_problem` refuses (e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
 import math
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from ..core.errors import ChunkOffloadError
 from ..core.option_table import option, parse_bytes
 from ..core.streams import CpuStreams
+from ..devkit.deterministic import deterministic_kernels
 from ..devkit.gpt import ATTENTIONS, GPTShape
 from ..option_flags import argparse_keywords
 from ..module_names import check_combination
@@ -47,7 +52,7 @@ from .compare import compare_with_megatron
 from .run import replay
 from .stage import megatron_stage
 
-__all__ = ["main", "parse_args"]
+__all__ = ["DETERMINISTIC_LINE", "main", "parse_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--iterations", type=int, default=3, help="measured iterations per mode")
     g.add_argument("--warmup", type=int, default=1, help="warm-up iterations per mode")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels (torch.use_deterministic_algorithms), so that losses and grads compare bit for bit "
+        "on CUDA too; step times are then those kernels'",
+    )
     g.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     g.add_argument(
         "--compare",
@@ -233,14 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         group_by=args.group_by,
     )
     try:
-        if args.compare == "megatron":
-            result = compare_with_megatron(
-                shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, budget_bytes=args.budget_bytes,
-                streams=make_streams, **common,
-            )  # fmt: skip
-        else:
-            with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
-                result = replay(stage, streams=None if make_streams is None else make_streams(), **common)
+        with deterministic_kernels() if args.deterministic else contextlib.nullcontext():
+            result = _run(args, shape, common, make_streams)
     except torch.OutOfMemoryError as e:
         print(f"out of device memory: {e}", file=sys.stderr)
         return EXIT_OUT_OF_MEMORY
@@ -249,11 +254,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.attention} attention" + (f", recompute {' '.join(args.recompute_modules)}" if args.recompute_modules else "")
     )
     print(result.format())
+    if args.deterministic:
+        print(DETERMINISTIC_LINE)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **result.summary()}
         args.json.write_text(json.dumps(summary, indent=2))
     return 0
+
+
+DETERMINISTIC_LINE = "kernels: deterministic (--deterministic): a difference in losses or grads is the offload's, not the kernels'"
+
+
+def _run(args: argparse.Namespace, shape: GPTShape, common: dict[str, Any], make_streams: Callable[[], CpuStreams] | None) -> Any:
+    """The replay, or the comparison with megatron's built-in, that the command line asks for."""
+    if args.compare == "megatron":
+        return compare_with_megatron(
+            shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, budget_bytes=args.budget_bytes,
+            streams=make_streams, **common,
+        )  # fmt: skip
+    with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
+        return replay(stage, streams=None if make_streams is None else make_streams(), **common)
 
 
 if __name__ == "__main__":

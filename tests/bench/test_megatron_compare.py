@@ -149,6 +149,17 @@ def test_profiles_take_each_sets_none_first_and_megatrons_second(monkeypatch) ->
     assert rows[5]["_profile"] is rows[0]["_profile"]
 
 
+def test_deterministic_runs_say_so_under_the_table(tmp_path) -> None:
+    out = tmp_path / "compare.json"
+    done = _run("--min-offload-bytes", "1", "--iterations", "1", "--warmup", "1", "--modules", "core_attn,qkv_linear",
+                "--deterministic", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert data["args"]["deterministic"] is True
+    assert all(r["losses_identical"] and r["grads_identical"] for r in data["rows"] if "skipped" not in r)
+    assert "torch.equal against 'none' (deterministic kernels, --deterministic: a difference is the offload's)" in done.stdout
+
+
 def test_memory_left_by_earlier_runs_is_named_under_the_table() -> None:
     text = load_bench_script("megatron_compare")  # its table's text (bench/_compare_text.py)
     row = {"modules": "core_attn", "peak_bytes": 2 * 10**9, "median_step_s": 0.2, "min_step_s": 0.1, "overhead": 0.0,
@@ -163,7 +174,8 @@ def test_memory_left_by_earlier_runs_is_named_under_the_table() -> None:
 
 @pytest.mark.parametrize(
     ("flag", "message"),
-    [("--no-such-flag", "unrecognized arguments: --no-such-flag"), ("--none-again=yes", "argument --none-again: ignored explicit argument 'yes'")],
+    [("--no-such-flag", "unrecognized arguments: --no-such-flag"), ("--none-again=yes", "argument --none-again: ignored explicit argument 'yes'"),
+     ("--deterministic=yes", "argument --deterministic: ignored explicit argument 'yes'")],  # fmt: skip
 )
 def test_bad_flag_exits_2(flag: str, message: str) -> None:
     done = _run(flag)

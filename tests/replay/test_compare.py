@@ -88,6 +88,18 @@ def test_cli_compare_writes_three_modes(tmp_path, capsys) -> None:
     assert "losses bit-identical" in printed and "megatron " in printed
 
 
+def test_cli_compare_on_deterministic_kernels_says_so_and_restores_torchs_setting(tmp_path, capsys) -> None:
+    """``--deterministic``: every mode on deterministic kernels (on CPU they are already), one line
+    under the table, and torch's setting as it was once the replay returns."""
+    from chunk_offload.replay.__main__ import DETERMINISTIC_LINE
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    printed, summary = run_cli(capsys, tmp_path / "compare.json", "--pp", "2", "--stage", "1", "--compare", "megatron", "--deterministic")
+    assert summary["args"]["deterministic"] is True and printed.rstrip().endswith(DETERMINISTIC_LINE)
+    assert all(summary["modes"][mode]["losses"] and summary["modes"][mode]["grads"] for mode in ("chunk_offload", "megatron"))
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_cli_compare_with_a_budget_writes_four_modes(tmp_path, capsys) -> None:
     """Each chunk-offload run gets its own simulated link (a manager closes its streams)."""
     printed, summary = run_cli(
@@ -202,8 +214,9 @@ def test_budget_at_megatrons_peak_is_skipped_without_one() -> None:
         (["--budget-bytes", "1MiB"], "--budget-bytes 1048576 is a column of the comparison: add --compare megatron"),
         (["--compare", "megatron", "--budget-bytes", "lots"], "argument --budget-bytes: expected a byte count >= 0 such as 1048576 or 1MiB"),
         (["--compare", "megatron", "--budget-bytes", "megatron"], "--budget-bytes megatron needs CUDA: megatron's path has no measured peak on CPU"),
+        (["--deterministic=yes"], "argument --deterministic: ignored explicit argument 'yes'"),
     ],
-    ids=["without_compare", "not_bytes", "megatron_on_cpu"],
+    ids=["without_compare", "not_bytes", "megatron_on_cpu", "deterministic_with_a_value"],
 )
 def test_cli_budget_usage_errors(capsys, args: list[str], message: str) -> None:
     from chunk_offload.replay.__main__ import main
