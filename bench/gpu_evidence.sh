@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU evidence in one command: environment, tests/gpu, tests/gpu under PyTorch's CUDA stream
-# sanitizer, the stage replay of stage 0 and of the last stage of PP=4 VPP=2 (hidden 4096, bf16)
+# sanitizer, the stage replay of stage 0 and of the last stage of PP=4 VPP=2 (hidden 4096, bf16;
+# the last stage on deterministic kernels, so that its losses and grads rows are a bit-for-bit check)
 # side by side with megatron-core's built-in offload where the replay offers --compare (and
 # chunk-offload trained under megatron's measured peak, --budget-bytes megatron), the replay
 # of README's co-planned stage (offload and megatron's selective recompute together), the PP=1
@@ -12,7 +13,8 @@
 # host-bound configuration), bandwidth.json.
 #
 # Each step runs under its own time limit, in the order of what matters most (correctness under
-# the sanitizer and the host cost first), and all of them within one budget (--budget, default 540 s:
+# the sanitizer and the host cost first, then R and the side by side on the stage replay, then the
+# PP=1 comparisons), and all of them within one budget (--budget, default 540 s:
 # 9 minutes, so that a 15-minute device session holds the machine's start, the run and a rerun of one
 # step): a step's limit is cut to what is left of it, and a step with less than 15 s left is skipped
 # and listed so in summary.txt. A failing step does not stop the others; the exit status is 1 if any
@@ -24,7 +26,8 @@
 # question) and profiles each run after all are timed (a profiler's residue no longer slows the
 # later runs' times), and every comparison row's JSON has its run's wall time (wall_s), so the
 # next run says where the time goes; the run without offload runs once for both module sets of a
-# comparison. The steps after replay (replay_last, bandwidth, replay_coplan,
+# comparison, and a comparison writes its JSON after each module set (a step stopped by its limit
+# leaves the finished sets). The steps after the comparisons (replay_last, bandwidth, replay_coplan,
 # sanitizer_pp4: about 4 minutes on 2026-11-26) may not fit the budget: summary.txt lists them as
 # skipped; run them in a second call with --only. A session's device time is 15 minutes, the
 # machine's start included: run in one call of at most 10 minutes, or two back to back (the machine
@@ -43,7 +46,7 @@
 # REPLAY_MODULES (default core_attn,qkv_linear).
 set -u -o pipefail
 
-readonly STEPS=(install env tests sanitizer overhead compare compare_host replay replay_last bandwidth replay_coplan sanitizer_pp4)
+readonly STEPS=(install env tests sanitizer overhead replay compare compare_host replay_last bandwidth replay_coplan sanitizer_pp4)
 declare -A LIMIT=([install]=20 [env]=15 [tests]=90 [compare]=240 [compare_host]=200 [sanitizer]=120 [replay]=150 [overhead]=45 [replay_last]=130 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'

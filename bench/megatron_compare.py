@@ -40,8 +40,10 @@ Each iteration is timed with the device synchronised before and after; the peak 
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was still
 allocated before the run built its model (on CPU: chunk-offload's accounting of saved bytes,
 n/a for the others); each row's ``wall_s`` in the JSON is the run's whole time, its build
-included. Losses are those of the first measured iteration; grads those of the last; both are
-compared with ``torch.equal`` to the run without offload. On CUDA, flash attention's backward is
+included; the JSON is written after each module set too (``"complete": false`` until every set,
+and the profiles, ran), so that a run a time limit stops leaves its finished sets. Losses are
+those of the first measured iteration; grads those of the last; both are compared with
+``torch.equal`` to the run without offload. On CUDA, flash attention's backward is
 not deterministic, so grads may differ without any offload; the losses (forward only) are the
 fair check there, or every run on deterministic kernels (``--deterministic``,
 `chunk_offload.devkit.deterministic`; the step times are then those kernels').
@@ -311,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     with deterministic_kernels() if args.deterministic else contextlib.nullcontext():
         for modules in args.modules:
             rows += _module_set(args, shape, modules, rows[0] if rows else None)
+            _write_json(args, rows, device, complete=False)  # what a time limit that stops the run leaves
         if args.profile:
             _add_profiles(args, shape, rows)
     print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro batch "
@@ -320,19 +323,28 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, device, deterministic=args.deterministic))
     if args.profile:
         print("\n".join(format_profiles(rows, args.layers * args.microbatches)))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-        for row, r in zip(public, rows):
-            if r.get("_host_added") is not None:  # the 15 functions adding most host time, seconds per step
-                heaviest = sorted(r["_host_added"].items(), key=lambda item: item[1][1], reverse=True)[:15]
-                row["host_added_s"] = {f"{name} ({file}:{line})": own for (file, line, name), (_, own) in heaviest}
-                # Every CUDA API call's change over 'none', per step: [calls, host seconds].
-                row["cuda_api_added"] = {name: [calls, seconds] for (_, _, name), (calls, seconds) in r["_api_added"].items()}
-        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                         "device": device, "megatron_core": megatron.core.__version__, "rows": public},
-                                        indent=2))  # fmt: skip
+    _write_json(args, rows, device, complete=True)
     return 0
+
+
+def _write_json(args: argparse.Namespace, rows: list[dict[str, Any]], device: str, *, complete: bool) -> None:
+    """``--json``: the rows so far (``complete``: every set ran, and the profiles where asked for).
+    Written after each module set too, so that a run stopped by a time limit leaves its finished sets."""
+    if args.json is None:
+        return
+    import megatron.core
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    for row, r in zip(public, rows):
+        if r.get("_host_added") is not None:  # the 15 functions adding most host time, seconds per step
+            heaviest = sorted(r["_host_added"].items(), key=lambda item: item[1][1], reverse=True)[:15]
+            row["host_added_s"] = {f"{name} ({file}:{line})": own for (file, line, name), (_, own) in heaviest}
+            # Every CUDA API call's change over 'none', per step: [calls, host seconds].
+            row["cuda_api_added"] = {name: [calls, seconds] for (_, _, name), (calls, seconds) in r["_api_added"].items()}
+    args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                     "device": device, "megatron_core": megatron.core.__version__, "complete": complete,
+                                     "rows": public}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_evidence.sh"
-STEPS = ("install", "env", "tests", "sanitizer", "overhead", "compare", "compare_host", "replay", "replay_last", "bandwidth",
+STEPS = ("install", "env", "tests", "sanitizer", "overhead", "replay", "compare", "compare_host", "replay_last", "bandwidth",
          "replay_coplan", "sanitizer_pp4")  # fmt: skip
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")

@@ -149,13 +149,32 @@ def test_profiles_take_each_sets_none_first_and_megatrons_second(monkeypatch) ->
     assert rows[5]["_profile"] is rows[0]["_profile"]
 
 
+def test_each_finished_set_is_in_the_json_before_the_next_one_runs(tmp_path, monkeypatch) -> None:
+    """A run stopped during its second module set (a time limit) leaves the first set's rows."""
+    bench = load_bench_script("megatron_compare")
+    out = tmp_path / "compare.json"
+    calls = []
+
+    def module_set(args, shape, modules, none=None):
+        calls.append(",".join(modules))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the run stops during its second set
+        return [{"modules": calls[-1], "run": "none", "_losses": []}]
+
+    monkeypatch.setattr(bench, "_module_set", module_set)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--modules", "core_attn", "--modules", "qkv_linear", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["complete"] is False and data["rows"] == [{"modules": "core_attn", "run": "none"}]
+
+
 def test_deterministic_runs_say_so_under_the_table(tmp_path) -> None:
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "1", "--warmup", "1", "--modules", "core_attn,qkv_linear",
                 "--deterministic", "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
-    assert data["args"]["deterministic"] is True
+    assert data["args"]["deterministic"] is True and data["complete"] is True
     assert all(r["losses_identical"] and r["grads_identical"] for r in data["rows"] if "skipped" not in r)
     assert "torch.equal against 'none' (deterministic kernels, --deterministic: a difference is the offload's)" in done.stdout
 
