@@ -17,7 +17,7 @@ from typing import Collection, Sequence
 
 import torch
 
-from ._torch_compat import free_weak_storage, storage_key
+from ._torch_compat import storage_key
 from .copies import copy_to_device, copy_to_host, release_after_copy
 from .engine_context import EngineContext, profile_range
 from .errors import internal_assert
@@ -217,9 +217,8 @@ class OffloadGroup:
     def on_output_grad(self, grad: torch.Tensor | None) -> None:
         """The gradient hook on the group's outputs: backward reached the group (NOTE [Group backward hook]).
         A group whose handler let go of it (discarded with its iteration) raises at its first unpack."""
-        handler = self.handler
-        if handler is not None:
-            handler.begin_group_backward(self)
+        if self.handler is not None:
+            self.handler.begin_group_backward(self)
 
     def reload(self) -> None:
         """Start the copies back to device (idempotent; prefetch and on-demand share it).
@@ -316,11 +315,7 @@ class OffloadGroup:
 
     def _storage_released(self, storage: Storage) -> None:
         """Drop what the group holds of ``storage`` and account it freed; release the group with its last one."""
-        storage.device_bytes = None
-        storage.forget_refs()
-        if storage.weak is not None:
-            free_weak_storage(storage.weak)
-            storage.weak = None
+        storage.drop()
         self._ctx.resident.freed(storage.nbytes, storage.on_host)
         self._live_storages -= 1
         if self._live_storages == 0:
@@ -329,10 +324,7 @@ class OffloadGroup:
             self.handler._group_released(self)
 
     def forget_handler(self) -> None:
-        """Drop the reference to the chunk's handler, which let go of its finished iteration (NOTE
-        [No cycles per iteration] in handler.py): a released or discarded group calls it no more."""
-        if self.state is not GroupState.RELEASED and self.state is not _DISCARDED:
-            internal_assert(False, f"forget_handler of {self!r}")
+        """Drop the chunk's handler, released with its iteration (NOTE [No cycles per iteration] in handler.py)."""
         self.handler = None
 
     def _let_go(self) -> None:
@@ -351,12 +343,8 @@ class OffloadGroup:
                 storage.host = None
             if committed and storage.live:
                 self._ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
-            if storage.weak is not None:
-                free_weak_storage(storage.weak)
-                storage.weak = None
-            storage.device_bytes = None
             for ref in alive(storage):
                 ref.tensor = None
-            storage.forget_refs()
+            storage.drop()
         self._let_go()
         self._to(GroupState.DISCARDED)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from .errors import ChunkOffloadError
 
-__all__ = ["GroupHandler", "GroupState", "GroupStates", "TRANSITIONS", "state_error"]
+__all__ = ["GroupHandler", "GroupState", "GroupStates", "TRANSITIONS", "open_error", "state_error"]
 
 
 class GroupState(enum.Enum):
@@ -51,6 +51,29 @@ def state_error(name: str, chunk: Any, state: GroupState, allowed: tuple[GroupSt
         )
     return ChunkOffloadError(
         f"cannot {action} group {name!r} of chunk {chunk} in state {state.value!r}; allowed states: {[s.value for s in allowed]}"
+    )
+
+
+def open_error(name: str, chunk: Any, *, forward_ended: bool, open_name: str | None) -> ChunkOffloadError:
+    """Why group ``name`` cannot open on ``chunk``'s handler now (`ChunkOffloadHandler.open_group`'s
+    checks, in their order): its forward ended, group ``open_name`` is open, or a CUDA graph is capturing."""
+    if forward_ended:
+        return ChunkOffloadError(
+            f"group {name!r} started on the handler of chunk {chunk} after that chunk's forward ended; "
+            "a handler serves one forward: enter manager.chunk(...) for each forward and use the handler it "
+            "yields (a Transformer Engine style handler reused across iterations is not supported)."
+        )
+    if open_name is not None:
+        return ChunkOffloadError(
+            f"group {name!r} started while group {open_name!r} of chunk {chunk} is still open; "
+            "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
+        )
+    return ChunkOffloadError(  # NOTE [CUDA graph capture] in streams/base.py
+        f"group {name!r} of chunk {chunk} started while a CUDA graph is being captured on the compute stream "
+        "(torch.cuda.graph, megatron-core's cuda_graph_impl, Transformer Engine's make_graphed_callables): a "
+        "graph's replays run without the hooks that copy saved tensors to host and back. Keep offloaded modules "
+        "out of captured regions (megatron-core: --cuda-graph-impl none, or a --cuda-graph-scope without them), "
+        "or do not offload them."
     )
 
 

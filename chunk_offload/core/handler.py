@@ -26,19 +26,15 @@ from .actions import ChunkKey
 from .errors import ChunkOffloadError
 from .engine_context import EngineContext, profile_range
 from .group import OffloadGroup
-from .group_state import GroupState, GroupStates
+from .group_state import GroupState, GroupStates, open_error
 from .joins import CallJoins
 from .saved import KeptRef, SavedRef
 from .ordering import prefetch_selection, reload_ahead_selection
 
-__all__ = ["ChunkOffloadHandler"]
+__all__ = ["ChunkOffloadHandler", "let_go_of_released"]
 
 _TE_GROUP_NAME = "te_group"
 
-
-def _no_commit(group: OffloadGroup) -> None:
-    """The joins of a handler let go of (NOTE [No cycles per iteration]): nothing may be pending there."""
-    raise ChunkOffloadError(f"commit of {group!r} in a chunk whose iteration is over")
 
 
 class ChunkOffloadHandler:
@@ -73,20 +69,26 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self._states = GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
-        self._joins = CallJoins(self._commit)  # NOTE [Layer groups] and NOTE [Joined calls] in marks.py
+        self._joins = CallJoins()  # NOTE [Layer groups] and NOTE [Joined calls] in marks.py
         self._unreleased = 0
         self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
         self._forward_ended = False  # finish_forward or abort ran: no new group may open
         self._backward_started = False
-        self.pack_hook = self._pack
-        """The pack hook our group marks push for the span of each named group (`tensor_push`
-        without its ``**kwargs``, which would build a dict at every call); bound once."""
-        self.unpack_hook = self._unpack
-        """The matching unpack hook (`tensor_pop` without ``**kwargs``)."""
 
     def __repr__(self) -> str:
         return f"ChunkOffloadHandler{self.key}"
+
+    @property
+    def pack_hook(self) -> Callable[[torch.Tensor], Any]:
+        """The pack hook our group marks push for the span of each named group (`tensor_push`
+        without its ``**kwargs``, which would build a dict at every call)."""
+        return self._pack
+
+    @property
+    def unpack_hook(self) -> Callable[[Any], torch.Tensor]:
+        """The matching unpack hook (`tensor_pop` without ``**kwargs``)."""
+        return self._unpack
 
     @property
     def released(self) -> bool:
@@ -101,8 +103,8 @@ class ChunkOffloadHandler:
         ``if_shared``: only if its first tensor to copy is a storage of that group (NOTE [Joined calls]).
         """
         if self._forward_ended or self.current is not None or self._capturing():
-            raise self._open_error(name)
-        joined = self._joins.join(name, inputs, layer, if_shared)
+            raise open_error(name, self.key, forward_ended=self._forward_ended, open_name=None if self.current is None else self.current.name)
+        joined = self._joins.join(name, inputs, layer, if_shared, self._commit)
         if joined is not None:
             self.current = joined
             return joined
@@ -111,27 +113,6 @@ class ChunkOffloadHandler:
         self.current = group
         self._unreleased += 1
         return group
-
-    def _open_error(self, name: str) -> ChunkOffloadError:
-        """Why group ``name`` cannot open now (`open_group`'s checks, in their order)."""
-        if self._forward_ended:
-            return ChunkOffloadError(
-                f"group {name!r} started on the handler of chunk {self.key} after that chunk's forward ended; "
-                "a handler serves one forward: enter manager.chunk(...) for each forward and use the handler it "
-                "yields (a Transformer Engine style handler reused across iterations is not supported)."
-            )
-        if self.current is not None:
-            return ChunkOffloadError(
-                f"group {name!r} started while group {self.current.name!r} of chunk {self.key} is still open; "
-                "offload groups cannot nest. Commit the open group first, or offload only one of the nested modules."
-            )
-        return ChunkOffloadError(  # NOTE [CUDA graph capture] in streams/base.py
-            f"group {name!r} of chunk {self.key} started while a CUDA graph is being captured on the compute stream "
-            "(torch.cuda.graph, megatron-core's cuda_graph_impl, Transformer Engine's make_graphed_callables): a "
-            "graph's replays run without the hooks that copy saved tensors to host and back. Keep offloaded modules "
-            "out of captured regions (megatron-core: --cuda-graph-impl none, or a --cuda-graph-scope without them), "
-            "or do not offload them."
-        )
 
     def commit_group(self, name: str | None = None, layer: object = None) -> OffloadGroup:
         """Close the open group (checking its name) and start its offload; ``layer`` (not None): leave
@@ -159,7 +140,7 @@ class ChunkOffloadHandler:
     def _settle_join(self, first_key: int | None) -> OffloadGroup:
         """The tentatively joined call's first copied tensor views storage ``first_key``: its group,
         the joined one or one of its own (NOTE [Joined calls] in marks.py)."""
-        undone = self._joins.settle(first_key)
+        undone = self._joins.settle(first_key, self._commit)
         if undone is None:
             return self.current
         name, inputs, input_nodes = undone
@@ -187,7 +168,7 @@ class ChunkOffloadHandler:
                 f"chunk {self.key} ended with group {self.current.name!r} still open; every group_start "
                 "needs a group_commit inside the chunk."
             )
-        self._joins.commit_pending()
+        self._joins.commit_pending(self._commit)
         self._forward_ended = True
         self._release_held()
         held = self.ctx.held_elsewhere
@@ -272,29 +253,6 @@ class ChunkOffloadHandler:
     def _group_released(self, group: OffloadGroup) -> None:
         self._unreleased -= 1
 
-    def let_go(self) -> None:
-        """Unlink the handler from its groups once its iteration is over and every group released.
-
-        NOTE [No cycles per iteration]
-        Each group names its handler, the handler lists its groups and keeps its own bound
-        hooks: reference cycles that only the garbage collector frees. Left so, every iteration
-        leaves a chunk's handler and groups to the collector: host time in each collection, and
-        objects that survive into the older generations, whose full collections stall a training
-        process at unpredictable steps (Megatron-LM's ``--manual-gc`` exists for such stalls). The
-        manager calls this for each released handler when an iteration ends (`OffloadManager.end_iteration`,
-        and for a handler released later, at the next end): its groups forget it, and it drops its
-        bound hooks and joins; it still lists its groups, for whoever reads them after the iteration,
-        and both are freed by reference counting. A handler whose groups are not all released (a
-        retained graph) is left as it is.
-        """
-        if not self.released:
-            return
-        for group in self.groups:
-            group.forget_handler()
-        self._holding = []
-        self._joins = CallJoins(_no_commit)
-        self.pack_hook = self.unpack_hook = None
-
     # ------------------------------------------------------------------ TE protocol
     def tensor_push(self, tensor: torch.Tensor, **kwargs: Any) -> Any:
         """Pack hook: returns what autograd stores instead of ``tensor``."""
@@ -319,16 +277,15 @@ class ChunkOffloadHandler:
 
     def _unpack(self, tensor_tag: Any) -> torch.Tensor:
         tag_type = type(tensor_tag)
-        if tag_type is SavedRef and tensor_tag.group.handler in (self, None):  # None: let go of, NOTE [No cycles per iteration]
+        if tag_type is SavedRef:
+            owner = tensor_tag.group.handler  # None: its iteration is over (NOTE [No cycles per iteration])
+            if owner is not self and owner is not None:
+                raise ChunkOffloadError(f"tensor_pop of a tag of chunk {owner.key} on the handler of chunk {self.key}.")
             return tensor_tag.group.unpack(tensor_tag)
         if tag_type is KeptRef:
             return tensor_tag.unpack()
         if isinstance(tensor_tag, torch.Tensor):
             return tensor_tag
-        if tag_type is SavedRef:  # of another chunk's handler
-            raise ChunkOffloadError(
-                f"tensor_pop of a tag of chunk {tensor_tag.group.handler.key} on the handler of chunk {self.key}."
-            )
         raise ChunkOffloadError(
             f"tensor_pop got an unknown tag {tensor_tag!r} of type {type(tensor_tag).__name__}; "
             "expected a tag returned by tensor_push of this handler."
@@ -366,3 +323,27 @@ class ChunkOffloadHandler:
         if not 0 <= index < len(self.groups):
             raise ChunkOffloadError(f"group id {index} is out of range for chunk {self.key} with {len(self.groups)} groups.")
         return self.groups[index]
+
+
+def let_go_of_released(handlers: Sequence[ChunkOffloadHandler]) -> list[ChunkOffloadHandler]:
+    """The ``handlers`` not all of whose groups are released yet; the groups of the others forget them.
+
+    NOTE [No cycles per iteration]
+    Each group names its handler and the handler lists its groups: a reference cycle that only the
+    garbage collector frees. Left so, every iteration leaves its chunks' handlers and groups to the
+    collector: host time in each collection, and objects that survive into the older generations,
+    whose full collections stall a training process at unpredictable steps (Megatron-LM's
+    ``--manual-gc`` exists for such stalls). `OffloadManager.end_iteration` passes every handler of
+    the iteration and those still live from before; a released handler's groups forget it
+    (`OffloadGroup.forget_handler`). Its hooks are bound at each use and its joins get the commit at
+    each call, so nothing else points back to it: it still lists its groups, for whoever reads them
+    after the iteration, and both are freed by reference counting.
+    """
+    live = []
+    for handler in handlers:
+        if handler.released:
+            for group in handler.groups:
+                group.forget_handler()
+        else:
+            live.append(handler)
+    return live

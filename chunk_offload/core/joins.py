@@ -15,22 +15,25 @@ __all__ = ["CallJoins"]
 
 Undone = tuple[str, Sequence[torch.Tensor], Collection]
 """A joined call's name, inputs and input nodes, for the group of its own it opens instead."""
+Commit = Callable[["OffloadGroup"], None]
+"""The handler's commit of a group no call joins any more."""
 
 
 class CallJoins:
-    """A chunk's pending group (committed through ``commit`` once no call joins it) and tentative join."""
+    """A chunk's pending group (committed through the handler's ``commit`` once no call joins it) and
+    tentative join. The methods that may commit take ``commit``: a stored callback of the handler would
+    make a cycle (NOTE [No cycles per iteration] in handler.py)."""
 
-    __slots__ = ("_commit", "_pending", "_layer", "tentative")
+    __slots__ = ("_pending", "_layer", "tentative")
 
-    def __init__(self, commit: Callable[["OffloadGroup"], None]) -> None:
-        self._commit = commit
+    def __init__(self) -> None:
         self._pending: OffloadGroup | None = None
         self._layer: object = None
         self.tentative: tuple[OffloadGroup, str, str, Sequence[torch.Tensor], set[int]] | None = None
         """Set while the open call joined on condition and has copied nothing yet: the group it
         joined, that group's name, member and inputs before, and the storages it held then."""
 
-    def join(self, name: str, inputs: Sequence[torch.Tensor], layer: object, if_shared: bool) -> "OffloadGroup | None":
+    def join(self, name: str, inputs: Sequence[torch.Tensor], layer: object, if_shared: bool, commit: Commit) -> "OffloadGroup | None":
         """The pending group, which call ``name`` of ``layer`` joins (tentatively where ``if_shared``);
         None once the pending group, if any, is committed: the call opens a group of its own."""
         pending = self._pending
@@ -39,7 +42,7 @@ class CallJoins:
         joins = layer is not None and layer is self._layer
         self._pending = self._layer = None
         if not joins:
-            self._commit(pending)
+            commit(pending)
             return None
         if if_shared:
             self.tentative = (pending, pending.name, pending.member, pending.inputs, set(pending.storages))
@@ -50,14 +53,14 @@ class CallJoins:
         """``group``'s call ended: the next call of ``layer`` may join it."""
         self._pending, self._layer = group, layer
 
-    def commit_pending(self) -> None:
+    def commit_pending(self, commit: Commit) -> None:
         """Commit the pending group, if any: no further call joins it."""
         pending = self._pending
         if pending is not None:
             self._pending = self._layer = None
-            self._commit(pending)
+            commit(pending)
 
-    def settle(self, first_key: int | None) -> Undone | None:
+    def settle(self, first_key: int | None, commit: Commit) -> Undone | None:
         """The tentatively joined call's first tensor to copy views storage ``first_key`` (None: it
         copies nothing). None if its group held that storage before the join: the join holds. Else
         the join is undone, the group committed as it was, and the call's name, inputs and input
@@ -68,7 +71,7 @@ class CallJoins:
             return None
         undone = (group.member, group.inputs, group.input_nodes)
         group.name, group.member, group.inputs, group.input_nodes = name, member, inputs, ()
-        self._commit(group)
+        commit(group)
         return undone
 
     def clear(self) -> None:

@@ -22,7 +22,7 @@ from .actions import Action, ActionKind, ChunkKey
 from .config import OffloadConfig
 from .engine_context import EngineContext
 from .errors import ChunkOffloadError, renamed_attributes
-from .handler import ChunkOffloadHandler
+from .handler import ChunkOffloadHandler, let_go_of_released
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
 from .iteration_window import IterationWindow
@@ -187,13 +187,7 @@ class OffloadManager:
             return record
         finally:
             self._window = None
-            live = []
-            for handler in (*self._live_handlers, *window.handlers):
-                if handler.released:
-                    handler.let_go()  # NOTE [No cycles per iteration] in handler.py
-                else:
-                    live.append(handler)
-            self._live_handlers = live
+            self._live_handlers = let_go_of_released((*self._live_handlers, *window.handlers))  # NOTE [No cycles per iteration]
 
     @contextlib.contextmanager
     def iteration(self, *, offload: bool | None = None) -> Iterator["OffloadManager"]:

@@ -12,6 +12,7 @@ from typing import Any, Collection, Protocol
 
 import torch
 
+from ._torch_compat import free_weak_storage
 from .host_pool import HostBuffer
 
 __all__ = [
@@ -126,8 +127,12 @@ class Storage:
             device_bytes.untyped_storage(), offset, ref.size, ref.stride
         )
 
-    def forget_refs(self) -> None:
-        """Stop listing the saved views (the storage was freed or discarded)."""
+    def drop(self) -> None:
+        """Forget the device copy, the weak handle and the saved views (the storage was freed or discarded)."""
+        self.device_bytes = None
+        if self.weak is not None:
+            free_weak_storage(self.weak)
+            self.weak = None
         self.first = self.more = None
 
 
