@@ -328,11 +328,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_json(args: argparse.Namespace, rows: list[dict[str, Any]], device: str, *, complete: bool) -> None:
-    """``--json``: the rows so far (``complete``: every set ran, and the profiles where asked for).
-    Written after each module set too, so that a run stopped by a time limit leaves its finished sets."""
+    """``--json``: the rows so far (``complete``: every set and profile ran); after each set too, for a run a limit stops."""
     if args.json is None:
         return
-    import megatron.core
+    from megatron.core import __version__ as megatron_core_version
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
@@ -343,7 +342,7 @@ def _write_json(args: argparse.Namespace, rows: list[dict[str, Any]], device: st
             # Every CUDA API call's change over 'none', per step: [calls, host seconds].
             row["cuda_api_added"] = {name: [calls, seconds] for (_, _, name), (calls, seconds) in r["_api_added"].items()}
     args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                     "device": device, "megatron_core": megatron.core.__version__, "complete": complete,
+                                     "device": device, "megatron_core": megatron_core_version, "complete": complete,
                                      "rows": public}, indent=2))  # fmt: skip
 
 
