@@ -112,12 +112,13 @@ class IterationWindow:
         """Wait for the copies and describe the iteration: peaks, traces, bytes per group."""
         streams = self.streams
         streams.synchronize()
-        if self._cuda and self.config.measure_time:
+        device_idle = self._cuda and self.config.measure_time
+        if device_idle:
             torch.cuda.synchronize(streams.device)
         wall = time.perf_counter() - self._started
         if self._probing is not None:
             self._probing.probed = True
-        self.stats.fold()
+        self.stats.fold(device_idle=device_idle)  # NOTE [Reads after the device synchronised] in stats.py
         groups = {}
         for name, now in self.stats.snapshot().items():
             was = self._before.get(name, GroupStats())
@@ -139,6 +140,6 @@ class IterationWindow:
             group_shared={tuple(h.key): shared for h in handlers if (shared := h.group_shared()) is not None},
             groups=groups,
             order=list(self.order),
-            action_starts_s=[mark.seconds_since(self._start_mark) for mark in self._action_marks],
+            action_starts_s=[mark.seconds_since(self._start_mark, device_idle=device_idle) for mark in self._action_marks],
             wall_time_s=wall,
         )

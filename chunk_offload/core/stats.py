@@ -259,14 +259,26 @@ class StatsRecorder:
         if timing is not None:
             self._pending.append((name, kind, timing))
 
-    def fold(self) -> None:
-        """Add the pending timings (blocks until their copies are done)."""
+    def fold(self, *, device_idle: bool = False) -> None:
+        """Add the pending timings (blocks until their copies are done).
+
+        NOTE [Reads after the device synchronised]
+        A CUDA timing's elapsed time can be read only once both its events are done, so a read
+        first waits for them on the host (``cudaEventSynchronize``, one or two per timing: about
+        three per offloaded group and iteration). At an iteration's end with ``measure_time``
+        the window has just synchronised the whole device (`IterationWindow.finish`): every
+        event recorded before is done, so the fold that follows passes ``device_idle`` and reads
+        the times without those waits, and so do the action marks read there. A fold anywhere
+        else (`OffloadManager.stats` on a monitor thread, or after only the copy streams were
+        synchronised) still waits: a timed compute wait starts on compute, which nothing
+        synchronised.
+        """
         pending = self._pending
         with self._fold_lock:
             while pending:
                 name, kind, timing = pending.popleft()
                 stats = self.group(name)
-                setattr(stats, kind, getattr(stats, kind) + timing.seconds())
+                setattr(stats, kind, getattr(stats, kind) + timing.seconds(device_idle=device_idle))
 
     def snapshot(self) -> dict[str, GroupStats]:
         """A copy of the counters per name, taken while no fold runs."""

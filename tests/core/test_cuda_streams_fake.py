@@ -13,6 +13,10 @@ import itertools
 import pytest
 import torch
 
+from chunk_offload import OffloadConfig
+from chunk_offload.core import Action, ActionKind
+from chunk_offload.core.iteration_window import IterationWindow
+from chunk_offload.core.stats import ResidentBytes, StatsRecorder
 from chunk_offload.core.streams import CudaStreams
 from chunk_offload.core.streams import cuda as cuda_module
 
@@ -33,8 +37,10 @@ class FakeEvent:
         FakeEvent.clock_ms += FakeEvent.step_ms
         self.at_ms = FakeEvent.clock_ms
 
+    synchronized = 0  # host waits on any event
+
     def synchronize(self) -> None:
-        return None
+        FakeEvent.synchronized += 1
 
     def query(self) -> bool:
         return True
@@ -200,3 +206,47 @@ def test_a_timed_wait_on_a_copy_event_ends_on_that_event(streams) -> None:
     plain = streams.h2d.record_event()  # not a timing event: a pair around the wait, as before
     before = _records()
     assert streams.compute.wait_event(plain, timed=True).seconds() == 0.002 and _records() - before == 2
+
+
+def test_timings_read_after_the_device_synchronised_wait_on_no_event(streams) -> None:
+    """NOTE [Reads after the device synchronised]: the same times, without a host wait per event."""
+    _, copy = streams.d2h.launch_recorded(lambda: None, timed=True)
+    reload, _ = streams.h2d.launch_recorded(lambda: None, timed=True)
+    stall = streams.compute.wait_event(reload, timed=True)
+    reload.cuda_event.at_ms = stall._start.at_ms + 3.0
+    FakeEvent.synchronized = 0
+    assert (copy.seconds(device_idle=True), stall.seconds(device_idle=True)) == (0.002, 0.003)
+    assert FakeEvent.synchronized == 0
+    _, again = streams.d2h.launch_recorded(lambda: None, timed=True)
+    later = streams.compute.wait_event(streams.d2h.launch_recorded(lambda: None, timed=True)[0], timed=True)
+    assert again.seconds() == 0.002 and later.seconds() == 0.0
+    assert FakeEvent.synchronized == 3  # elsewhere: the copy's end; the wait's start and end
+
+
+@pytest.mark.parametrize("measure_time", [True, False])
+def test_an_iteration_end_reads_its_timings_after_one_device_sync(streams, monkeypatch, measure_time) -> None:
+    """`IterationWindow.finish` synchronises the device (with ``measure_time``) and then reads every
+    timing and action mark without an event wait; without it, the copy streams' waits only."""
+    device_syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: device_syncs.append(device))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    stats = StatsRecorder()
+    config = OffloadConfig(measure_time=measure_time)
+    window = IterationWindow(streams, config, ResidentBytes(), stats, offload=True)
+    window.note_action(Action(ActionKind.FORWARD, 0, 0))  # on the fake device: 2 ms after the start
+    for name in ("a", "b"):
+        _, copy = streams.d2h.launch_recorded(lambda: None, timed=True)
+        stats.timing(name, "offload_time_s", copy)
+        reload, _ = streams.h2d.launch_recorded(lambda: None, timed=True)
+        stats.timing(name, "wait_time_s", streams.compute.wait_event(reload, timed=True))
+    device_syncs.clear()
+    FakeEvent.synchronized = 0
+    record = window.finish()
+    copy_stream_waits = 2  # `StreamBackend.synchronize`: one recorded event per copy stream
+    if measure_time:
+        assert len(device_syncs) == 1 and FakeEvent.synchronized == copy_stream_waits
+        assert record.action_starts_s == [0.002]
+    else:
+        assert device_syncs == [] and FakeEvent.synchronized == copy_stream_waits + 2 * 3
+    assert stats.groups["a"].offload_time_s == 0.002

@@ -80,15 +80,18 @@ class Timing:
         until the time is read, so that ``end`` is not recorded again before; it gives ``end`` back."""
         self._sync_start = sync_start  # ``start`` is on another stream than ``end``: it may end last
 
-    def seconds(self) -> float:
+    def seconds(self, *, device_idle: bool = False) -> float:
         """Block until the timed work is done and return its duration in seconds (a wait that
-        did not stall: 0)."""
+        did not stall: 0). ``device_idle``: the caller synchronised the whole device since the
+        work was issued, so its events are done and need no host wait (NOTE [Reads after the
+        device synchronised])."""
         if self._done is not None:
             self._done.wait()
         if self._seconds is None and self._start is not None:
-            if self._sync_start:
-                self._start.synchronize()
-            self._end.synchronize()
+            if not device_idle:
+                if self._sync_start:
+                    self._start.synchronize()
+                self._end.synchronize()
             self._seconds = max(0.0, self._start.elapsed_time(self._end) / 1000.0)
             if self._recycle is not None:
                 if self._end_owner is None:
@@ -118,8 +121,9 @@ class TimeMark:
     def __init__(self, seconds: float = 0.0) -> None:
         self._seconds = seconds
 
-    def seconds_since(self, earlier: "TimeMark") -> float:
-        """Seconds from ``earlier`` to this moment (for a device mark: once compute reached it)."""
+    def seconds_since(self, earlier: "TimeMark", *, device_idle: bool = False) -> float:
+        """Seconds from ``earlier`` to this moment (for a device mark: once compute reached it;
+        ``device_idle`` as `Timing.seconds` takes it)."""
         return self._seconds - earlier._seconds
 
 

@@ -84,9 +84,10 @@ class _CudaTimeMark(TimeMark):
     def __del__(self) -> None:
         self._pool.give(self._event)  # NOTE [CUDA event pool]
 
-    def seconds_since(self, earlier: TimeMark) -> float:
-        earlier._event.synchronize()  # elapsed_time needs both done (they may sit on two streams)
-        self._event.synchronize()
+    def seconds_since(self, earlier: TimeMark, *, device_idle: bool = False) -> float:
+        if not device_idle:  # NOTE [Reads after the device synchronised] in core/stats.py
+            earlier._event.synchronize()  # elapsed_time needs both done (they may sit on two streams)
+            self._event.synchronize()
         return earlier._event.elapsed_time(self._event) / 1000.0
 
 
