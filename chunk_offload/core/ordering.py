@@ -54,19 +54,23 @@ __all__ = ["kept_tail", "predicted_reload_wait", "prefetch_selection", "reload_a
 _LOADED = (GroupState.RELOADING, GroupState.RESIDENT)
 
 
-def reload_ahead_selection(groups: Sequence[tuple[GroupState, int]], index: int, budget_bytes: int | None) -> list[int]:
+def reload_ahead_selection(
+    groups: Sequence[tuple[GroupState, int]], index: int, budget_bytes: int | None, *, ahead_bytes: int | None = None
+) -> list[int]:
     """Backward reached group ``index``: the groups before it whose reload starts now.
 
     The group just before is always reloaded (if on host). With ``budget_bytes`` (a chunk's
     ``reload_ahead_bytes``), earlier groups follow while the bytes of the groups before
     ``index`` that are reloading or resident still fit: a large group behind a small one (a
     layer's core attention behind its projection) then starts its copy early enough.
+    ``ahead_bytes``: those bytes, where the caller keeps their sum (`_predicted_wait`, which
+    calls this once per group of a chunk for each budget it tries); None: summed here.
     """
     if index == 0:
         return []
     if budget_bytes is None:
         return [index - 1] if groups[index - 1][0] is GroupState.ON_HOST else []
-    ahead = sum(nbytes for state, nbytes in groups[:index] if state in _LOADED)
+    ahead = loaded_bytes_before(groups, index) if ahead_bytes is None else ahead_bytes
     chosen = []
     for position, i in enumerate(reversed(range(index))):
         state, nbytes = groups[i]
@@ -77,6 +81,11 @@ def reload_ahead_selection(groups: Sequence[tuple[GroupState, int]], index: int,
         chosen.append(i)
         ahead += nbytes
     return chosen
+
+
+def loaded_bytes_before(groups: Sequence[tuple[GroupState, int]], index: int) -> int:
+    """The bytes of the groups before ``index`` that are reloading or resident: what a reload-ahead budget counts."""
+    return sum(nbytes for state, nbytes in groups[:index] if state in _LOADED)
 
 
 def prefetch_selection(groups: Sequence[tuple[GroupState, int]], budget_bytes: int | None) -> list[int]:
@@ -197,18 +206,24 @@ def _predicted_wait(
     groups: Sequence[tuple[GroupState, int]], budget: int | None, rate: float, backward_s: Sequence[float], on_host_at: Sequence[float]
 ) -> float:
     pairs = list(groups)
-    arrival = [0.0] * len(pairs)
+    n = len(pairs)
+    arrival = [0.0] * n
     now = link = waited = 0.0
-    for g in reversed(range(len(pairs))):
+    ahead = loaded_bytes_before(pairs, n - 1) if budget is not None and n else 0  # kept as the loop runs: O(n) per budget
+    for g in reversed(range(n)):
         issued = [g] if pairs[g][0] is GroupState.ON_HOST else []
-        for i in issued + reload_ahead_selection(pairs, g, budget):  # the rule's issue order, as the engine's
+        for i in issued + reload_ahead_selection(pairs, g, budget, ahead_bytes=ahead):  # the rule's issue order, as the engine's
             # The reload stream waits for the group's copy to host (R4), holding the reloads behind it.
             link = max(link, now, on_host_at[i]) + pairs[i][1] / rate
             arrival[i] = link
             pairs[i] = (GroupState.RELOADING, pairs[i][1])
+            if i < g:  # on host until now: counted ahead from here on
+                ahead += pairs[i][1]
         if arrival[g] > now:
             waited += arrival[g] - now
             now = arrival[g]
         now += backward_s[g]
         pairs[g] = (GroupState.RELEASED, pairs[g][1])
+        if g and pairs[g - 1][0] in _LOADED:  # the next group's own bytes are not ahead of it
+            ahead -= pairs[g - 1][1]
     return waited

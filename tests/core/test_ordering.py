@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from chunk_offload.core import ChunkOffloadError, GroupState
@@ -116,3 +118,29 @@ def test_a_reload_waits_for_its_copy_to_host():
     assert reload_ahead_budget(groups, reload_bytes_per_s=10.0, backward_s=backward, on_host_at_s=[-5.0, -1.0, 0.0]) == 110
     with pytest.raises(ChunkOffloadError, match=r"on_host_at_s has 1 entries for 3 groups; give one per group"):
         predicted_reload_wait(groups, None, reload_bytes_per_s=10.0, backward_s=backward, on_host_at_s=[1.0])
+
+
+def _wait_calling_the_rule_as_the_engine_does(groups, budget, rate, backward_s):
+    """The model's wait with each selection summing its bytes ahead itself (``ahead_bytes`` None)."""
+    pairs, arrival, now, link, waited = list(groups), [0.0] * len(groups), 0.0, 0.0, 0.0
+    for g in reversed(range(len(pairs))):
+        for i in ([g] if pairs[g][0] is H else []) + reload_ahead_selection(pairs, g, budget):
+            link = max(link, now) + pairs[i][1] / rate
+            arrival[i], pairs[i] = link, (GroupState.RELOADING, pairs[i][1])
+        waited, now = waited + max(0.0, arrival[g] - now), max(now, arrival[g]) + backward_s[g]
+        pairs[g] = (GroupState.RELEASED, pairs[g][1])
+    return waited
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_models_running_sum_of_bytes_ahead_is_the_rules_own(seed):
+    """`predicted_reload_wait` keeps the bytes ahead as it goes (linear per budget, not quadratic):
+    on random chunks (prefetched and kept groups among them) and budgets, the same waits as calling
+    the rule the way the engine calls it."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 30)
+    groups = [(rng.choice([H, H, H, K, GroupState.RELOADING]), rng.choice([1, 2, 5, 8, 20])) for _ in range(n)]
+    backward = [rng.uniform(0.1, 3.0) for _ in range(n)]
+    for budget in (None, 0, 5, 13, 40, sum(b for _, b in groups)):
+        expected = _wait_calling_the_rule_as_the_engine_does(groups, budget, 4.0, backward)
+        assert predicted_reload_wait(groups, budget, reload_bytes_per_s=4.0, backward_s=backward) == expected
