@@ -69,12 +69,10 @@ class OffloadManager:
     ) -> None:
         self.config = check_manager_args(config, streams, schedule_policy)
         self.streams = streams if streams is not None else default_streams()
-        self.pool = HostPool(
-            capacity_bytes=self.config.host_pool_bytes,
-            pin_memory=self.streams.pin_memory,
-            on_exhausted=self.config.on_exhausted,
-            cap_name="host_pool_bytes",  # what the user set (messages name it, not the pool's argument)
-        )
+        self.pool = HostPool(  # messages name what the user set (host_pool_bytes), not the pool's argument
+            capacity_bytes=self.config.host_pool_bytes, pin_memory=self.streams.pin_memory,
+            on_exhausted=self.config.on_exhausted, cap_name="host_pool_bytes",
+        )  # fmt: skip
         self.schedule_policy = schedule_policy if schedule_policy is not None else SchedulePolicy()
         self.tensor_filter = TensorFilter(min_offload_bytes=self.config.min_offload_bytes, device_type=self.streams.device.type)
         self._resident = ResidentBytes()
@@ -107,10 +105,10 @@ class OffloadManager:
     def offload_module(self, module: nn.Module, name: str, *, layer: nn.Module | None = None, joins: str | None = None) -> ModuleOffload:
         """Offload, as one group named ``name``, what each call of ``module`` saves for backward.
 
-        ``layer``: the layer ``module`` belongs to; with ``OffloadConfig.group_by="layer"`` the
-        calls of one layer's modules form one group (NOTE [Layer groups] in marks.py). ``joins``: a
-        module of ``layer`` whose call this one follows and saves a storage of (NOTE [Joined calls]).
-        Its own parameters and buffers are protected. Returns a handle whose ``remove()`` undoes it.
+        ``layer``: the layer ``module`` belongs to; with ``OffloadConfig.group_by="layer"`` the calls
+        of one layer's modules form one group (NOTE [Layer groups] in marks.py). ``joins``: a module
+        of ``layer`` whose call this one follows and saves a storage of (NOTE [Joined calls]). Its own
+        parameters and buffers are protected. Returns a handle whose ``remove()`` undoes it (`close` too).
         """
         registration = self._registry.add(self, module, name, layer, group_by=self.config.group_by, joins=joins)
         self.tensor_filter.protect(module)
@@ -324,7 +322,8 @@ class OffloadManager:
         return [h.key for h in handlers if not h.released]
 
     def close(self) -> None:
-        """Wait for the copies and stop the stream workers (idempotent).
+        """Wait for the copies, stop the stream workers and remove every module's hooks (idempotent):
+        a closed manager holds nothing of the model, so a reference kept to it keeps no model alive.
 
         Inside an open iteration, its open chunk is aborted and the iteration discarded first
         (no saved-tensor hook and no host buffer stays), so an enclosing ``with`` block exits
@@ -346,5 +345,6 @@ class OffloadManager:
         finally:
             self._closed = True
             self.tensor_filter.forget_protected()
+            self._registry.remove_all()
             self.streams.synchronize()
             self.streams.close()

@@ -61,6 +61,12 @@ class ModuleRegistry:
         return registration
 
 
+    def remove_all(self) -> None:
+        """Remove every registration's hooks (`OffloadManager.close`): the registry holds no module after."""
+        for registration in list(self.registrations):
+            registration.remove()
+
+
 def _link_joins(registrations: list[ModuleOffload], group_by: str) -> None:
     """Set what each registration's calls pass at their start and end (NOTE [Layer groups] and
     NOTE [Joined calls] in marks.py). "layer": its layer both times. "module": its layer at the

@@ -128,6 +128,9 @@ class AttachedManager:
         self.engine.close()
 
     def _remove_module_offloads(self) -> None:
-        """Remove the module hooks of every `offload_module` registration (detach)."""
+        """Remove the module hooks of every `offload_module` registration and forget the protected
+        modules (detach): a detached manager holds nothing of the model, which may then be freed
+        while the manager is kept (its records, stats and report stay)."""
         for registration in self.engine.module_offloads:
             registration.remove()
+        self.engine.tensor_filter.forget_protected()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 from torch import nn
@@ -104,7 +105,7 @@ class MegatronOffloadManager(AttachedManager):
         )
         super().__init__(session)
         self._plan_key: tuple | None = None
-        self.model_chunks = chunks
+        self._chunks = [weakref.ref(chunk) for chunk in chunks]
         self.offload_modules = offload_modules
         self.registered: dict[str, int] = offload_submodules(self.engine, chunks, offload_modules)
         """Offload-module name -> submodules registered on this rank (a name matching none is left out)."""
@@ -112,6 +113,13 @@ class MegatronOffloadManager(AttachedManager):
         """``"wrap"`` or ``"auto"``: who opens and closes the training iterations (`ITERATION_MODES`)."""
         self._auto = AutoIterations(self, num_microbatches) if iterations == "auto" else None
         self._hooks = ChunkHooks(self.session, chunks, self._auto)
+
+    @property
+    def model_chunks(self) -> list[nn.Module]:
+        """The model chunks it is attached to, held weakly: the model's hooks hold the manager, never the
+        other way, so that a manager kept after its model is dropped (a list of results, a notebook
+        variable) keeps no model alive."""
+        return [chunk for chunk in (ref() for ref in self._chunks) if chunk is not None]
 
     @property
     def forwards(self) -> list[int]:
@@ -195,8 +203,11 @@ class MegatronOffloadManager(AttachedManager):
             raise ChunkOffloadError("the wrapped forward_backward_func must be called with num_microbatches=... (keyword)")
         from megatron.core import parallel_state
 
-        config = getattr(self.model_chunks[0], "config", None)
-        vp = len(self.model_chunks) if len(self.model_chunks) > 1 else None
+        chunks = self.model_chunks
+        if len(chunks) != len(self._chunks):
+            raise ChunkOffloadError("the model chunks this manager was attached to were freed; attach the new model instead")
+        config = getattr(chunks[0], "config", None)
+        vp = len(chunks) if len(chunks) > 1 else None
         key = (
             num_microbatches,
             parallel_state.get_pipeline_model_parallel_world_size(),

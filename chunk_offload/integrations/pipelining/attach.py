@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ...core import Action, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend, diff_actions
@@ -50,7 +51,8 @@ class PipelineOffloadManager(AttachedManager):
     """An offload engine (``engine``, an `OffloadManager`) bound to the stages of one rank of a pipelining schedule.
 
     Attributes:
-        schedule: the schedule it is attached to.
+        schedule: the schedule it is attached to (None once freed: the manager holds it and its
+            stages weakly, so that a manager kept after them keeps no model alive).
         stages: this rank's stages in stage order; ``stages[v]`` is virtual stage ``v``.
         listed_plan: the plan from the schedule's own list (None if it lists none or lists an
             invalid order; ``listed_error`` then says why).
@@ -98,8 +100,8 @@ class PipelineOffloadManager(AttachedManager):
                 config=config, streams=streams, options=options, check_order=self._check_order, pipeline_group=getattr(stages[0], "group", None)
             )
         )
-        self.schedule = schedule
-        self.stages = stages
+        self._schedule = weakref.ref(schedule)
+        self._stages = [weakref.ref(stage) for stage in stages]
         self.listed_actions: list[Action] | None = listed_actions
         self.listed_plan: Plan | None = listed
         self.listed_error: str | None = listed_error
@@ -121,6 +123,14 @@ class PipelineOffloadManager(AttachedManager):
             warnings.warn("chunk_offload: group_by='layer', but no offload module lies in a layer (an element of a Sequential, "
                           "ModuleList or ModuleDict of a stage's submod): each call is its own group", stacklevel=2)  # fmt: skip
         self.session.use_plan(listed)
+
+    @property
+    def schedule(self) -> Any:
+        return self._schedule()
+
+    @property
+    def stages(self) -> list[Any]:
+        return [stage for stage in (ref() for ref in self._stages) if stage is not None]
 
     # ------------------------------------------------------------------ wrappers
     def _patch(self, obj: Any, name: str, wrapper: Callable) -> None:

@@ -11,8 +11,10 @@ Children arm ``faulthandler.dump_traceback_later``: a hang prints every thread's
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +109,9 @@ class CaseResult:
     """With ``passes_between``, after each step: the passes left the manager as it was (`_forward_only_passes`)."""
     budgets: dict[str, object] = field(default_factory=dict)
     """After the offload run: what its budgets decided (levelled budget, the choice's peaks, host caps)."""
+    model_freed: bool = False
+    """After the offload run's detach and close: the stages' modules were freed although the
+    manager was still referenced (it holds the schedule and stages weakly)."""
     seconds: float = 0.0
 
 
@@ -248,6 +253,10 @@ def _train(case: Case, rank: int, world_size: int, offload: bool, result: CaseRe
         result.plan_mismatch = manager.plan_mismatch
         manager.detach()
         manager.close()
+        submods = [weakref.ref(stage.submod) for stage in stages]
+        del schedule, stages, stage, params, optimizer, losses  # every local that holds a stage or its graph
+        gc.collect()
+        result.model_freed = [ref() for ref in submods] == [None] * len(submods) and manager.stages == []
 
 
 def _forward_only_passes(schedule, stages, manager, x, y, first: bool, last: bool) -> bool:

@@ -194,3 +194,8 @@ def test_plan_predicts_the_measured_peaks(results, name):
             assert predicted.peak_saved_bytes == record["peak_saved_bytes"], (r.rank, step)
             assert predicted.peak_resident_bytes == record["peak_resident_bytes"], (r.rank, step)
             assert predicted.bytes_offloaded == record["bytes_offloaded"], (r.rank, step)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_detached_manager_kept_after_its_stages_keeps_no_model_alive(results, name):
+    assert all(r.model_freed for r in _ranks(results, name))
