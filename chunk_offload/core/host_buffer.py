@@ -25,6 +25,7 @@ ROUND_BYTES = 512
 # `torch.accelerator.empty_host_cache()`, which `cudaFreeHost`s every cached block and
 # synchronizes the device (like any `cudaFreeHost`). The pool never calls it; a user who wants the
 # memory back calls `HostPool.trim()` then `empty_host_cache()` at a quiet point (e.g. before eval).
+# `OffloadManager.close` trims its pool, so a closed manager someone still holds holds no buffer.
 # Pinned pools use power-of-two classes so that pool bytes, the cap and the allocator's blocks
 # agree (a finer class would still hold a whole power-of-two block).
 

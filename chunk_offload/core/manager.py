@@ -298,9 +298,8 @@ class OffloadManager:
     def stats(self) -> OffloadStats:
         """Counters per group name and the resident-bytes high-water mark (waits for copies).
 
-        Safe from any thread while iterations run (a monitor): there it waits only for the copies
-        whose times it adds, and each part (the counters, the resident bytes and their marks, the
-        pool's) is read at one moment.
+        Safe from any thread while iterations run (a monitor): there it waits only for the copies whose
+        times it adds, and each part (counters, resident bytes and their marks, pool) is read at one moment.
         """
         self._fold_stats()
         return OffloadStats.collect(self._stats, self._resident, self.pool.stats())
@@ -322,8 +321,8 @@ class OffloadManager:
         return [h.key for h in handlers if not h.released]
 
     def close(self) -> None:
-        """Wait for the copies, stop the stream workers and remove every module's hooks (idempotent):
-        a closed manager holds nothing of the model, so a reference kept to it keeps no model alive.
+        """Wait for the copies, stop the stream workers, remove every module's hooks and release the
+        host pool's buffers (idempotent): a manager kept after `close` holds no model and no host memory.
 
         Inside an open iteration, its open chunk is aborted and the iteration discarded first
         (no saved-tensor hook and no host buffer stays), so an enclosing ``with`` block exits
@@ -348,3 +347,4 @@ class OffloadManager:
             self._registry.remove_all()
             self.streams.synchronize()
             self.streams.close()
+            self.pool.trim()  # NOTE [Releasing host memory] in host_buffer.py: back to torch's pinned cache

@@ -38,3 +38,20 @@ def test_a_closed_manager_kept_after_its_model_keeps_no_model_alive() -> None:
     gc.collect()
     assert [ref() for ref in refs] == [None] * len(refs)
     assert manager.closed and manager.last_iteration is not None  # what it recorded stays
+
+
+def test_close_releases_the_host_pools_buffers() -> None:
+    """A closed manager kept by its caller (for its records) holds no host memory either."""
+    model = _model()
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams())
+    for i, layer in enumerate(model):
+        manager.offload_module(layer, f"layer{i}")
+    with manager.iteration():
+        with manager.chunk(microbatch=0):
+            loss = model(torch.randn(4, 16, requires_grad=True)).sum()
+        loss.backward()
+    held = manager.pool.stats().allocated_bytes
+    assert held > 0 and manager.pool.stats().in_use_bytes == 0
+    manager.close()
+    stats = manager.pool.stats()
+    assert stats.allocated_bytes == 0 and stats.freed_bytes == held

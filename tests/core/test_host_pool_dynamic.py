@@ -78,6 +78,7 @@ class Trace:
     free: dict[int, object] = field(default_factory=dict)  # id -> pooled buffer given back, not handed out again
     fallbacks: int = 0
     sizes: list[tuple[str, int]] = field(default_factory=list)  # ("a"|"r", rounded bytes): replayed as the old pool
+    free_at_end: int = 0  # the free buffers' capacities after the last iteration, before the manager closed
 
 
 def _instrument(manager: OffloadManager, trace: Trace) -> None:
@@ -180,8 +181,10 @@ def _run_uncapped(seed: int, shapes: Shapes) -> tuple:
         manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
         try:
             result = _train(manager, shapes, trace, stats)
+            trace.free_at_end = sum(b.capacity for b in trace.free.values() if b.tensor is not None)
         finally:
             manager.close()
+        assert all(b.tensor is None for b in trace.free.values()), "close() releases every free buffer"
         _uncapped[seed] = (result, trace, stats)
     return _uncapped[seed]
 
@@ -212,9 +215,7 @@ def test_pool_stays_within_twice_the_largest_need(seed: int) -> None:
     # The workload really changes shapes: the exact-size pool would hold several times the bound.
     assert old > 4 * largest, (old, largest)
     assert final.evictions > 0 and final.freed_bytes > 0
-    assert final.allocated_bytes == sum(
-        b.capacity for b in trace.free.values() if b.tensor is not None
-    ), "the pool's byte count must equal its free buffers' capacities after an iteration"
+    assert final.allocated_bytes == trace.free_at_end, "the pool's byte count must equal its free buffers' capacities after an iteration"
 
 
 def test_capped_pool_never_exceeds_the_cap_and_falls_back_only_when_nothing_free_serves(make_manager) -> None:

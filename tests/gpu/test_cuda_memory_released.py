@@ -47,11 +47,11 @@ def _holders() -> list[str]:
     return [f"{tuple(t.shape)} {t.dtype}: {_referrer_chain(t)}" for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.is_cuda][:20]
 
 
-@pytest.mark.parametrize("run", ["chunk-offload", "chunk-offload timed", "chunk-offload layer"])
-def test_a_run_leaves_no_device_memory_behind(run: str, monkeypatch) -> None:
+def _watched_bench(monkeypatch) -> tuple[object, dict]:
+    """The bench script, with weak references to each run's model, a weight and its manager in the dict."""
     bench = load_bench_script("megatron_compare")
     built = {}
-    stage_of = bench.megatron_stage
+    stage_of, with_offload = bench.megatron_stage, bench._with_offload
 
     @contextlib.contextmanager
     def watched_stage(*args, **kwargs):
@@ -60,14 +60,44 @@ def test_a_run_leaves_no_device_memory_behind(run: str, monkeypatch) -> None:
             built["weight"] = weakref.ref(next(stage.chunks[0].parameters()))
             yield stage
 
+    def watched_offload(*args, **kwargs):
+        made = with_offload(*args, **kwargs)
+        built["manager"] = weakref.ref(made[2]) if made[2] is not None else None
+        return made
+
     monkeypatch.setattr(bench, "megatron_stage", watched_stage)
+    monkeypatch.setattr(bench, "_with_offload", watched_offload)
+    return bench, built
+
+
+def _run_twice(bench, run: str) -> tuple[int, dict]:
+    """The run without offload (what a process allocates once: cuDNN, NCCL), then ``run``; the bytes left before it, and its row."""
     args = bench.parse_args(["--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "256", "--dtype", "bf16",
                              "--min-offload-bytes", "1", "--warmup", "1", "--iterations", "1", "--timed-reload-ahead"])  # fmt: skip
     shape = bench.GPTShape(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=args.vocab, seq_length=256,
                            micro_batch_size=1, dtype=torch.bfloat16, attention="sdpa")  # fmt: skip
-    bench._run(args, shape, ["core_attn", "qkv_linear"], "none", None)  # what a process allocates once (cuDNN, NCCL) first
+    bench._run(args, shape, ["core_attn", "qkv_linear"], "none", None)
     before = bench.device_bytes_left()
-    row = bench._run(args, shape, ["core_attn", "qkv_linear"], run, None)
+    return before, bench._run(args, shape, ["core_attn", "qkv_linear"], run, None)
+
+
+def test_a_run_leaves_no_manager_behind(monkeypatch) -> None:
+    """Nothing keeps a detached and closed manager once its run returns: on CPU nothing does. Were
+    something on CUDA to (autograd's device thread, an event's callback), it would keep the engine's
+    session and records, and, before the managers held their models weakly, the model with its
+    gradients too: the leftover model of 2026-11-27; the message names what holds it."""
+    bench, built = _watched_bench(monkeypatch)
+    _run_twice(bench, "chunk-offload")
+    bench.device_bytes_left()  # a garbage collection
+    manager = built["manager"]()
+    if manager is not None:
+        pytest.fail(f"the manager outlived its run: {_referrer_chain(manager, depth=8)}")
+
+
+@pytest.mark.parametrize("run", ["chunk-offload", "chunk-offload timed", "chunk-offload layer"])
+def test_a_run_leaves_no_device_memory_behind(run: str, monkeypatch) -> None:
+    bench, built = _watched_bench(monkeypatch)
+    before, row = _run_twice(bench, run)
     assert row["left_bytes"] == before and row["bytes_copied"] > 0
     left = bench.device_bytes_left()
     if left == before:
