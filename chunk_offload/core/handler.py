@@ -36,7 +36,6 @@ __all__ = ["ChunkOffloadHandler", "let_go_of_released"]
 _TE_GROUP_NAME = "te_group"
 
 
-
 class ChunkOffloadHandler:
     """Offload groups of one chunk, in forward order. See NOTE [Release and prefetch order]."""
 

@@ -209,7 +209,7 @@ def _predicted_wait(
     n = len(pairs)
     arrival = [0.0] * n
     now = link = waited = 0.0
-    ahead = loaded_bytes_before(pairs, n - 1) if budget is not None and n else 0  # kept as the loop runs: O(n) per budget
+    ahead = loaded_bytes_before(pairs, n - 1)  # kept as the loop runs: O(n) per budget
     for g in reversed(range(n)):
         issued = [g] if pairs[g][0] is GroupState.ON_HOST else []
         for i in issued + reload_ahead_selection(pairs, g, budget, ahead_bytes=ahead):  # the rule's issue order, as the engine's

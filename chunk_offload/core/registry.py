@@ -60,7 +60,6 @@ class ModuleRegistry:
         held_elsewhere.clear()
         return registration
 
-
     def remove_all(self) -> None:
         """Remove every registration's hooks (`OffloadManager.close`): the registry holds no module after."""
         for registration in list(self.registrations):

@@ -9,6 +9,9 @@ This base holds the session, forwards the engine's user-facing results (`stats`,
 
 from __future__ import annotations
 
+import weakref
+from typing import Any, Sequence
+
 from torch import nn
 
 from ..core import (
@@ -26,7 +29,14 @@ from .budgets import Budgets
 from .options import ScheduleOptions
 from .session import TrainingSession
 
-__all__ = ["AttachedManager", "ScheduleOptions"]
+__all__ = ["AttachedManager", "ScheduleOptions", "alive"]
+
+
+def alive(refs: Sequence[weakref.ref]) -> list[Any]:
+    """The objects of ``refs`` still alive, in order. An integration holds the model it is attached to
+    (chunks, schedule, stages) through weak references: the model's hooks hold the manager, never the
+    other way, so that a manager kept after its model is dropped keeps no model alive."""
+    return [obj for obj in (ref() for ref in refs) if obj is not None]
 
 
 class AttachedManager:

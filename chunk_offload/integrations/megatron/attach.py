@@ -45,7 +45,7 @@ from torch import nn
 from ...core import Action, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend
 from ...report import StageReport
 from ...schedule import megatron_plan
-from ..attached import AttachedManager, ScheduleOptions
+from ..attached import AttachedManager, ScheduleOptions, alive
 from ..plan_tracking import PlanTracking
 from ..session import TrainingSession, check_baseline_iterations
 from .auto import AutoIterations, check_iterations
@@ -116,10 +116,9 @@ class MegatronOffloadManager(AttachedManager):
 
     @property
     def model_chunks(self) -> list[nn.Module]:
-        """The model chunks it is attached to, held weakly: the model's hooks hold the manager, never the
-        other way, so that a manager kept after its model is dropped (a list of results, a notebook
-        variable) keeps no model alive."""
-        return [chunk for chunk in (ref() for ref in self._chunks) if chunk is not None]
+        """The model chunks it is attached to, held weakly (`alive`): a manager kept after its model is
+        dropped (a list of results, a notebook variable) keeps no model alive."""
+        return alive(self._chunks)
 
     @property
     def forwards(self) -> list[int]:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ...core import Action, ChunkOffloadError, OffloadConfig, SchedulePolicy, StreamBackend, diff_actions
 from ...schedule import Plan
-from ..attached import AttachedManager, ScheduleOptions
+from ..attached import AttachedManager, ScheduleOptions, alive
 from ..plan_tracking import PlanTracking
 from ..session import TrainingSession
 from . import order, selection
@@ -130,7 +130,7 @@ class PipelineOffloadManager(AttachedManager):
 
     @property
     def stages(self) -> list[Any]:
-        return [stage for stage in (ref() for ref in self._stages) if stage is not None]
+        return alive(self._stages)
 
     # ------------------------------------------------------------------ wrappers
     def _patch(self, obj: Any, name: str, wrapper: Callable) -> None:
