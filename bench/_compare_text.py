@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from _host_profile import format_rows
+from chunk_offload.devkit.host_profile import format_rows
 
 __all__ = ["format_profiles", "format_table"]
 

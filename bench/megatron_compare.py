@@ -70,6 +70,7 @@ from chunk_offload.core.config import OffloadConfig
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.devkit.deterministic import deterministic_kernels
 from chunk_offload.devkit.gpt import ATTENTIONS, GPTShape, gpt_forward_step
+from chunk_offload.devkit.host_profile import GcClock, api_times, engine_files, over, own_times
 from chunk_offload.integrations.megatron import attach
 from chunk_offload.module_names import canonical_modules
 from chunk_offload.replay import megatron_builtin as builtin
@@ -77,7 +78,6 @@ from chunk_offload.replay.stage import device_bytes_left, megatron_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compare_text import format_profiles, format_table  # noqa: E402  (this bench's text)
-from _host_profile import GcClock, api_times, over, own_times  # noqa: E402  (the benches' shared profile)
 
 __all__ = ["main", "parse_args"]
 
@@ -292,12 +292,10 @@ def _add_profiles(args: argparse.Namespace, shape: GPTShape, rows: list[dict[str
 
 
 def _engine_files(run: str) -> Callable[[str], bool] | None:
-    """Which source files are ``run``'s offload engine (`_host_profile.engine_seconds`)."""
+    """Which source files are ``run``'s offload engine (`engine_files`; None: no engine runs)."""
     if run.startswith("chunk-offload"):
-        return lambda file: "/chunk_offload/" in file and not any(f"/chunk_offload/{part}/" in file for part in ("devkit", "replay"))
-    if run == "megatron":
-        return lambda file: file.endswith("fine_grained_activation_offload.py")
-    return None
+        return engine_files("chunk_offload")
+    return engine_files("megatron") if run == "megatron" else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,9 +38,7 @@ import argparse
 import contextlib
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -48,9 +46,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 import chunk_offload
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _host_profile import api_times, format_rows, over, own_times  # noqa: E402  (the benches' shared profile)
+from chunk_offload.devkit.host_profile import api_times, format_rows, over, own_times
 
 __all__ = ["main"]
 

@@ -1,6 +1,6 @@
 """Development infrastructure: run megatron-core where there is no GPU, and build small GPT models.
 
-Not part of the offload engine. Six modules, each imported explicitly (importing megatron-core
+Not part of the offload engine. Seven modules, each imported explicitly (importing megatron-core
 is slow, so nothing here is imported by ``chunk_offload`` itself):
 
 - `chunk_offload.devkit.cpu_compat`: named, reversible rules that redirect megatron-core's CUDA
@@ -15,7 +15,9 @@ is slow, so nothing here is imported by ``chunk_offload`` itself):
 - `chunk_offload.devkit.slow_link`: a chain of groups whose backward compute and reload link take
   real (slept) time, so that waits on reloads are measured on CPU streams;
 - `chunk_offload.devkit.deterministic`: torch's deterministic kernels for a block, so that the
-  replay and the benches compare runs bit for bit on CUDA too.
+  replay and the benches compare runs bit for bit on CUDA too;
+- `chunk_offload.devkit.host_profile`: an offload engine's host time by function (cProfile) and
+  its CUDA API calls (torch.profiler), for the replay's comparison and the benches.
 """
 
 __all__: list[str] = []

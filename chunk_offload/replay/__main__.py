@@ -9,7 +9,9 @@ Exit status 3 when the device runs out of memory, so scripts can retry a smaller
 ``--compare megatron`` adds megatron-core's own fine-grained activation offloading as a third
 mode on the same stage, plan, modules and seed (`chunk_offload.replay.compare`), and
 ``--budget-bytes BYTES|megatron`` a fourth: chunk-offload as training runs it under that device
-budget (``megatron``: megatron's measured peak, for a comparison at equal memory).
+budget (``megatron``: megatron's measured peak, for a comparison at equal memory). Each mode then
+runs ``--host-profile-iterations`` (default 1) more iterations under cProfile for the row of its
+engine's host time per group.
 ``--deterministic`` runs every mode on deterministic kernels (`chunk_offload.devkit.deterministic`),
 so that on CUDA too the losses and grads rows say whether the offload changed a bit.
 
@@ -136,6 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "timing choosing the reload-ahead budgets (a fourth column); 'megatron': megatron's measured peak, for a "
         "comparison at equal memory (CUDA only)",
     )
+    g.add_argument(
+        "--host-profile-iterations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --compare megatron: iterations each mode runs under cProfile after its measured ones, for the "
+        "engines' host time per group (default 1; 0: no such row)",
+    )
     args = p.parse_args(argv)
     _check(p, args)
     return args
@@ -174,6 +184,11 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--hidden must be divisible by the attention heads ({heads}), got {args.hidden}")
     if args.budget_bytes is not None and args.compare != "megatron":
         p.error(f"--budget-bytes {args.budget_bytes} is a column of the comparison: add --compare megatron")
+    if args.host_profile_iterations is not None:
+        if args.compare != "megatron":
+            p.error(f"--host-profile-iterations {args.host_profile_iterations} is a row of the comparison: add --compare megatron")
+        if args.host_profile_iterations < 0:
+            p.error(f"--host-profile-iterations must be an integer >= 0, got {args.host_profile_iterations}")
     if args.budget_bytes == "megatron" and not torch.cuda.is_available():
         p.error("--budget-bytes megatron needs CUDA: megatron's path has no measured peak on CPU; give the budget in bytes")
     try:
@@ -271,7 +286,8 @@ def _run(args: argparse.Namespace, shape: GPTShape, common: dict[str, Any], make
     if args.compare == "megatron":
         return compare_with_megatron(
             shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed, budget_bytes=args.budget_bytes,
-            streams=make_streams, **common,
+            streams=make_streams, host_profile_iterations=1 if args.host_profile_iterations is None else args.host_profile_iterations,
+            **common,
         )  # fmt: skip
     with megatron_stage(shape, pp_size=args.pp, pp_rank=args.stage, vp_size=args.vpp, seed=args.seed) as stage:
         return replay(stage, streams=None if make_streams is None else make_streams(), **common)

@@ -15,6 +15,13 @@ Peaks: on CUDA ``torch.cuda.max_memory_allocated`` of each iteration for every m
 build's (and its budget) over what the builds before it left allocated (`Comparison.left_bytes`,
 named under the table when not 0); on CPU there is no device allocator, so the table shows
 chunk-offload's accounting of saved bytes for the first two modes and n/a for megatron's.
+
+Host time per group (``host_profile_iterations``): after its measured iterations each mode runs
+that many more under cProfile, and the row shows the median host time of the engine's own code
+(its functions and the C calls they make: copies, events, stream switches; `chunk_offload.devkit.host_profile.engine_files`) per
+iteration, over the groups chunk-offload tracks per iteration (one module call of one layer and
+microbatch): the same count for both engines, which offload the same module calls. cProfile
+slows every Python call alike, so the row compares the engines, not the step times.
 """
 
 from __future__ import annotations
@@ -96,6 +103,7 @@ class Comparison:
                 "bytes_offloaded": r.offload.bytes_offloaded,
                 "wait_time_s": r.offload.wait_time_s,
                 "offload_copy_time_s": r.offload.offload_time_s,
+                **self._host(r.offload.host_engine_s),
                 **self.identical("chunk_offload"),
             },
         }
@@ -110,6 +118,7 @@ class Comparison:
                 "drop_bytes": None if peak is None or cpu else r.baseline.peak_bytes - peak,
                 "bytes_offloaded": b.bytes_offloaded[-1],
                 "megatron_version": self.megatron_version,
+                **self._host(b.host_engine_s),
                 **self.identical("megatron"),
             }
         if self.budget_skipped is not None:
@@ -121,9 +130,22 @@ class Comparison:
             modes["chunk_offload_budget"] = {
                 **budget,
                 "drop_bytes": r.baseline.peak_bytes - budget["peak_bytes"],
+                **self._host(self.budget.result.host_engine_s),
                 **self.identical("chunk_offload_budget"),
             }
         return modes
+
+    @property
+    def groups_per_iteration(self) -> int:
+        """The groups chunk-offload tracks per iteration (every chunk's, offloaded or kept): the
+        unit of the host time row, for every engine."""
+        return sum(len(groups) for groups in self.replay.offload.last.group_bytes.values())
+
+    def _host(self, seconds: float | None) -> dict[str, float]:
+        """A mode's host time fields: per iteration and per group (none when it was not profiled)."""
+        if seconds is None:
+            return {}
+        return {"host_engine_s": seconds, "host_us_per_group": seconds * 1e6 / max(self.groups_per_iteration, 1)}
 
     @property
     def megatron_peak_bytes(self) -> int | None:
@@ -138,6 +160,7 @@ class Comparison:
         return {
             "modes": self._modes(),
             "peak_measure": "chunk-offload accounting of saved bytes (CPU)" if cpu else "torch.cuda.max_memory_allocated",
+            "groups_per_iteration": self.groups_per_iteration,
             "replay": self.replay.summary(),
         }
 
@@ -170,10 +193,16 @@ class Comparison:
             row("R (measured/theory)", {n: "n/a" if m.get("R") is None else f"{m['R']:.4f}" for n, m in modes.items() if n != "none"}),
             row("offloaded / iteration (MiB)", {n: mib(m["bytes_offloaded"]) for n, m in modes.items() if "bytes_offloaded" in m}),
             row("compute wait (ms)", {n: f"{m['wait_time_s'] * 1e3:.2f}" if "wait_time_s" in m else "n/a" for n, m in modes.items() if n != "none"}),
+            row("host time / group (us)", {n: f"{m['host_us_per_group']:.1f}" if "host_us_per_group" in m else "n/a"
+                                            for n, m in modes.items() if n != "none"}),  # fmt: skip
             row("D2H copy time (ms)", {n: f"{m['offload_copy_time_s'] * 1e3:.2f}" if "offload_copy_time_s" in m else "n/a" for n, m in modes.items() if n != "none"}),
             row("losses bit-identical", {n: _yes(m["losses"]) for n, m in modes.items() if "losses" in m} | {"none": "(reference)"}),
             row("grads bit-identical", {n: _yes(m["grads"]) for n, m in modes.items() if "grads" in m} | {"none": "(reference)"}),
         ]
+        if any("host_us_per_group" in m for m in modes.values()):
+            profiled = "CPU copy streams' worker threads not seen" if cpu else "CUDA: every host call on the profiled thread"
+            rows.append(f"host time / group: the engine's own host time per profiled iteration (cProfile; {profiled}) over the "
+                        f"{self.groups_per_iteration} groups chunk-offload tracks per iteration, for each engine alike")  # fmt: skip
         if cpu:
             rows.append("peak on CPU: chunk-offload's accounting of saved bytes; megatron's path has none (n/a)")
         else:
@@ -222,6 +251,7 @@ def compare_with_megatron(
     budget_bytes: int | Literal["megatron"] | None = None,
     timed_reload_ahead: bool = True,
     group_by: Literal["call", "module", "layer"] = "module",
+    host_profile_iterations: int = 1,
 ) -> Comparison:
     """Replay stage ``pp_rank`` of ``pp_size`` without offload, with chunk-offload and with megatron's own.
 
@@ -230,8 +260,9 @@ def compare_with_megatron(
     (`replay_under_budget`, with ``timed_reload_ahead``); ``"megatron"``: megatron's measured
     peak (where megatron's path has none, skipped or on CPU, `Comparison.budget_skipped` says so).
     ``streams``: makes the copy streams of each chunk-offload run (its manager closes them; None:
-    the device's default). ``group_by``: `OffloadConfig.group_by` of the chunk-offload runs. The
-    other arguments are `replay`'s and `megatron_stage`'s.
+    the device's default). ``group_by``: `OffloadConfig.group_by` of the chunk-offload runs.
+    ``host_profile_iterations``: iterations each mode runs under cProfile after its measured ones,
+    for the host time row (0: no row). The other arguments are `replay`'s and `megatron_stage`'s.
     """
     import megatron.core
 
@@ -244,7 +275,7 @@ def compare_with_megatron(
         """What every chunk-offload run takes: its own streams (its manager closes them)."""
         return dict(
             modules=modules, iterations=iterations, warmup=warmup, min_offload_bytes=min_offload_bytes, keep_tensors=True,
-            streams=None if streams is None else streams(), group_by=group_by,
+            streams=None if streams is None else streams(), group_by=group_by, host_profile_iterations=host_profile_iterations,
         )  # fmt: skip
 
     left: dict[str, int] = {}
@@ -258,7 +289,8 @@ def compare_with_megatron(
         left["megatron"] = device_bytes_left() - first
         try:
             with stage_of(config_overrides=overrides) as stage:
-                builtin = run_builtin(stage, result.plan, iterations=iterations, warmup=warmup, keep_tensors=True)
+                builtin = run_builtin(stage, result.plan, iterations=iterations, warmup=warmup, keep_tensors=True,
+                                      host_profile_iterations=host_profile_iterations)  # fmt: skip
         except torch.OutOfMemoryError:
             raise
         except (AssertionError, ValueError, RuntimeError) as e:  # megatron's own refusals are asserts

@@ -40,6 +40,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..core.actions import ActionKind
+from ..devkit.host_profile import engine_host_seconds
 from ..schedule.plan import Plan
 from .driver import ChunkDriver, Kept
 from .stage import MegatronStage
@@ -71,6 +72,9 @@ class BuiltinResult(Kept):
     """``torch.cuda.max_memory_allocated`` of each measured iteration; None on CPU."""
     bytes_offloaded: list[int] = field(default_factory=list)
     """Bytes megatron copied to host in each measured iteration."""
+    host_engine_s: float | None = None
+    """Host seconds megatron's offload module spent per iteration (median of the profiled ones,
+    `chunk_offload.devkit.host_profile.engine_host_seconds`); None when none was profiled."""
 
     @property
     def step_time_s(self) -> float:
@@ -164,10 +168,13 @@ def megatron_offload_on_cpu() -> Iterator[None]:
         nvtx.range_push, nvtx.range_pop, tensor.record_stream = saved
 
 
-def run_builtin(stage: MegatronStage, plan: Plan, *, iterations: int, warmup: int, keep_tensors: bool) -> BuiltinResult:
+def run_builtin(
+    stage: MegatronStage, plan: Plan, *, iterations: int, warmup: int, keep_tensors: bool, host_profile_iterations: int = 0
+) -> BuiltinResult:
     """Run ``plan`` on ``stage`` (built with `builtin_config`) under megatron's offload; measure it.
 
-    ``warmup`` iterations (at least one: megatron's own warm-up) before ``iterations`` measured ones.
+    ``warmup`` iterations (at least one: megatron's own warm-up) before ``iterations`` measured
+    ones, then ``host_profile_iterations`` under cProfile (`BuiltinResult.host_engine_s`).
     """
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
         FineGrainedActivationOffloadingInterface as off_interface,
@@ -194,9 +201,12 @@ def run_builtin(stage: MegatronStage, plan: Plan, *, iterations: int, warmup: in
                     result.device_peaks.append(torch.cuda.max_memory_allocated(stage.device) if cuda else None)
                     result.bytes_offloaded.append(moved)
                     result.losses, result.outputs, result.input_grads = kept.losses, kept.outputs, kept.input_grads
+            driver.keep_grads(result)
+            result.host_engine_s = engine_host_seconds(
+                lambda: _iteration(driver, plan, off_interface, Kept()), host_profile_iterations, "megatron"
+            )
         finally:
             off_interface.reset_instance()  # drop the last iteration's handlers and host buffers
-    driver.keep_grads(result)
     return result
 
 

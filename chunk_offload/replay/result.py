@@ -33,6 +33,9 @@ class ModeResult(Kept):
     """Whether copies were made."""
     records: list[IterationRecord] = field(repr=False)
     """The manager's record of each measured iteration (peaks, bytes per group, times)."""
+    host_engine_s: float | None = None
+    """Host seconds chunk-offload's own code spent per iteration (median of the profiled ones,
+    `chunk_offload.devkit.host_profile.engine_host_seconds`); None when none was profiled."""
 
     @property
     def last(self) -> IterationRecord:

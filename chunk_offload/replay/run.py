@@ -21,6 +21,7 @@ from ..core.config import OffloadConfig
 from ..core.errors import ChunkOffloadError, internal_assert
 from ..core.schedule_policy import SchedulePolicy
 from ..core.streams import StreamBackend
+from ..devkit.host_profile import engine_host_seconds
 from ..integrations.megatron import MegatronOffloadManager, attach
 from ..report.stage import stage_report
 from ..schedule import PlanPolicy, simulate
@@ -45,6 +46,7 @@ def replay(
     prefetch_bytes: int | None = None,
     reload_ahead_bytes: int | None = None,
     keep_tensors: bool = False,
+    host_profile_iterations: int = 0,
     **options: Any,
 ) -> ReplayResult:
     """Replay ``stage``'s plan with and without offloading ``modules``; measure both.
@@ -55,14 +57,16 @@ def replay(
     with ``prefetch_bytes`` and ``reload_ahead_bytes``), None (every chunk offloaded, each group reloaded when backward
     reaches the group after it) or a `SchedulePolicy`. ``streams`` and ``options``
     (`OffloadConfig` fields) go to `attach`. ``keep_tensors``: also keep chunk outputs and
-    gradients in the result, for comparisons.
+    gradients in the result, for comparisons. ``host_profile_iterations``: after the measured
+    iterations, this many more offload iterations under cProfile, for the engine's host time
+    (`ModeResult.host_engine_s`).
     """
     if plan is None:
         plan = stage.plan(num_microbatches if num_microbatches is not None else 2 * stage.pp_size)
     elif num_microbatches is not None:
         raise ChunkOffloadError("replay takes num_microbatches or plan, not both (a plan fixes its microbatches)")
     _check_plan(stage, plan)
-    for label, value, low in (("iterations", iterations, 1), ("warmup", warmup, 0)):
+    for label, value, low in (("iterations", iterations, 1), ("warmup", warmup, 0), ("host_profile_iterations", host_profile_iterations, 0)):
         if not isinstance(value, int) or value < low:
             raise ChunkOffloadError(f"replay needs {label} as an int >= {low}, got {value!r}")
     if schedule_policy == "plan":
@@ -84,10 +88,12 @@ def replay(
         for _ in range(iterations):
             for offload in (False, True):  # alternate, so that drifts of the host hit both alike
                 measured[offload].append(runner.run(offload=offload))
+        host_engine_s = engine_host_seconds(lambda: runner.run(offload=True), host_profile_iterations, "chunk_offload")
     finally:
         manager.detach()
         manager.close()
     baseline, offloaded = _merge(measured[False]), _merge(measured[True])
+    offloaded.host_engine_s = host_engine_s
     group_bytes = baseline.last.group_bytes
     simulation = simulate(
         plan,
@@ -127,6 +133,7 @@ def replay_under_budget(
     warmup: int = 1,
     streams: StreamBackend | None = None,
     keep_tensors: bool = False,
+    host_profile_iterations: int = 0,
     **options: Any,
 ) -> BudgetReplay:
     """Replay ``stage``'s megatron plan as training does under ``device_budget_bytes``.
@@ -136,7 +143,8 @@ def replay_under_budget(
     (the bytes per group, and on CUDA the device bytes besides them), one offloaded iteration
     under the choice made from it (its copy timing: with ``timed_reload_ahead`` the choice is
     made again with the reload-ahead budgets, NOTE [Reload room]), ``warmup`` more, then
-    ``iterations`` measured ones. ``streams`` and ``options`` as `replay` takes them.
+    ``iterations`` measured ones. ``streams``, ``host_profile_iterations`` (training calls here)
+    and ``options`` as `replay` takes them.
     """
     _check_plan(stage, plan)
     manager = attach(
@@ -154,6 +162,7 @@ def replay_under_budget(
             runner.run_training()
         result = _merge([runner.run_training() for _ in range(iterations)])
         report = manager.report()
+        result.host_engine_s = engine_host_seconds(runner.run_training, host_profile_iterations, "chunk_offload")
     finally:
         manager.detach()
         manager.close()

@@ -109,6 +109,24 @@ def test_cli_compare_with_a_budget_writes_four_modes(tmp_path, capsys) -> None:
     under = summary["modes"]["chunk_offload_budget"]
     assert summary["args"]["budget_bytes"] == under["budget_bytes"] == 40 << 10 and under["grads"] is True
     assert under["peak_bytes"] <= 40 << 10 and "chunk-offload budget: device budget 0.04 MiB" in printed
+    # One profiled iteration per mode by default: every engine's host time, per iteration and per group.
+    groups = summary["groups_per_iteration"]
+    assert groups == 4 * 2  # 4 microbatches x the stage's 2 layers x one module (core_attn)
+    row = next(line for line in printed.splitlines() if line.startswith("host time / group (us)")).split()[6:]
+    for mode, cell in zip(("chunk_offload", "megatron", "chunk_offload_budget"), row, strict=True):
+        fields = summary["modes"][mode]
+        assert fields["host_engine_s"] > 0 and fields["host_us_per_group"] == fields["host_engine_s"] * 1e6 / groups
+        assert cell == f"{fields['host_us_per_group']:.1f}"
+    assert f"over the {groups} groups chunk-offload tracks per iteration, for each engine alike" in printed
+
+
+def test_without_profiled_iterations_no_host_time_is_shown(tmp_path, capsys) -> None:
+    printed, summary = run_cli(
+        capsys, tmp_path / "compare.json", "--pp", "2", "--stage", "0", "--compare", "megatron", "--host-profile-iterations", "0"
+    )
+    assert not any("host_engine_s" in fields or "host_us_per_group" in fields for fields in summary["modes"].values())
+    assert "host time / group (us)" in printed and "host time / group:" not in printed
+    assert next(line for line in printed.splitlines() if line.startswith("host time / group (us)")).split()[6:] == ["n/a", "n/a"]
 
 
 @pytest.mark.parametrize(
@@ -215,8 +233,12 @@ def test_budget_at_megatrons_peak_is_skipped_without_one() -> None:
         (["--compare", "megatron", "--budget-bytes", "lots"], "argument --budget-bytes: expected a byte count >= 0 such as 1048576 or 1MiB"),
         (["--compare", "megatron", "--budget-bytes", "megatron"], "--budget-bytes megatron needs CUDA: megatron's path has no measured peak on CPU"),
         (["--deterministic=yes"], "argument --deterministic: ignored explicit argument 'yes'"),
+        (["--host-profile-iterations", "2"], "--host-profile-iterations 2 is a row of the comparison: add --compare megatron"),
+        (["--compare", "megatron", "--host-profile-iterations", "-1"], "--host-profile-iterations must be an integer >= 0, got -1"),
+        (["--compare", "megatron", "--host-profile-iterations", "one"], "argument --host-profile-iterations: invalid int value: 'one'"),
     ],
-    ids=["without_compare", "not_bytes", "megatron_on_cpu", "deterministic_with_a_value"],
+    ids=["without_compare", "not_bytes", "megatron_on_cpu", "deterministic_with_a_value", "profile_without_compare",
+         "profile_negative", "profile_not_int"],
 )
 def test_cli_budget_usage_errors(capsys, args: list[str], message: str) -> None:
     from chunk_offload.replay.__main__ import main

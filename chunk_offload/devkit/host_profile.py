@@ -1,11 +1,13 @@
-"""Host time by Python function (cProfile own time), shared by the benches that print where it goes.
+"""Host time by Python function (cProfile own time), shared by the replay's comparison and the benches.
 
 `own_times` runs a callable under cProfile and keeps, per function, its calls and its own time
 (time spent in the function itself, not in what it calls; a C function such as ``copy_`` or
 ``Event.record`` counts the driver calls it makes). Over several profiled calls it keeps each
 function's median, so that a rare stall (a thread hand-off, a collection) landing in one
 function of one step does not rank it. `engine_seconds` adds up what one engine spends: the own
-time of the functions in its files and of the C functions they call directly. `over` subtracts
+time of the functions in its files (`engine_files`: chunk-offload's or megatron-core's offload)
+and of the C functions they call directly. cProfile sees the calling thread only: work that CPU
+copy streams do on their worker threads is not in it (on CUDA every host call is on that thread). `over` subtracts
 a baseline run's profile, so that what is left is what an engine adds to the host path of the
 same training step; `format_rows` prints the heaviest per unit of work. `api_times` counts, with
 torch.profiler, the CUDA runtime and driver calls a step makes, which cProfile sees only inside
@@ -26,7 +28,20 @@ from typing import Callable, Iterable
 import torch
 from torch.autograd import DeviceType
 
-__all__ = ["API_FILE", "FunctionTimes", "GcClock", "api_calls", "api_times", "engine_seconds", "format_rows", "over", "own_times"]
+__all__ = [
+    "API_FILE",
+    "ENGINES",
+    "FunctionTimes",
+    "GcClock",
+    "api_calls",
+    "api_times",
+    "engine_files",
+    "engine_host_seconds",
+    "engine_seconds",
+    "format_rows",
+    "over",
+    "own_times",
+]
 
 FunctionTimes = dict[tuple[str, int, str], tuple[float, float]]
 """(file, line, function) -> (calls, own seconds)."""
@@ -84,6 +99,27 @@ def api_calls(averages: Iterable) -> FunctionTimes:
     device-side activities (kernels, memcpys on the GPU's timeline) and operators are left out."""
     return {(API_FILE, 0, e.key): (e.count, e.cpu_time_total / 1e6)
             for e in averages if e.device_type == DeviceType.CPU and e.key.startswith("cu")}  # fmt: skip
+
+
+ENGINES = ("chunk_offload", "megatron")
+"""The offload engines `engine_files` knows."""
+
+
+def engine_files(engine: str) -> Callable[[str], bool]:
+    """Which source files are ``engine``'s, for `engine_seconds` and `own_times`: chunk-offload's
+    package less its development kit and replay (they drive the model, they are not the engine),
+    or megatron-core's fine-grained activation offloading module."""
+    if engine == "chunk_offload":
+        return lambda file: "/chunk_offload/" in file and not any(f"/chunk_offload/{part}/" in file for part in ("devkit", "replay"))
+    if engine == "megatron":
+        return lambda file: file.endswith("fine_grained_activation_offload.py")
+    raise ValueError(f"engine_files: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+
+
+def engine_host_seconds(work: Callable[[], object], steps: int, engine: str) -> float | None:
+    """The median host seconds ``engine`` (`engine_files`) spends in a call of ``work()``, over
+    ``steps`` profiled calls; None when ``steps`` is 0 (nothing profiled)."""
+    return own_times(work, steps=steps, engine=engine_files(engine))[1] if steps else None
 
 
 def engine_seconds(stats: dict, engine: Callable[[str], bool]) -> float:

@@ -1,16 +1,14 @@
-"""`bench/_host_profile.py`: per-function calls and own time, an engine's share, and the difference of two runs."""
+"""`chunk_offload.devkit.host_profile`: per-function calls and own time, an engine's share, and the difference of two runs."""
 
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from torch.autograd import DeviceType
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from _host_profile import API_FILE, GcClock, api_calls, format_rows, over, own_times  # noqa: E402
+from chunk_offload.devkit.host_profile import API_FILE, GcClock, api_calls, engine_files, format_rows, over, own_times
 
 THIS_FILE = __file__
 
@@ -73,3 +71,15 @@ def test_gc_clock_counts_the_collections_run_while_entered() -> None:
     gc.collect()  # after the clock: not counted
     assert clock.collections == [0, 1, 1] and clock.seconds > 0
     assert len(gc.callbacks) == callbacks
+
+
+def test_engine_files_name_each_engine_and_refuse_an_unknown_one() -> None:
+    ours = engine_files("chunk_offload")
+    assert ours("/x/chunk_offload/core/group.py") and ours("/x/chunk_offload/integrations/megatron/manager.py")
+    assert not ours("/x/chunk_offload/devkit/gpt.py") and not ours("/x/chunk_offload/replay/run.py")
+    assert not ours("/x/megatron/core/pipeline_parallel/fine_grained_activation_offload.py")
+    megatron = engine_files("megatron")
+    assert megatron("/x/megatron/core/pipeline_parallel/fine_grained_activation_offload.py")
+    assert not megatron("/x/chunk_offload/core/group.py") and not megatron("/x/megatron/core/transformer/transformer_layer.py")
+    with pytest.raises(ValueError, match=r"engine_files: engine must be one of chunk_offload, megatron, got 'deepspeed'"):
+        engine_files("deepspeed")
