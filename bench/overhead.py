@@ -13,13 +13,18 @@ A stack of tiny layers (so that compute is negligible) runs forward + backward
 - offload: the same with copies on (CPU worker-thread streams here, CUDA streams on a GPU);
 - offload_layer: the same with ``OffloadConfig(group_by="layer")``, each ``--modules-per-layer``
   consecutive layers registered with one layer, so they form one group (NOTE [Layer groups] in
-  core/marks.py): its copies, events and stream switches are issued once per layer.
+  core/marks.py): its copies, events and stream switches are issued once per layer;
+- offload_inline: the offload mode's groups and copies through `InlineStreams`
+  (bench/_inline_streams.py), which run each copy at once on the calling thread's stream: the
+  engine's own offload work and the copies' calls, without the copy streams' machinery (worker
+  threads on CPU; stream switches, events and stream waits on CUDA). offload - offload_inline is
+  what the streams cost per group.
 
 The modes take turns, one iteration each, so that a change of the host's load hits all of
 them alike. It prints, per mode, the median and the fastest time per iteration and the extra
 microseconds per group ((mode - plain) / groups) from both, then bookkeeping / floor and
 copies / floor (copies: the offload mode), the ratios of those extra costs, and offload / bookkeeping
-for both offload modes ("group" is one module call throughout, also in layer groups). On a shared host
+for the three offload modes ("group" is one module call throughout, also in layer groups). On a shared host
 the medians move with the load; the fastest iterations are the steadier estimate of the cost.
 Last, per mode, the objects one iteration leaves in reference cycles, per group: what only a
 garbage collection frees (host time no profile shows as a function's own).
@@ -39,7 +44,9 @@ import argparse
 import contextlib
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -49,9 +56,12 @@ from torch.autograd.graph import saved_tensors_hooks
 import chunk_offload
 from chunk_offload.devkit.host_profile import api_times, format_rows, over, own_times
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _inline_streams import InlineStreams  # noqa: E402  (this bench's backend)
+
 __all__ = ["main"]
 
-MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer")
+MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline")
 WARMUP = 3  # iterations before timing: pool allocation, autograd caches
 
 
@@ -202,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     bookkeeping_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, offload=False, measure_time=False))
     offload_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False))
     layer_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False, group_by="layer"))
-    managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr, "offload_layer": layer_mgr}
+    inline_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False), streams=InlineStreams(device))
+    managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr, "offload_layer": layer_mgr,
+                "offload_inline": inline_mgr}  # fmt: skip
     runs = {}
     for mode in MODES:
         model = build(args.layers, args.hidden, device)
@@ -219,21 +231,21 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             print_profile(runs, x=x, iterations=args.profile, groups=args.layers)
     finally:
-        for manager in (bookkeeping_mgr, offload_mgr, layer_mgr):
+        for manager in (bookkeeping_mgr, offload_mgr, layer_mgr, inline_mgr):
             manager.close()
     groups = args.layers
     plain = times["plain"]
     extra = {mode: tuple((t - p) / groups for t, p in zip(times[mode], plain)) for mode in MODES}
     print(f"device {device}, {groups} groups per iteration, {args.repeats} iterations per mode")
     print(f"tensors offloaded per group: {saved.tensors_offloaded / saved.groups:.1f}; offload_layer: {layer_groups / saved.groups:.2f} groups per module group")
-    print(f"{'mode':<12} {'median ms/iter':>15} {'us/group over plain':>20} {'fastest ms/iter':>16} {'us/group over plain':>20}")
+    print(f"{'mode':<14} {'median ms/iter':>15} {'us/group over plain':>20} {'fastest ms/iter':>16} {'us/group over plain':>20}")
     for mode in MODES:
         (median, fastest), (extra_median, extra_fastest) = times[mode], extra[mode]
-        print(f"{mode:<12} {median * 1e3:>15.3f} {extra_median * 1e6:>20.2f} {fastest * 1e3:>16.3f} {extra_fastest * 1e6:>20.2f}")
+        print(f"{mode:<14} {median * 1e3:>15.3f} {extra_median * 1e6:>20.2f} {fastest * 1e3:>16.3f} {extra_fastest * 1e6:>20.2f}")
     for mode, label in (("bookkeeping", "bookkeeping"), ("offload", "copies")):
         ratios = [e / f if f > 0 else float("nan") for e, f in zip(extra[mode], extra["floor"])]
         print(f"{label} / floor (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
-    for mode in ("offload", "offload_layer"):
+    for mode in ("offload", "offload_layer", "offload_inline"):
         ratios = [e / b if b > 0 else float("nan") for e, b in zip(extra[mode], extra["bookkeeping"])]
         print(f"{mode} / bookkeeping (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
     print("objects left in reference cycles per group and iteration (freed only by the garbage collector): "

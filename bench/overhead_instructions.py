@@ -10,8 +10,10 @@ iteration's count is the difference between a run of ``--iterations + 1`` iterat
 of one, which cancels the switching itself. It prints instructions per group over plain
 autograd and the ratios bookkeeping / floor and copies / floor, like `bench/overhead.py`, and
 offload / bookkeeping for each offload mode counted (offload_layer: layer groups of
-``--modules-per-layer`` modules, NOTE [Layer groups]; instructions per module throughout).
-Instructions are a proxy for time (cache misses are not counted); each mode takes about a
+``--modules-per-layer`` modules, NOTE [Layer groups]; instructions per module throughout). Its
+offload modes copy through `InlineStreams` (bench/_inline_streams.py, as `bench/overhead.py`'s
+offload_inline mode does): the engine's host path without the CPU backend's worker threads, whose
+hand-offs are not what a CUDA host pays. Instructions are a proxy for time (cache misses are not counted); each mode takes about a
 minute under valgrind.
 
     python bench/overhead_instructions.py [--layers 200] [--iterations 2] [--modules-per-layer 5] [--modes plain floor bookkeeping]
@@ -31,14 +33,13 @@ from pathlib import Path
 
 import torch
 
-from chunk_offload.core import Event, Stream, StreamBackend, VectorClocks
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402  (the bench this one counts)
+from _inline_streams import InlineStreams  # noqa: E402  (the offload modes' backend here)
 
 __all__ = ["main"]
 
-MODES = overhead.MODES
+MODES = tuple(mode for mode in overhead.MODES if mode != "offload_inline")  # every offload mode here runs inline
 NEEDED = ("plain", "floor")  # every ratio is over plain autograd and against the floor
 
 
@@ -57,49 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class _DoneEvent(Event):
-    __slots__ = ()
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-
-class _InlineStream(Stream):
-    """Work runs when issued, on the calling thread: the engine's host path with no worker threads."""
-
-    def launch(self, fn, *, timed=False, nbytes=0):
-        mark = self.tick()
-        fn()
-        return mark, None
-
-    def record_event(self) -> Event:
-        return _DoneEvent(None, None)
-
-    def wait_event(self, event, *, timed=False):
-        return None
-
-    def wait_stream(self, other: Stream) -> None:
-        return None
-
-    def retain(self, tensors) -> None:
-        return None
-
-
-class InlineStreams(StreamBackend):
-    """Streams whose copies run inline (ordering checks off), so that the offload mode counts the
-    host path the engine pays per group (on CUDA: what is issued; the copies run on the device)
-    without the CPU backend's worker threads, whose hand-offs are not what a CUDA host pays."""
-
-    def __init__(self) -> None:
-        clocks = VectorClocks(False)
-        self.device = torch.device("cpu")
-        self.pin_memory = False
-        self.compute, self.d2h, self.h2d = (_InlineStream(name, clocks) for name in ("compute", "d2h", "h2d"))
-
-
 def run_child(mode: str, layers: int, count: int, modules_per_layer: int) -> None:
     """Build ``mode`` as `bench/overhead.py` does, warm it up, count ``count`` iterations."""
     import chunk_offload
@@ -115,7 +73,7 @@ def run_child(mode: str, layers: int, count: int, modules_per_layer: int) -> Non
         config = chunk_offload.OffloadConfig(
             min_offload_bytes=1, offload=copies, measure_time=False, group_by="layer" if mode == "offload_layer" else "module"
         )
-        manager = chunk_offload.OffloadManager(config, streams=InlineStreams() if copies else None)
+        manager = chunk_offload.OffloadManager(config, streams=InlineStreams(torch.device("cpu")) if copies else None)
         overhead.register(manager, model, modules_per_layer)
     for _ in range(overhead.WARMUP):
         overhead.one_iteration(model, x, manager)

@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "overhead.py"
 _NUMBER = r"(-?[0-9.]+|nan|inf)"
+MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -28,7 +29,7 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
     done = _run("--layers", "12", "--repeats", "5", "--hidden", "8", "--batch", "2")
     assert done.returncode == 0, done.stderr
     rows = {}
-    for mode in ("plain", "floor", "bookkeeping", "offload", "offload_layer"):
+    for mode in MODES:
         match = re.search(rf"^{mode}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}$", done.stdout, re.M)
         assert match, f"no row for {mode}:\n{done.stdout}"
         rows[mode] = [float(v) for v in match.groups()]
@@ -45,7 +46,7 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
         if rows["floor"][1] > 0:
             expected_median = rows[mode][1] / rows["floor"][1]
             assert abs(median - expected_median) <= 0.01 + 0.01 * abs(expected_median), (label, median, expected_median)
-    for mode in ("offload", "offload_layer"):
+    for mode in ("offload", "offload_layer", "offload_inline"):
         match = re.search(rf"^{mode} / bookkeeping \(us/group over plain\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
         assert match, f"no {mode} / bookkeeping line:\n{done.stdout}"
         if rows["bookkeeping"][3] > 0:
@@ -54,12 +55,12 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
     # 12 modules in layers of 5 (the default): 3 layer groups for 12 module groups.
     assert re.search(r"^tensors offloaded per group: [0-9.]+; offload_layer: 0.25 groups per module group$", done.stdout, re.M), done.stdout
     cyclic = re.search(r"^objects left in reference cycles per group and iteration \(freed only by the garbage collector\): "
-                       + ", ".join(rf"{mode} {_NUMBER}" for mode in ("plain", "floor", "bookkeeping", "offload", "offload_layer")) + "$",
+                       + ", ".join(rf"{mode} {_NUMBER}" for mode in MODES) + "$",
                        done.stdout, re.M)  # fmt: skip
     assert cyclic, done.stdout
     # Autograd alone leaves none, and neither does the engine: a released group lets go of its
     # storages and copy events, and the groups of a released handler forget it (NOTE [No cycles per iteration]).
-    assert [float(v) for v in cyclic.groups()] == [0.0] * 5, done.stdout
+    assert [float(v) for v in cyclic.groups()] == [0.0] * len(MODES), done.stdout
 
 
 def test_bad_argument_is_a_usage_error() -> None:
