@@ -49,7 +49,7 @@
 set -u -o pipefail
 
 readonly STEPS=(install env tests sanitizer overhead replay compare compare_host replay_last bandwidth replay_coplan sanitizer_pp4)
-declare -A LIMIT=([install]=20 [env]=15 [tests]=90 [compare]=240 [compare_host]=200 [sanitizer]=120 [replay]=150 [overhead]=45 [replay_last]=130 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
+declare -A LIMIT=([install]=20 [env]=15 [tests]=90 [compare]=240 [compare_host]=200 [sanitizer]=120 [replay]=150 [overhead]=60 [replay_last]=130 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
