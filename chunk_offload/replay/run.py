@@ -54,7 +54,9 @@ def replay(
     ``plan``: default megatron's schedule of the stage for ``num_microbatches`` (default
     ``2 * pp_size``). ``iterations`` measured iterations per mode, after ``warmup`` of each.
     ``schedule_policy``: ``"plan"`` (what `attach` uses in training: `PlanPolicy` of the plan,
-    with ``prefetch_bytes`` and ``reload_ahead_bytes``), None (every chunk offloaded, each group reloaded when backward
+    with ``prefetch_bytes`` and ``reload_ahead_bytes``, and, as training has them after its
+    baseline iteration, the groups of one baseline iteration run first: with them a chunk whose
+    backward follows its forward at once copies all but its last group, NOTE [Kept tail]), None (every chunk offloaded, each group reloaded when backward
     reaches the group after it) or a `SchedulePolicy`. ``streams`` and ``options``
     (`OffloadConfig` fields) go to `attach`. ``keep_tensors``: also keep chunk outputs and
     gradients in the result, for comparisons. ``host_profile_iterations``: after the measured
@@ -69,7 +71,8 @@ def replay(
     for label, value, low in (("iterations", iterations, 1), ("warmup", warmup, 0), ("host_profile_iterations", host_profile_iterations, 0)):
         if not isinstance(value, int) or value < low:
             raise ChunkOffloadError(f"replay needs {label} as an int >= {low}, got {value!r}")
-    if schedule_policy == "plan":
+    learn_groups = schedule_policy == "plan"
+    if learn_groups:  # until the first baseline iteration knows the groups
         schedule_policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
     elif prefetch_bytes is not None or reload_ahead_bytes is not None:
         raise ChunkOffloadError(
@@ -81,6 +84,12 @@ def replay(
     manager = attach(stage.chunks, modules, config=OffloadConfig(**options), streams=streams, schedule_policy=schedule_policy)
     try:
         runner = _Runner(stage, plan, manager, keep_tensors=keep_tensors)
+        if learn_groups:
+            runner.run(offload=False)
+            schedule_policy = PlanPolicy(
+                plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, group_bytes=manager.last_iteration.group_bytes
+            )
+            manager.engine.schedule_policy = schedule_policy  # between iterations, as training's plan tracking sets it
         for _ in range(warmup):
             runner.run(offload=False)
             runner.run(offload=True)

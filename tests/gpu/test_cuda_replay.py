@@ -5,8 +5,8 @@ without offload, alternating iterations in one process, and compares the drop of
 peak with the drop `chunk_offload.schedule.simulate` predicts from the bytes of the groups:
 the two may differ by no more than device memory outside the saved bytes at the peaks (the
 temporaries of one layer's backward: at most the largest group's bytes). Two single-stage runs: the whole model at
-PP=1 (megatron's no-pipelining order F0 B0 F1 B1 ...; every chunk offloaded, since a plan
-would keep every chunk of it on device), and stage 0 of PP=4 under the plan's policy. The
+PP=1 (megatron's no-pipelining order F0 B0 F1 B1 ...; every group of every chunk offloaded,
+where the plan would keep each chunk's last group on device: NOTE [Kept tail]), and stage 0 of PP=4 under the plan's policy. The
 vocabulary is small so that the logits do not dwarf the saved activations, and the core
 attention is torch's SDPA where `GPTShape` offers it; losses and gradients must also be
 bit-identical between the two modes. The model is bf16, cast whole as Megatron-LM's
