@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import cProfile
 import gc
+import logging
 import pstats
 import statistics
 import time
@@ -33,6 +34,7 @@ __all__ = [
     "ENGINES",
     "FunctionTimes",
     "GcClock",
+    "ProfilerUnavailable",
     "api_calls",
     "api_times",
     "engine_files",
@@ -43,13 +45,22 @@ __all__ = [
     "own_times",
 ]
 
+logger = logging.getLogger(__name__)
+
 FunctionTimes = dict[tuple[str, int, str], tuple[float, float]]
 """(file, line, function) -> (calls, own seconds)."""
 
 
+class ProfilerUnavailable(RuntimeError):
+    """cProfile could not start: another profiler is active (Python 3.12 refuses a second one)."""
+
+
 def _profile(work: Callable[[], object]) -> dict:
     profiler = cProfile.Profile()
-    profiler.enable()
+    try:
+        profiler.enable()
+    except ValueError as e:  # "Another profiling tool is already active"; ``work`` did not run
+        raise ProfilerUnavailable(f"cProfile cannot start: {e}") from e
     try:
         work()
     finally:
@@ -118,8 +129,15 @@ def engine_files(engine: str) -> Callable[[str], bool]:
 
 def engine_host_seconds(work: Callable[[], object], steps: int, engine: str) -> float | None:
     """The median host seconds ``engine`` (`engine_files`) spends in a call of ``work()``, over
-    ``steps`` profiled calls; None when ``steps`` is 0 (nothing profiled)."""
-    return own_times(work, steps=steps, engine=engine_files(engine))[1] if steps else None
+    ``steps`` profiled calls; None when ``steps`` is 0 or cProfile cannot start (another profiler
+    runs the process: a warning says so, and nothing is profiled)."""
+    if not steps:
+        return None
+    try:
+        return own_times(work, steps=steps, engine=engine_files(engine))[1]
+    except ProfilerUnavailable as e:
+        logger.warning("%s's host time is not measured: %s", engine, e)
+        return None
 
 
 def engine_seconds(stats: dict, engine: Callable[[str], bool]) -> float:

@@ -83,3 +83,20 @@ def test_engine_files_name_each_engine_and_refuse_an_unknown_one() -> None:
     assert not megatron("/x/chunk_offload/core/group.py") and not megatron("/x/megatron/core/transformer/transformer_layer.py")
     with pytest.raises(ValueError, match=r"engine_files: engine must be one of chunk_offload, megatron, got 'deepspeed'"):
         engine_files("deepspeed")
+
+
+def test_a_busy_profiler_is_a_warning_and_no_time(monkeypatch, caplog) -> None:
+    """Under another profiler (Python 3.12 refuses a second cProfile) nothing is profiled or run twice."""
+    import cProfile
+
+    from chunk_offload.devkit.host_profile import engine_host_seconds
+
+    def busy(self) -> None:
+        raise ValueError("Another profiling tool is already active")
+
+    ran = []
+    monkeypatch.setattr(cProfile.Profile, "enable", busy)
+    assert engine_host_seconds(lambda: ran.append(1), 2, "megatron") is None
+    assert ran == []
+    assert "megatron's host time is not measured: cProfile cannot start: Another profiling tool is already active" in caplog.text
+    assert engine_host_seconds(lambda: ran.append(1), 0, "megatron") is None and ran == []
