@@ -56,8 +56,9 @@ def replay(
     ``schedule_policy``: ``"plan"`` (what `attach` uses in training: `PlanPolicy` of the plan,
     with ``prefetch_bytes`` and ``reload_ahead_bytes``, and, as training has them after its
     baseline iteration, the groups of one baseline iteration run first: with them a chunk whose
-    backward follows its forward at once copies all but its last group, NOTE [Kept tail]), None (every chunk offloaded, each group reloaded when backward
-    reaches the group after it) or a `SchedulePolicy`. ``streams`` and ``options``
+    backward follows its forward at once copies all but its last group, NOTE [Kept tail]), None
+    (every chunk offloaded, each group reloaded when backward reaches the group after it) or a
+    `SchedulePolicy`. ``streams`` and ``options``
     (`OffloadConfig` fields) go to `attach`. ``keep_tensors``: also keep chunk outputs and
     gradients in the result, for comparisons. ``host_profile_iterations``: after the measured
     iterations, this many more offload iterations under cProfile, for the engine's host time
