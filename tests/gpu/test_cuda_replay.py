@@ -4,9 +4,12 @@ The stage replay (`chunk_offload.replay`) runs a megatron-core GPT stage on the 
 without offload, alternating iterations in one process, and compares the drop of the device
 peak with the drop `chunk_offload.schedule.simulate` predicts from the bytes of the groups:
 the two may differ by no more than device memory outside the saved bytes at the peaks (the
-temporaries of one layer's backward: at most the largest group's bytes). Two single-stage runs: the whole model at
-PP=1 (megatron's no-pipelining order F0 B0 F1 B1 ...; every group of every chunk offloaded,
-where the plan would keep each chunk's last group on device: NOTE [Kept tail]), and stage 0 of PP=4 under the plan's policy. The
+temporaries of one layer's backward: at most the largest group's bytes). The runs: the whole
+model at PP=1 (megatron's no-pipelining order F0 B0 F1 B1 ...; every group of every chunk
+offloaded, where the plan would keep each chunk's last group on device: NOTE [Kept tail]), stage
+0 of PP=4 under the plan's policy, and the last stage of PP=2 under it (1F1B: every backward
+follows its forward, so each chunk copies all but its last group, the groups known from the
+replay's first baseline iteration as in training). The
 vocabulary is small so that the logits do not dwarf the saved activations, and the core
 attention is torch's SDPA where `GPTShape` offers it; losses and gradients must also be
 bit-identical between the two modes. The model is bf16, cast whole as Megatron-LM's
@@ -41,15 +44,16 @@ SAVED_TWICE = "attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1"
 
 
 @pytest.mark.parametrize(
-    ("pp", "policy", "layers", "modules"),
+    ("pp", "stage", "policy", "layers", "modules"),
     [
-        (1, None, 8, MODULES),
-        (4, "plan", 16, MODULES),
-        (1, None, 8, SAVED_TWICE),
+        (1, 0, None, 8, MODULES),
+        (4, 0, "plan", 16, MODULES),
+        (1, 0, None, 8, SAVED_TWICE),
+        (2, 1, "plan", 8, MODULES),
     ],
-    ids=["pp1_every_chunk", "pp4_stage0_plan", "pp1_saved_twice"],
+    ids=["pp1_every_chunk", "pp4_stage0_plan", "pp1_saved_twice", "pp2_last_stage_plan"],
 )
-def test_measured_drop_matches_theory(pp: int, policy, layers: int, modules: str, strictly_deterministic) -> None:
+def test_measured_drop_matches_theory(pp: int, stage: int, policy, layers: int, modules: str, strictly_deterministic) -> None:
     from chunk_offload.devkit.gpt import GPTShape
     from chunk_offload.replay import megatron_stage, replay
 
@@ -60,15 +64,18 @@ def test_measured_drop_matches_theory(pp: int, policy, layers: int, modules: str
         num_layers=layers, hidden_size=1024, num_attention_heads=8, vocab_size=1024, seq_length=2048,
         micro_batch_size=1, dtype=torch.bfloat16, **flash,
     )  # fmt: skip
-    with megatron_stage(shape, pp_size=pp, pp_rank=0) as stage:
+    with megatron_stage(shape, pp_size=pp, pp_rank=stage) as built:
         result = replay(
-            stage, modules=modules, num_microbatches=2 * pp, schedule_policy=policy, iterations=2, warmup=1, keep_tensors=True
+            built, modules=modules, num_microbatches=2 * pp, schedule_policy=policy, iterations=2, warmup=1, keep_tensors=True
         )
     print(result.format())
     base, off = result.baseline, result.offload
     assert base.last.device_peak_bytes is not None, "peaks are not device memory: did the replay run on CUDA?"
     assert off.bytes_offloaded > 0 and result.theoretical_drop > 0, result.summary()
-    assert {p.dtype for c in stage.chunks for p in c.parameters()} == {torch.bfloat16}
+    assert {p.dtype for c in built.chunks for p in c.parameters()} == {torch.bfloat16}
+    if stage == pp - 1 and policy == "plan":  # 1F1B's last stage: every chunk copies all but its last group (NOTE [Kept tail])
+        heads = result.schedule_policy.copied_head
+        assert heads == {chunk: len(sizes) - 1 for chunk, sizes in base.last.group_bytes.items()}, heads
     # What the theory leaves out is device memory outside the saved bytes at the two peaks: at the
     # offload peak, in backward, the temporaries of at most one layer's backward. Bounded by the
     # largest group's bytes; the H200 run of 2026-11-26 measured -8 MiB in both configurations
