@@ -209,12 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(1)
     x = torch.randn(args.batch, args.hidden, device=device)
-    bookkeeping_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, offload=False, measure_time=False))
-    offload_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False))
-    layer_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False, group_by="layer"))
-    inline_mgr = chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False), streams=InlineStreams(device))
+
+    def manager(streams: chunk_offload.StreamBackend | None = None, **options: object) -> chunk_offload.OffloadManager:
+        return chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False, **options), streams=streams)
+
+    bookkeeping_mgr, offload_mgr, layer_mgr = manager(offload=False), manager(), manager(group_by="layer")
     managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr, "offload_layer": layer_mgr,
-                "offload_inline": inline_mgr}  # fmt: skip
+                "offload_inline": manager(InlineStreams(device))}  # fmt: skip
     runs = {}
     for mode in MODES:
         model = build(args.layers, args.hidden, device)
@@ -231,8 +232,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             print_profile(runs, x=x, iterations=args.profile, groups=args.layers)
     finally:
-        for manager in (bookkeeping_mgr, offload_mgr, layer_mgr, inline_mgr):
-            manager.close()
+        for mgr in managers.values():
+            if mgr is not None:
+                mgr.close()
     groups = args.layers
     plain = times["plain"]
     extra = {mode: tuple((t - p) / groups for t, p in zip(times[mode], plain)) for mode in MODES}

@@ -7,9 +7,9 @@ function's median, so that a rare stall (a thread hand-off, a collection) landin
 function of one step does not rank it. `engine_seconds` adds up what one engine spends: the own
 time of the functions in its files (`engine_files`: chunk-offload's or megatron-core's offload)
 and of the C functions they call directly. cProfile sees the calling thread only: work that CPU
-copy streams do on their worker threads is not in it (on CUDA every host call is on that thread). `over` subtracts
-a baseline run's profile, so that what is left is what an engine adds to the host path of the
-same training step; `format_rows` prints the heaviest per unit of work. `api_times` counts, with
+copy streams do on their worker threads is not in it (on CUDA every host call is on that
+thread). `over` subtracts a baseline run's profile, so that what is left is what an engine adds
+to the host path of the same training step; `format_rows` prints the heaviest per unit of work. `api_times` counts, with
 torch.profiler, the CUDA runtime and driver calls a step makes, which cProfile sees only inside
 the Python calls that make them (the copies' ``cudaMemcpyAsync``, event records, stream waits, the
 caching allocators' calls, host-device synchronisations); its rows take the same `over` and

@@ -18,10 +18,11 @@ chunk-offload's accounting of saved bytes for the first two modes and n/a for me
 
 Host time per group (``host_profile_iterations``): after its measured iterations each mode runs
 that many more under cProfile, and the row shows the median host time of the engine's own code
-(its functions and the C calls they make: copies, events, stream switches; `chunk_offload.devkit.host_profile.engine_files`) per
-iteration, over the groups chunk-offload tracks per iteration (one module call of one layer and
-microbatch): the same count for both engines, which offload the same module calls. cProfile
-slows every Python call alike, so the row compares the engines, not the step times.
+per iteration (its functions and the C calls they make: copies, events, stream switches;
+`chunk_offload.devkit.host_profile.engine_files`), over the groups chunk-offload tracks per
+iteration (one module call of one layer and microbatch): the same count for both engines, which
+offload the same module calls. cProfile slows every Python call alike, so the row compares the
+engines, not the step times.
 """
 
 from __future__ import annotations

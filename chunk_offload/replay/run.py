@@ -13,6 +13,7 @@ inputs, so a baseline and an offload iteration must agree bit for bit.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Sequence
 
 import torch
@@ -74,7 +75,8 @@ def replay(
             raise ChunkOffloadError(f"replay needs {label} as an int >= {low}, got {value!r}")
     learn_groups = schedule_policy == "plan"
     if learn_groups:  # until the first baseline iteration knows the groups
-        schedule_policy = PlanPolicy(plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+        plan_policy = functools.partial(PlanPolicy, plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
+        schedule_policy = plan_policy()
     elif prefetch_bytes is not None or reload_ahead_bytes is not None:
         raise ChunkOffloadError(
             f"prefetch_bytes={prefetch_bytes} and reload_ahead_bytes={reload_ahead_bytes} apply to schedule_policy='plan', "
@@ -87,9 +89,7 @@ def replay(
         runner = _Runner(stage, plan, manager, keep_tensors=keep_tensors)
         if learn_groups:
             runner.run(offload=False)
-            schedule_policy = PlanPolicy(
-                plan, prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes, group_bytes=manager.last_iteration.group_bytes
-            )
+            schedule_policy = plan_policy(group_bytes=manager.last_iteration.group_bytes)
             manager.engine.schedule_policy = schedule_policy  # between iterations, as training's plan tracking sets it
         for _ in range(warmup):
             runner.run(offload=False)
