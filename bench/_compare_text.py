@@ -1,14 +1,17 @@
-"""The text `bench/megatron_compare.py` prints: its table of runs and, with ``--profile``, each
-run's host time over the run without offload."""
+"""What `bench/megatron_compare.py` prints (its table of runs and, with ``--profile``, each run's
+host time over the run without offload) and writes (``--json``)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 from chunk_offload.devkit.host_profile import format_rows
 
-__all__ = ["format_profiles", "format_table"]
+__all__ = ["format_profiles", "format_table", "write_json"]
 
 _GB = 1e9
 
@@ -34,8 +37,8 @@ def format_profiles(rows: list[dict[str, Any]], layer_calls: int) -> list[str]:
 
 
 def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool = False) -> str:
-    """One line per run (a skip line for a run that could not run), then what the columns measure
-    (``deterministic``: every run ran on deterministic kernels, ``--deterministic``)."""
+    """One line per run (one ``skipped`` or ``failed`` line for a run that could not run or failed),
+    then what the columns measure (``deterministic``: every run on deterministic kernels)."""
     def gb(value: int | None) -> str:
         return "n/a" if value is None else f"{value / _GB:.4g}"
 
@@ -43,8 +46,9 @@ def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool
     lines = [f"{'modules':<{w}}{'run':<{rw}}{'peak GB':>9}{'median ms':>11}{'min ms':>9}{'overhead':>10}{'min ovh':>9}{'GB copied':>11}"
              f"{'losses =':>10}{'grads =':>9}{'wait ms':>9}{'gc ms':>8}"]  # fmt: skip
     for r in rows:
-        if "skipped" in r:
-            lines.append(f"{r['modules']:<{w}}{r['run']:<{rw}}skipped: {r['skipped']}")
+        if "skipped" in r or "failed" in r:
+            why = "skipped" if "skipped" in r else "failed"
+            lines.append(f"{r['modules']:<{w}}{r['run']:<{rw}}{why}: {r[why]}")
             continue
         lines.append(
             f"{r['modules']:<{w}}{r['run']:<{rw}}{gb(r['peak_bytes']):>9}{r['median_step_s'] * 1e3:>11.2f}{r['min_step_s'] * 1e3:>9.2f}"
@@ -69,3 +73,22 @@ def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool
                else "" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)")  # fmt: skip
     lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'" + kernels)
     return "\n".join(lines)
+
+
+def write_json(args: argparse.Namespace, rows: list[dict[str, Any]], device: str, *, complete: bool) -> None:
+    """``--json``: the rows so far (``complete``: every set and profile ran); after each set too, for a run a limit stops."""
+    if args.json is None:
+        return
+    from megatron.core import __version__ as megatron_core_version
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    for row, r in zip(public, rows):
+        if r.get("_host_added") is not None:  # the 15 functions adding most host time, seconds per step
+            heaviest = sorted(r["_host_added"].items(), key=lambda item: item[1][1], reverse=True)[:15]
+            row["host_added_s"] = {f"{name} ({file}:{line})": own for (file, line, name), (_, own) in heaviest}
+            # Every CUDA API call's change over 'none', per step: [calls, host seconds].
+            row["cuda_api_added"] = {name: [calls, seconds] for (_, _, name), (calls, seconds) in r["_api_added"].items()}
+    args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                     "device": device, "megatron_core": megatron_core_version, "complete": complete,
+                                     "rows": public}, indent=2))  # fmt: skip

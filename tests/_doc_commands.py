@@ -310,7 +310,7 @@ CLIS: dict[str, Cli] = {
     "bench/megatron_compare.py": Cli(
         "shrink", outputs=("--json",), needs="megatron",
         shrink={"--layers": "2", "--hidden": "64", "--heads": "4", "--seq": "32", "--microbatches": "2",
-                "--iterations": "1", "--warmup": "1"},
+                "--iterations": "1", "--warmup": "1", "--processes": "one"},  # per-run processes: tests/bench
     ),
     "bench/overhead.py": Cli("shrink", shrink={"--layers": "4", "--repeats": "2"}),
     "bench/overhead_instructions.py": Cli("parse"),  # valgrind, a minute per mode

@@ -1,10 +1,10 @@
 """`bench/megatron_compare.py` tiny on CPU: four runs per module set through megatron's own schedule.
 
 Checks that every run has its row, that the three offloading runs are bit-identical to the run
-without offload (losses and grads; CPU kernels are deterministic), that megatron-core 0.16.1's
-built-in offload and the budgeted chunk-offload run copy bytes while the default chunk-offload
-run at PP=1 keeps everything on device, that a module megatron lacks gives one skip row, and
-that a bad flag is a usage error (exit status 2).
+without offload (losses and grads; CPU kernels are deterministic), each run in a process of its
+own or all in one, that megatron-core 0.16.1's built-in offload and the chunk-offload runs copy
+bytes, that a module megatron lacks gives one skip row, that a failed run is one row and exit
+status 1, and that a bad flag is a usage error (exit status 2).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ._scripts import load_bench_script
 
@@ -75,12 +77,16 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     skip_rows = [line for line in done.stdout.splitlines() if "skipped:" in line]
     assert len(skip_rows) == 1 and skip_rows[0].split()[:2] == ["mlp_fc1", "megatron"]
     assert "losses =" in done.stdout and "peak: CPU has no device allocator" in done.stdout
+    # Each run in a process of its own (the default): nothing an earlier run left, its whole process timed.
+    assert "each run in a process of its own" in done.stdout
+    assert all(r["left_bytes"] == 0 and r["process_s"] > r["wall_s"] for r in ran if "same_run_as" not in r)
 
 
 def test_reload_ahead_timed_reload_ahead_and_layer_groups_add_bit_identical_runs(tmp_path) -> None:
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "2", "--warmup", "1", "--modules", "core_attn,qkv_linear",
-                "--reload-ahead-bytes", "1048576", "--timed-reload-ahead", "--layer-groups", "--json", str(out))  # fmt: skip
+                "--reload-ahead-bytes", "1048576", "--timed-reload-ahead", "--layer-groups", "--processes", "one",
+                "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
     runs = ["none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed",
@@ -89,13 +95,14 @@ def test_reload_ahead_timed_reload_ahead_and_layer_groups_add_bit_identical_runs
     for ahead in rows[3:6]:
         assert ahead["losses_identical"] and ahead["grads_identical"] and ahead["bytes_copied"] > 0, ahead["run"]
     assert "chunk-offload reload-ahead" in done.stdout and "chunk-offload timed" in done.stdout and "wait ms" in done.stdout
-    assert "chunk-offload layer" in done.stdout
+    assert "chunk-offload layer" in done.stdout and "every run in one process" in done.stdout
+    assert all("process_s" not in r for r in rows)
 
 
 def test_none_again_runs_the_baseline_last_and_overheads_are_over_both(tmp_path) -> None:
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "2", "--warmup", "1", "--modules", "core_attn,qkv_linear",
-                "--none-again", "--json", str(out))  # fmt: skip
+                "--none-again", "--processes", "one", "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["run"] for r in rows] == ["none", "chunk-offload", "chunk-offload budget", "megatron", "none again"]
@@ -108,10 +115,12 @@ def test_none_again_runs_the_baseline_last_and_overheads_are_over_both(tmp_path)
     assert "with 'none again': over the mean of both medians" in done.stdout
 
 
-def test_profile_gives_each_engine_its_host_time(tmp_path) -> None:
+@pytest.mark.parametrize("processes", ["per-run", "one"])
+def test_profile_gives_each_engine_its_host_time(tmp_path, processes: str) -> None:
+    """In its own process a run is profiled after its timed steps; in one process each run is built again."""
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "1", "--warmup", "1", "--modules", "core_attn,qkv_linear",
-                "--profile", "2", "--json", str(out))  # fmt: skip
+                "--profile", "2", "--processes", processes, "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     runs = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
     assert "engine_host_ms" not in runs["none"] and "host_added_s" not in runs["none"]
@@ -122,7 +131,7 @@ def test_profile_gives_each_engine_its_host_time(tmp_path) -> None:
         assert runs[run]["cuda_api_added"] == {}, run  # torch.profiler counts CUDA API calls on CUDA only
     assert "CUDA API calls (torch.profiler): none without CUDA" in done.stdout
     assert runs["chunk-offload"]["losses_identical"] and runs["chunk-offload"]["grads_identical"]
-    # The profiles come once every run is timed, each run built once more: its wall time is its timed run's.
+    # A run's wall time is that of its timed steps, its profile not included.
     assert all(r["wall_s"] > 0 and r["left_bytes"] == 0 for r in runs.values())
     assert done.stdout.index("core_attn,qkv_linear  megatron") < done.stdout.index("host profile")
 
@@ -132,17 +141,17 @@ def test_profiles_take_each_sets_none_first_and_megatrons_second(monkeypatch) ->
     bench = load_bench_script("megatron_compare")
     profiled = []
 
-    def profile_run(args, shape, modules, run, budget, *, profile):
-        assert profile
+    def profile_run(args, shape, modules, run, budget, *, measure, profile_steps):
+        assert not measure and profile_steps == 3
         profiled.append((",".join(modules), run))
         return {"_profile": ({}, 1.0), "_api": {}}
 
-    monkeypatch.setattr(bench, "_run", profile_run)
+    monkeypatch.setattr(bench, "run_once", profile_run)
     runs = ["none", "chunk-offload", "chunk-offload budget", "megatron", "none again"]
     rows = [{"modules": m, "run": r, "budget_bytes": None} for m in ("b", "a") for r in runs]
     rows[8] = {"modules": "a", "run": "megatron", "skipped": "not here"}
     rows[5]["same_run_as"] = "b"  # set a shows set b's run without offload: profiled once
-    bench._add_profiles(None, None, rows)
+    bench._add_profiles(bench._Runs(SimpleNamespace(profile=3), None, None), rows)
     assert profiled == [("b", "none"), ("b", "megatron"), ("b", "chunk-offload"), ("b", "chunk-offload budget"),
                         ("a", "chunk-offload"), ("a", "chunk-offload budget")]  # fmt: skip
     assert all(r["engine_host_ms"] == 1e3 for r in rows if r["run"] not in ("none", "none again") and "skipped" not in r)
@@ -155,7 +164,7 @@ def test_each_finished_set_is_in_the_json_before_the_next_one_runs(tmp_path, mon
     out = tmp_path / "compare.json"
     calls = []
 
-    def module_set(args, shape, modules, none=None):
+    def module_set(runs, modules, none=None):
         calls.append(",".join(modules))
         if len(calls) == 2:
             raise KeyboardInterrupt  # the run stops during its second set
@@ -163,15 +172,54 @@ def test_each_finished_set_is_in_the_json_before_the_next_one_runs(tmp_path, mon
 
     monkeypatch.setattr(bench, "_module_set", module_set)
     with pytest.raises(KeyboardInterrupt):
-        bench.main(["--modules", "core_attn", "--modules", "qkv_linear", "--json", str(out)])
+        bench.main(["--modules", "core_attn", "--modules", "qkv_linear", "--processes", "one", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["complete"] is False and data["rows"] == [{"modules": "core_attn", "run": "none"}]
+
+
+def test_a_failed_run_is_one_row_the_others_run_and_the_exit_status_is_1(tmp_path, monkeypatch, capsys) -> None:
+    """A run whose process raises (or ends without an answer) is a ``failed`` row, not the end of the comparison."""
+    bench = load_bench_script("megatron_compare")
+    calls = []
+
+    def in_own_process(function, args, shape, modules, run, budget, grads_file):
+        calls.append(run)
+        if run == "megatron":
+            raise bench.RunFailed("OutOfMemoryError: CUDA out of memory")
+        torch.save({"w": torch.ones(2)}, grads_file)
+        return {"run": run, "modules": ",".join(modules), "peak_bytes": None, "median_step_s": 0.2, "min_step_s": 0.1,
+                "bytes_copied": 0, "compute_wait_ms": None, "gc_ms": 0.0, "saved_peak_bytes": 8, "_losses": [torch.zeros(1)],
+                "budget_bytes": budget, "left_bytes": 0, "wall_s": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(bench, "in_own_process", in_own_process)
+    out = tmp_path / "compare.json"
+    assert bench.main(["--modules", "core_attn", "--json", str(out)]) == 1
+    assert calls == ["none", "megatron", "chunk-offload", "chunk-offload budget"]
+    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["megatron"] == {"run": "megatron", "modules": "core_attn", "failed": "OutOfMemoryError: CUDA out of memory"}
+    assert rows["chunk-offload"]["grads_identical"] and rows["chunk-offload budget"]["budget_bytes"] == 4  # half its saved peak
+    captured = capsys.readouterr()
+    assert "core_attn  megatron              failed: OutOfMemoryError: CUDA out of memory" in captured.out
+    assert "core_attn / megatron failed: OutOfMemoryError: CUDA out of memory" in captured.err
+
+
+def test_a_set_whose_run_without_offload_failed_stops_there() -> None:
+    bench = load_bench_script("megatron_compare")
+
+    class Runs:
+        args = bench.parse_args(["--modules", "core_attn"])
+
+        def measured(self, modules, run, budget):
+            assert run == "none"
+            return {"run": run, "modules": ",".join(modules), "failed": "RuntimeError: no device"}
+
+    assert bench._module_set(Runs(), ["core_attn"]) == [{"run": "none", "modules": "core_attn", "failed": "RuntimeError: no device"}]
 
 
 def test_deterministic_runs_say_so_under_the_table(tmp_path) -> None:
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "1", "--warmup", "1", "--modules", "core_attn,qkv_linear",
-                "--deterministic", "--json", str(out))  # fmt: skip
+                "--deterministic", "--processes", "one", "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert data["args"]["deterministic"] is True and data["complete"] is True
@@ -213,6 +261,7 @@ def test_bad_flag_exits_2(flag: str, message: str) -> None:
         (["--reload-ahead-bytes", "-5"], "--reload-ahead-bytes must be an integer >= 0, got -5"),
         (["--reload-ahead-bytes", "lots"], "argument --reload-ahead-bytes: invalid int value: 'lots'"),
         (["--profile", "-1"], "--profile must be an integer >= 0, got -1"),
+        (["--processes", "two"], "argument --processes: invalid choice: 'two' (choose from"),
     ],
 )
 def test_usage_errors(capsys, argv: list[str], message: str) -> None:
