@@ -31,7 +31,8 @@ garbage collection frees (host time no profile shows as a function's own).
 
 ``--profile N`` then runs N more iterations of the offload and the bookkeeping modes under
 cProfile and prints the functions whose own host time the copies add most, per group (offload
-over bookkeeping): where the offload path's extra cost goes; on CUDA then N more of both under
+over bookkeeping): where the offload path's extra cost goes (backward on the calling thread, where
+cProfile sees it: `chunk_offload.devkit.host_profile`); on CUDA then N more of both under
 torch.profiler, for the CUDA API calls (copies, events, stream waits, allocations) the copies add
 per group.
 

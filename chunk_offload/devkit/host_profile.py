@@ -7,8 +7,10 @@ function's median, so that a rare stall (a thread hand-off, a collection) landin
 function of one step does not rank it. `engine_seconds` adds up what one engine spends: the own
 time of the functions in its files (`engine_files`: chunk-offload's or megatron-core's offload)
 and of the C functions they call directly. cProfile sees the calling thread only: work that CPU
-copy streams do on their worker threads is not in it (on CUDA every host call is on that
-thread). `over` subtracts a baseline run's profile, so that what is left is what an engine adds
+copy streams do on their worker threads is not in it. Autograd runs the backward of CUDA tensors
+on a worker thread of that device, which would hide backward's hooks and both engines' reloads;
+so the profiled calls run with multithreaded backward off (`torch.autograd.set_multithreading_enabled`),
+backward then on the calling thread with the same work. `over` subtracts a baseline run's profile, so that what is left is what an engine adds
 to the host path of the same training step; `format_rows` prints the heaviest per unit of work. `api_times` counts, with
 torch.profiler, the CUDA runtime and driver calls a step makes, which cProfile sees only inside
 the Python calls that make them (the copies' ``cudaMemcpyAsync``, event records, stream waits, the
@@ -62,7 +64,8 @@ def _profile(work: Callable[[], object]) -> dict:
     except ValueError as e:  # "Another profiling tool is already active"; ``work`` did not run
         raise ProfilerUnavailable(f"cProfile cannot start: {e}") from e
     try:
-        work()
+        with torch.autograd.set_multithreading_enabled(False):  # backward on this thread, in the profile
+            work()
     finally:
         profiler.disable()
     return pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own, cumulative, callers)}

@@ -6,6 +6,7 @@ import gc
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 from chunk_offload.devkit.host_profile import API_FILE, GcClock, api_calls, engine_files, format_rows, over, own_times
@@ -36,6 +37,20 @@ def test_calls_are_counted_per_step_and_subtracted_exactly() -> None:
     assert seven_spent > own_here > 0
     rows = format_rows({key: seven[key]}, per=7)
     assert len(rows) == 1 and rows[0].split()[1] == "1.00" and rows[0].endswith(f"_leaf (test_host_profile.py:{key[1]})")
+
+
+def test_profiled_backward_runs_on_the_calling_thread() -> None:
+    """Autograd runs a CUDA backward on a device thread cProfile does not see: profiled steps turn that off."""
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+
+    def work() -> None:
+        seen.append(torch.autograd.is_multithreading_enabled())
+        (x * 2).sum().backward()
+
+    times, _ = own_times(work, steps=2)
+    assert seen == [False, False] and torch.autograd.is_multithreading_enabled()  # restored after
+    assert any(name == "<method 'run_backward' of 'torch._C._EngineBase' objects>" for _, _, name in times)
 
 
 def test_a_function_only_in_the_baseline_counts_negative() -> None:
