@@ -32,8 +32,10 @@ Each run trains in a fresh process of its own (``--processes per-run``, the defa
 with no device memory another run left allocated, no allocator cache another model shaped, no
 megatron singleton and no profiler residue, so each row measures that run alone. A run that
 fails (out of memory, say) is one ``failed`` row, the others still run, and the exit status is 1.
-Its gradients come back through a file in a temporary folder, its other results pickled; each
-row's ``process_s`` in the JSON is its process's whole time, interpreter start included.
+Its gradients come back through a file in a temporary folder (compared with the run without
+offload's as soon as it ends, then deleted: one model's worth on disk besides that run's), its
+other results pickled; each row's ``process_s`` in the JSON is its process's whole time,
+interpreter start included.
 ``--processes one`` runs them one after another in this process instead (a few seconds less per
 run): each run then measures what is still allocated before it builds its model, takes it off its
 peak and adds it to its budget, and the table names it.
@@ -159,7 +161,18 @@ class _Runs:
         except RunFailed as failure:
             print(f"{','.join(modules)} / {run} failed: {failure}", file=sys.stderr)
             return {"run": run, "modules": ",".join(modules), "failed": str(failure)}
-        return {**row, "_grads": torch.load(grads_file, mmap=True), "process_s": time.perf_counter() - started}
+        return {**row, "_grads": torch.load(grads_file, mmap=True), "_grads_file": grads_file, "process_s": time.perf_counter() - started}
+
+    def compared(self, modules: list[str], run: str, budget: int | None, base: dict[str, Any] | None) -> dict[str, Any]:
+        """`measured`, and whether its losses and grads equal ``base``'s (None: it is the base, and
+        keeps its grads); its own grads are then let go (at hidden 4096 a model's worth per run)."""
+        row = self.measured(modules, run, budget)
+        if base is not None and "failed" not in row:
+            row.update(_same(base, row))
+            del row["_grads"]
+            if "_grads_file" in row:
+                row.pop("_grads_file").unlink()
+        return row
 
     def profiled(self, modules: list[str], run: str, budget: int | None) -> dict[str, Any]:
         """``--profile`` steps of a run measured here: built again, once every run is timed."""
@@ -180,30 +193,31 @@ def _module_set(runs: _Runs, modules: list[str], none: dict[str, Any] | None = N
     run without offload fails the set stops there: nothing could be compared with it.
     """
     args = runs.args
-    rows = [runs.measured(modules, "none", None) if none is None else {**none, "modules": ",".join(modules), "same_run_as": none["modules"]}]
-    if "failed" in rows[0]:
-        return rows
+    base = runs.compared(modules, "none", None, None) if none is None else {**none, "modules": ",".join(modules), "same_run_as": none["modules"]}
+    if "failed" in base:
+        return [base]
+    rows = [{**base, **_same(base, base)}]
     skip = builtin.builtin_unavailable(modules)
-    megatron = None if skip else runs.measured(modules, "megatron", None)
-    rows.append(runs.measured(modules, "chunk-offload", None))
+    megatron = None if skip else runs.compared(modules, "megatron", None, base)
+    rows.append(runs.compared(modules, "chunk-offload", None, base))
     budget = args.budget_bytes
     if budget is None:
-        budget = megatron["peak_bytes"] if megatron and megatron.get("peak_bytes") is not None and rows[0]["peak_bytes"] \
+        budget = megatron["peak_bytes"] if megatron and megatron.get("peak_bytes") is not None and base["peak_bytes"] \
             else (rows[1].get("saved_peak_bytes") or 0) // 2  # fmt: skip
-    rows.append(runs.measured(modules, "chunk-offload budget", budget))
+    rows.append(runs.compared(modules, "chunk-offload budget", budget, base))
     for run, wanted in (("reload-ahead", args.reload_ahead_bytes is not None), ("timed", args.timed_reload_ahead), ("layer", args.layer_groups)):
         if wanted:
-            rows.append(runs.measured(modules, f"chunk-offload {run}", None))
+            rows.append(runs.compared(modules, f"chunk-offload {run}", None, base))
     rows.append(megatron if megatron is not None else {"run": "megatron", "modules": ",".join(modules), "skipped": skip})
     if args.none_again:
-        rows.append(runs.measured(modules, "none again", None))
-    base, ran = rows[0], [r for r in rows if "skipped" not in r and "failed" not in r]
+        rows.append(runs.compared(modules, "none again", None, base))
+    ran = [r for r in rows if "skipped" not in r and "failed" not in r]
     nones = [r for r in ran if r["run"] in ("none", "none again")]
     # Over both runs without offload where there are two: a host whose speed drifts during the set
     # moves both, and their own overheads (one below 0, one above) show by how much.
     median, fastest = statistics.mean(r["median_step_s"] for r in nones), min(r["min_step_s"] for r in nones)
     for row in ran:
-        row.update(_same(base, row), overhead=row["median_step_s"] / median - 1, overhead_min=row["min_step_s"] / fastest - 1)
+        row.update(overhead=row["median_step_s"] / median - 1, overhead_min=row["min_step_s"] / fastest - 1)
     return rows
 
 

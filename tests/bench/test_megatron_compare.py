@@ -180,10 +180,13 @@ def test_each_finished_set_is_in_the_json_before_the_next_one_runs(tmp_path, mon
 def test_a_failed_run_is_one_row_the_others_run_and_the_exit_status_is_1(tmp_path, monkeypatch, capsys) -> None:
     """A run whose process raises (or ends without an answer) is a ``failed`` row, not the end of the comparison."""
     bench = load_bench_script("megatron_compare")
-    calls = []
+    calls, files = [], []
 
     def in_own_process(function, args, shape, modules, run, budget, grads_file):
+        # Each run's grads file is gone once compared; the run without offload's stays, for the next.
+        assert [f.exists() for f in files] == [True] * min(len(files), 1) + [False] * (len(files) - 1)
         calls.append(run)
+        files.append(grads_file)
         if run == "megatron":
             raise bench.RunFailed("OutOfMemoryError: CUDA out of memory")
         torch.save({"w": torch.ones(2)}, grads_file)
@@ -209,8 +212,8 @@ def test_a_set_whose_run_without_offload_failed_stops_there() -> None:
     class Runs:
         args = bench.parse_args(["--modules", "core_attn"])
 
-        def measured(self, modules, run, budget):
-            assert run == "none"
+        def compared(self, modules, run, budget, base):
+            assert run == "none" and base is None
             return {"run": run, "modules": ",".join(modules), "failed": "RuntimeError: no device"}
 
     assert bench._module_set(Runs(), ["core_attn"]) == [{"run": "none", "modules": "core_attn", "failed": "RuntimeError: no device"}]
