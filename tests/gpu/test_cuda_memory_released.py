@@ -4,8 +4,9 @@ The H200 run of 2026-11-27 (bench/results/2026-11-27-h200) measured, in `bench/m
 the runs right after a chunk-offload run peaking higher by exactly the previous run's model
 (parameters and gradients: 7.56 GB at hidden 4096, 1.07 GB at hidden 1024), although the bench
 collects garbage between runs; on CPU nothing of a run outlives it. This test runs the bench's
-own run twice in one process and asserts that nothing of the first is still allocated when the
-second starts; when something is, it names what holds the CUDA tensors still alive.
+own run twice in one process (as ``--processes one`` does; by default each run now has a process
+of its own) and asserts that nothing of the first is still allocated when the second starts;
+when something is, it names what holds the CUDA tensors still alive.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def _holders() -> list[str]:
 
 
 def _watched_bench(monkeypatch) -> tuple[object, dict]:
-    """The bench script, with weak references to each run's model, a weight and its manager in the dict."""
-    bench = load_bench_script("megatron_compare")
+    """The bench's run module (`bench/_compare_run.py`, whose runs are here in this process, as
+    ``--processes one`` runs them), with weak references to each run's model, a weight and its
+    manager in the dict."""
+    load_bench_script("megatron_compare")  # puts bench/ on sys.path and imports its run module
+    bench = sys.modules["_compare_run"]
     built = {}
     stage_of, with_offload = bench.megatron_stage, bench._with_offload
 
@@ -72,13 +76,14 @@ def _watched_bench(monkeypatch) -> tuple[object, dict]:
 
 def _run_twice(bench, run: str) -> tuple[int, dict]:
     """The run without offload (what a process allocates once: cuDNN, NCCL), then ``run``; the bytes left before it, and its row."""
-    args = bench.parse_args(["--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "256", "--dtype", "bf16",
-                             "--min-offload-bytes", "1", "--warmup", "1", "--iterations", "1", "--timed-reload-ahead"])  # fmt: skip
+    args = sys.modules["megatron_compare"].parse_args(
+        ["--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "256", "--dtype", "bf16", "--min-offload-bytes", "1",
+         "--warmup", "1", "--iterations", "1", "--timed-reload-ahead", "--processes", "one"])  # fmt: skip
     shape = bench.GPTShape(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=args.vocab, seq_length=256,
                            micro_batch_size=1, dtype=torch.bfloat16, attention="sdpa")  # fmt: skip
-    bench._run(args, shape, ["core_attn", "qkv_linear"], "none", None)
+    bench.run_once(args, shape, ["core_attn", "qkv_linear"], "none", None)
     before = bench.device_bytes_left()
-    return before, bench._run(args, shape, ["core_attn", "qkv_linear"], run, None)
+    return before, bench.run_once(args, shape, ["core_attn", "qkv_linear"], run, None)
 
 
 def test_a_run_leaves_no_manager_behind(monkeypatch) -> None:
