@@ -131,7 +131,7 @@ def _train(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: s
 
 
 def run_alone(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str, budget: int | None,
-               grads_file: Path) -> dict[str, Any]:  # fmt: skip
+              grads_file: Path) -> dict[str, Any]:  # fmt: skip
     """`run_once` in a process of its own (`in_own_process`): measured, then profiled; its grads saved
     to ``grads_file`` (a model's worth of bytes, through a file rather than the pipe)."""
     row = run_once(args, shape, modules, run, budget, profile_steps=args.profile)
