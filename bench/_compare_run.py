@@ -63,7 +63,7 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
 
 
 def run_once(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: str, budget: int | None,
-         *, measure: bool = True, profile_steps: int = 0) -> dict[str, Any]:  # fmt: skip
+             *, measure: bool = True, profile_steps: int = 0) -> dict[str, Any]:  # fmt: skip
     """One run: fresh model, warm-up, then (``measure``) the measured iterations through megatron's
     schedule, then ``profile_steps`` steps under each profiler (`_add_profiles`)."""
     with deterministic_kernels() if args.deterministic else contextlib.nullcontext():
