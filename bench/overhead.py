@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in ("offload", "offload_layer", "offload_inline"):
         ratios = [e / b if b > 0 else float("nan") for e, b in zip(extra[mode], extra["bookkeeping"])]
         print(f"{mode} / bookkeeping (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
+    machinery = [(o - i) * 1e6 for o, i in zip(extra["offload"], extra["offload_inline"])]
+    print(f"copy streams' machinery (offload - offload_inline, us/group): {machinery[1]:.2f} fastest, {machinery[0]:.2f} median")
     print("objects left in reference cycles per group and iteration (freed only by the garbage collector): "
           + ", ".join(f"{mode} {cyclic[mode] / groups:.2f}" for mode in MODES))
 

@@ -52,6 +52,11 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
         if rows["bookkeeping"][3] > 0:
             expected = rows[mode][3] / rows["bookkeeping"][3]
             assert abs(float(match.group(1)) - expected) <= 0.01 + 0.01 * abs(expected), (mode, match.group(1), expected)
+    machinery = re.search(rf"^copy streams' machinery \(offload - offload_inline, us/group\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
+    assert machinery, done.stdout
+    # The printed difference is that of the printed per-group costs (2 decimals each).
+    assert abs(float(machinery.group(1)) - (rows["offload"][3] - rows["offload_inline"][3])) <= 0.011, machinery.group(0)
+    assert abs(float(machinery.group(2)) - (rows["offload"][1] - rows["offload_inline"][1])) <= 0.011, machinery.group(0)
     # 12 modules in layers of 5 (the default): 3 layer groups for 12 module groups.
     assert re.search(r"^tensors offloaded per group: [0-9.]+; offload_layer: 0.25 groups per module group$", done.stdout, re.M), done.stdout
     cyclic = re.search(r"^objects left in reference cycles per group and iteration \(freed only by the garbage collector\): "
