@@ -2,19 +2,21 @@
 
 A run in a fresh process starts with nothing another run left: no device memory still allocated,
 no allocator cache shaped by another model, no library singleton (megatron's offload manager) and
-no profiler residue. The process is started with ``spawn`` (a new interpreter: a forked child of
-a process that touched CUDA could not use it), so the call and its arguments are pickled: the
-function must be importable by its module's name, or be in the ``__main__`` script. The answer
-travels as plain pickle bytes: tensors by value (multiprocessing's own pickler, as torch extends
-it, would pass them as shared-memory handles that die with the process that sent them).
+no profiler residue. The process is a new interpreter running this file (a forked child of a
+process that touched CUDA could not use it): it reads the caller's ``sys.path``, then the call,
+from its stdin, and writes the answer to a pipe of its own, so that its stdout and stderr stay
+the caller's terminal. Both travel as plain pickle: the function is found by its module's name
+(not the ``__main__`` script), and tensors go by value. Nothing is left running after the call
+(multiprocessing's ``spawn`` would leave its resource tracker until the caller exits).
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import os
 import pickle
+import subprocess
+import sys
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 __all__ = ["RunFailed", "in_own_process"]
@@ -31,33 +33,43 @@ def in_own_process(function: Callable[..., Any], *args: Any) -> Any:
     The process's traceback, where the call raised, is printed by that process to its stderr
     (the terminal the bench writes to), so that the cause is shown where the bench's log is.
     """
-    context = multiprocessing.get_context("spawn")
-    receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_answer, args=(send, function, args), daemon=True)
-    process.start()
-    send.close()  # the child holds the only write end: reading gets EOF when it ends
+    request = pickle.dumps(sys.path) + pickle.dumps((function, args))
+    answer_read, answer_write = os.pipe()
+    sys.stdout.flush()  # what the caller printed comes before what the child prints
+    sys.stderr.flush()
     try:
-        status, value = pickle.loads(receive.recv_bytes())  # before join: a large answer fills the pipe until read
-    except EOFError:
-        status, value = None, None
+        child = subprocess.Popen([sys.executable, __file__, str(answer_write)], stdin=subprocess.PIPE, pass_fds=(answer_write,))
     finally:
-        receive.close()
-        process.join()
-    if status == "ok":
-        return value
+        os.close(answer_write)  # the child holds the only write end: reading gets EOF when it ends
+    with os.fdopen(answer_read, "rb") as answers:
+        try:
+            with child.stdin:
+                child.stdin.write(request)
+        except BrokenPipeError:  # it ended before reading the call; its exit code says how
+            pass
+        answer = answers.read()
+    child.wait()
+    if not answer:
+        raise RunFailed(f"its process ended without an answer (exit code {child.returncode})")
+    status, value = pickle.loads(answer)
     if status == "raised":
         raise RunFailed(value)
-    raise RunFailed(f"its process ended without an answer (exit code {process.exitcode})")
+    return value
 
 
-def _answer(send: Connection, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    """The child's side: run the call and send ("ok", result) or ("raised", "Type: message")."""
+def _answer(answer_fd: int) -> None:
+    """The child's side: read the caller's path and the call, run it, write ("ok", result) or
+    ("raised", "Type: message")."""
+    sys.path[:] = pickle.load(sys.stdin.buffer)
+    function, args = pickle.load(sys.stdin.buffer)
     try:
-        result = function(*args)
+        answer = ("ok", function(*args))
     except BaseException as error:  # noqa: BLE001 - every failure is the run's answer, KeyboardInterrupt included
         traceback.print_exc()
-        send.send_bytes(pickle.dumps(("raised", f"{type(error).__name__}: {error}")))
-    else:
-        send.send_bytes(pickle.dumps(("ok", result)))
-    finally:
-        send.close()
+        answer = ("raised", f"{type(error).__name__}: {error}")
+    with os.fdopen(answer_fd, "wb") as out:
+        out.write(pickle.dumps(answer))
+
+
+if __name__ == "__main__":
+    _answer(int(sys.argv[1]))

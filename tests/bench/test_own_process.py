@@ -1,4 +1,4 @@
-"""`bench/_own_process.py`: a call in a fresh process answers, or fails with its cause named."""
+"""`bench/_own_process.py`: a call in a fresh process answers, or fails with its cause named, and leaves nothing running."""
 
 from __future__ import annotations
 
@@ -25,3 +25,23 @@ def test_a_call_that_raises_fails_with_its_exception() -> None:
 def test_a_process_that_ends_without_an_answer_names_its_exit_code() -> None:
     with pytest.raises(RunFailed, match=r"^its process ended without an answer \(exit code 3\)$"):
         in_own_process(os._exit, 3)
+
+
+def _children() -> list[int]:
+    """The processes whose parent is this one (Linux /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if entry.isdigit() and int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    children.append(int(entry))
+        except (OSError, ValueError, IndexError):  # not a process, or it ended meanwhile
+            continue
+    return children
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_nothing_is_left_running_after_the_call() -> None:
+    before = _children()
+    assert in_own_process(divmod, 9, 4) == (2, 1)
+    assert _children() == before
