@@ -201,7 +201,7 @@ class Comparison:
             row("grads bit-identical", {n: _yes(m["grads"]) for n, m in modes.items() if "grads" in m} | {"none": "(reference)"}),
         ]
         if any("host_us_per_group" in m for m in modes.values()):
-            profiled = "CPU copy streams' worker threads not seen" if cpu else "CUDA: every host call on the profiled thread"
+            profiled = "CPU copy streams' worker threads not seen" if cpu else "CUDA: backward's too, run on the profiled thread"
             rows.append(f"host time / group: the engine's own host time per profiled iteration (cProfile; {profiled}) over the "
                         f"{self.groups_per_iteration} groups chunk-offload tracks per iteration, for each engine alike")  # fmt: skip
         if cpu:
