@@ -1,7 +1,7 @@
 """Host-side cost of the offload bookkeeping per group, against plain autograd and the floor.
 
 A stack of tiny layers (so that compute is negligible) runs forward + backward
-``--repeats`` times in four modes in one process:
+``--repeats`` times in seven modes in one process:
 
 - plain: no manager;
 - floor: what any saved-tensor-hook design pays per group: each layer's call enters a
@@ -18,7 +18,10 @@ A stack of tiny layers (so that compute is negligible) runs forward + backward
   (bench/_inline_streams.py), which run each copy at once on the calling thread's stream: the
   engine's own offload work and the copies' calls, without the copy streams' machinery (worker
   threads on CPU; stream switches, events and stream waits on CUDA). offload - offload_inline is
-  what the streams cost per group.
+  what the streams cost per group;
+- offload_timed: the offload mode with ``measure_time=True``, the training default (every other
+  mode runs without it): copy and wait times (three more timing events per group on CUDA) and a
+  device sync at each end of the iteration. offload_timed - offload is what timing costs per group.
 
 The modes take turns, one iteration each, so that a change of the host's load hits all of
 them alike. It prints, per mode, the median and the fastest time per iteration and the extra
@@ -62,7 +65,7 @@ from _inline_streams import InlineStreams  # noqa: E402  (this bench's backend)
 
 __all__ = ["main"]
 
-MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline")
+MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline", "offload_timed")
 WARMUP = 3  # iterations before timing: pool allocation, autograd caches
 
 
@@ -211,12 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     x = torch.randn(args.batch, args.hidden, device=device)
 
-    def manager(streams: chunk_offload.StreamBackend | None = None, **options: object) -> chunk_offload.OffloadManager:
-        return chunk_offload.OffloadManager(chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=False, **options), streams=streams)
+    def manager(streams: chunk_offload.StreamBackend | None = None, *, measure_time: bool = False, **options: object) -> chunk_offload.OffloadManager:
+        config = chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=measure_time, **options)
+        return chunk_offload.OffloadManager(config, streams=streams)
 
     bookkeeping_mgr, offload_mgr, layer_mgr = manager(offload=False), manager(), manager(group_by="layer")
     managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr, "offload_layer": layer_mgr,
-                "offload_inline": manager(InlineStreams(device))}  # fmt: skip
+                "offload_inline": manager(InlineStreams(device)), "offload_timed": manager(measure_time=True)}  # fmt: skip
     runs = {}
     for mode in MODES:
         model = build(args.layers, args.hidden, device)
@@ -248,11 +252,12 @@ def main(argv: list[str] | None = None) -> None:
     for mode, label in (("bookkeeping", "bookkeeping"), ("offload", "copies")):
         ratios = [e / f if f > 0 else float("nan") for e, f in zip(extra[mode], extra["floor"])]
         print(f"{label} / floor (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
-    for mode in ("offload", "offload_layer", "offload_inline"):
+    for mode in ("offload", "offload_layer", "offload_inline", "offload_timed"):
         ratios = [e / b if b > 0 else float("nan") for e, b in zip(extra[mode], extra["bookkeeping"])]
         print(f"{mode} / bookkeeping (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
-    machinery = [(o - i) * 1e6 for o, i in zip(extra["offload"], extra["offload_inline"])]
-    print(f"copy streams' machinery (offload - offload_inline, us/group): {machinery[1]:.2f} fastest, {machinery[0]:.2f} median")
+    for label, more, less in (("copy streams' machinery", "offload", "offload_inline"), ("timing", "offload_timed", "offload")):
+        added = [(m - l) * 1e6 for m, l in zip(extra[more], extra[less])]
+        print(f"{label} ({more} - {less}, us/group): {added[1]:.2f} fastest, {added[0]:.2f} median")
     print("objects left in reference cycles per group and iteration (freed only by the garbage collector): "
           + ", ".join(f"{mode} {cyclic[mode] / groups:.2f}" for mode in MODES))
 

@@ -71,7 +71,7 @@ def run_child(mode: str, layers: int, count: int, modules_per_layer: int) -> Non
     elif mode != "plain":
         copies = mode != "bookkeeping"
         config = chunk_offload.OffloadConfig(
-            min_offload_bytes=1, offload=copies, measure_time=False, group_by="layer" if mode == "offload_layer" else "module"
+            min_offload_bytes=1, offload=copies, measure_time=mode == "offload_timed", group_by="layer" if mode == "offload_layer" else "module"
         )
         manager = chunk_offload.OffloadManager(config, streams=InlineStreams(torch.device("cpu")) if copies else None)
         overhead.register(manager, model, modules_per_layer)

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "overhead.py"
 _NUMBER = r"(-?[0-9.]+|nan|inf)"
-MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline")
+MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline", "offload_timed")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -46,17 +46,18 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
         if rows["floor"][1] > 0:
             expected_median = rows[mode][1] / rows["floor"][1]
             assert abs(median - expected_median) <= 0.01 + 0.01 * abs(expected_median), (label, median, expected_median)
-    for mode in ("offload", "offload_layer", "offload_inline"):
+    for mode in ("offload", "offload_layer", "offload_inline", "offload_timed"):
         match = re.search(rf"^{mode} / bookkeeping \(us/group over plain\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
         assert match, f"no {mode} / bookkeeping line:\n{done.stdout}"
         if rows["bookkeeping"][3] > 0:
             expected = rows[mode][3] / rows["bookkeeping"][3]
             assert abs(float(match.group(1)) - expected) <= 0.01 + 0.01 * abs(expected), (mode, match.group(1), expected)
-    machinery = re.search(rf"^copy streams' machinery \(offload - offload_inline, us/group\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
-    assert machinery, done.stdout
-    # The printed difference is that of the printed per-group costs (2 decimals each).
-    assert abs(float(machinery.group(1)) - (rows["offload"][3] - rows["offload_inline"][3])) <= 0.011, machinery.group(0)
-    assert abs(float(machinery.group(2)) - (rows["offload"][1] - rows["offload_inline"][1])) <= 0.011, machinery.group(0)
+    for label, more, less in (("copy streams' machinery", "offload", "offload_inline"), ("timing", "offload_timed", "offload")):
+        added = re.search(rf"^{label} \({more} - {less}, us/group\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
+        assert added, done.stdout
+        # The printed difference is that of the printed per-group costs (2 decimals each).
+        assert abs(float(added.group(1)) - (rows[more][3] - rows[less][3])) <= 0.011, added.group(0)
+        assert abs(float(added.group(2)) - (rows[more][1] - rows[less][1])) <= 0.011, added.group(0)
     # 12 modules in layers of 5 (the default): 3 layer groups for 12 module groups.
     assert re.search(r"^tensors offloaded per group: [0-9.]+; offload_layer: 0.25 groups per module group$", done.stdout, re.M), done.stdout
     cyclic = re.search(r"^objects left in reference cycles per group and iteration \(freed only by the garbage collector\): "
