@@ -164,14 +164,18 @@ class _Runs:
         return {**row, "_grads": torch.load(grads_file, mmap=True), "_grads_file": grads_file, "process_s": time.perf_counter() - started}
 
     def compared(self, modules: list[str], run: str, budget: int | None, base: dict[str, Any] | None) -> dict[str, Any]:
-        """`measured`, and whether its losses and grads equal ``base``'s (None: it is the base, and
-        keeps its grads); its own grads are then let go (at hidden 4096 a model's worth per run)."""
+        """`measured`, and whether its losses and grads equal ``base``'s (None: it is the base,
+        identical to itself, and keeps its grads); its own grads are then let go (at hidden 4096 a
+        model's worth per run)."""
         row = self.measured(modules, run, budget)
-        if base is not None and "failed" not in row:
-            row.update(_same(base, row))
-            del row["_grads"]
-            if "_grads_file" in row:
-                row.pop("_grads_file").unlink()
+        if "failed" in row:
+            return row
+        if base is None:
+            return {**row, "losses_identical": True, "grads_identical": True}
+        row.update(_same(base, row))
+        del row["_grads"]
+        if "_grads_file" in row:
+            row.pop("_grads_file").unlink()
         return row
 
     def profiled(self, modules: list[str], run: str, budget: int | None) -> dict[str, Any]:
@@ -196,7 +200,7 @@ def _module_set(runs: _Runs, modules: list[str], none: dict[str, Any] | None = N
     base = runs.compared(modules, "none", None, None) if none is None else {**none, "modules": ",".join(modules), "same_run_as": none["modules"]}
     if "failed" in base:
         return [base]
-    rows = [{**base, **_same(base, base)}]
+    rows = [base]
     skip = builtin.builtin_unavailable(modules)
     megatron = None if skip else runs.compared(modules, "megatron", None, base)
     rows.append(runs.compared(modules, "chunk-offload", None, base))

@@ -9,10 +9,11 @@ time of the functions in its files (`engine_files`: chunk-offload's or megatron-
 and of the C functions they call directly. cProfile sees the calling thread only: work that CPU
 copy streams do on their worker threads is not in it. Autograd runs the backward of CUDA tensors
 on a worker thread of that device, which would hide backward's hooks and both engines' reloads;
-so the profiled calls run with multithreaded backward off (`torch.autograd.set_multithreading_enabled`),
-backward then on the calling thread with the same work. `over` subtracts a baseline run's profile, so that what is left is what an engine adds
-to the host path of the same training step; `format_rows` prints the heaviest per unit of work. `api_times` counts, with
-torch.profiler, the CUDA runtime and driver calls a step makes, which cProfile sees only inside
+so the profiled calls run with multithreaded backward off
+(`torch.autograd.set_multithreading_enabled`), backward then on the calling thread with the same
+work. `over` subtracts a baseline run's profile, so that what is left is what an engine adds to
+the host path of the same training step; `format_rows` prints the heaviest per unit of work.
+`api_times` counts, with torch.profiler, the CUDA runtime and driver calls a step makes, which cProfile sees only inside
 the Python calls that make them (the copies' ``cudaMemcpyAsync``, event records, stream waits, the
 caching allocators' calls, host-device synchronisations); its rows take the same `over` and
 `format_rows`. `GcClock` times the garbage collector's runs, which no function owns.

@@ -59,11 +59,10 @@ def replay(
     baseline iteration, the groups of one baseline iteration run first: with them a chunk whose
     backward follows its forward at once copies all but its last group, NOTE [Kept tail]), None
     (every chunk offloaded, each group reloaded when backward reaches the group after it) or a
-    `SchedulePolicy`. ``streams`` and ``options``
-    (`OffloadConfig` fields) go to `attach`. ``keep_tensors``: also keep chunk outputs and
-    gradients in the result, for comparisons. ``host_profile_iterations``: after the measured
-    iterations, this many more offload iterations under cProfile, for the engine's host time
-    (`ModeResult.host_engine_s`).
+    `SchedulePolicy`. ``streams`` and ``options`` (`OffloadConfig` fields) go to `attach`.
+    ``keep_tensors``: also keep chunk outputs and gradients in the result, for comparisons.
+    ``host_profile_iterations``: after the measured iterations, this many more offload iterations
+    under cProfile, for the engine's host time (`ModeResult.host_engine_s`).
     """
     if plan is None:
         plan = stage.plan(num_microbatches if num_microbatches is not None else 2 * stage.pp_size)
