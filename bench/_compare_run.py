@@ -22,9 +22,11 @@ from chunk_offload.integrations.megatron import attach
 from chunk_offload.replay import megatron_builtin as builtin
 from chunk_offload.replay.stage import device_bytes_left, megatron_stage
 
-__all__ = ["DTYPES", "run_alone", "run_once"]
+__all__ = ["DTYPES", "TIMED", "run_alone", "run_once"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TIMED = {"auto": "auto", "on": True, "off": False}
+"""``--timed-reload-ahead``'s values as ``attach``'s ``timed_reload_ahead``."""
 
 
 def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Module, modules: list[str], run: str,
@@ -39,7 +41,7 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
         manager = attach([model], modules, config=config,
                          device_budget_bytes=budget if run.endswith("budget") else None,
                          reload_ahead_bytes=args.reload_ahead_bytes if run.endswith("reload-ahead") else None,
-                         timed_reload_ahead=run.endswith("timed") or (run.endswith("budget") and args.timed_reload_ahead))  # fmt: skip
+                         timed_reload_ahead=TIMED[args.timed_reload_ahead])  # fmt: skip
         stack.callback(manager.close)
         stack.callback(manager.detach)
         return manager.wrap(forward_backward), gpt_forward_step, manager, seen
@@ -120,6 +122,7 @@ def _train(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: s
                    "budget_bytes": budget if run.endswith("budget") else None,
                    "compute_wait_ms": None if None in waits else statistics.median(waits) * 1e3,
                    "saved_peak_bytes": record.peak_resident_bytes if record else None, "_losses": losses,
+                   "timed_reload_ahead": manager.tracking.timed_reload_ahead if manager is not None else None,
                    "_grads": {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None},
                    "gc_ms": statistics.median(c.seconds for c in gc_clocks) * 1e3,
                    "gc_collections": [sum(c.collections[g] for c in gc_clocks) / len(gc_clocks) for g in range(3)],

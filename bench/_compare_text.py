@@ -67,6 +67,10 @@ def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool
         lines.append(f"none: one run, shown in every module set (it offloads nothing): the run of {shared[0]['same_run_as']}")
     lines.append("overhead: median step over 'none''s; min ovh: fastest step over 'none''s (less moved by a busy host)"
                  + ("; with 'none again': over the mean of both medians, and the faster fastest step" if any(r["run"] == "none again" for r in rows) else ""))
+    timed = sorted({r["timed_reload_ahead"] for r in rows if r.get("timed_reload_ahead") is not None})
+    if timed:
+        lines.append("chunk-offload's reloads: " + " / ".join("ahead by the last iteration's copy timing" if t else "one group ahead" for t in timed)
+                     + " (timed_reload_ahead; by default timed on CUDA only)")
     lines.append("wait ms: chunk-offload's compute waits on its copies per iteration (median), n/a for the others; "
                  "gc ms: the garbage collector's time per step (median)")
     kernels = (" (deterministic kernels, --deterministic: a difference is the offload's)" if deterministic

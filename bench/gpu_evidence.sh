@@ -1,43 +1,32 @@
 #!/usr/bin/env bash
 # GPU evidence in one command: environment, tests/gpu, tests/gpu under PyTorch's CUDA stream
-# sanitizer, the stage replay of stage 0 and of the last stage of PP=4 VPP=2 (hidden 4096, bf16;
-# the last stage on deterministic kernels, so that its losses and grads rows are a bit-for-bit check)
-# side by side with megatron-core's built-in offload where the replay offers --compare (and
-# chunk-offload trained under megatron's measured peak, --budget-bytes megatron), the replay
-# of README's co-planned stage (offload and megatron's selective recompute together), the PP=1
-# comparison with megatron's built-in (bench/megatron_compare.py), the pinned-memcpy bandwidth
-# probe and the host-overhead bench with its profile. Every log and JSON goes under the output
-# folder, in at most 8 files: evidence.log (every step's output, in order, pytest's per-test
-# results included), summary.txt (one line per step: status, seconds, limit), replay.json,
-# replay_last.json, replay_coplan.json, compare.json (hidden 4096), compare_host.json (the
-# host-bound configuration), bandwidth.json.
+# sanitizer, the stage replays of PP=4 VPP=2 (hidden 4096, bf16; stage 0, and the last stage on
+# deterministic kernels so that its losses and grads rows are a bit-for-bit check) beside
+# megatron-core's built-in offload (--compare megatron, --budget-bytes megatron), the co-planned
+# stage of README (offload and selective recompute), the PP=1 comparisons with megatron's built-in
+# (bench/megatron_compare.py), the pinned-memcpy bandwidth probe and the host-overhead bench. At
+# most 8 files under the output folder: evidence.log (every step's output, in order),
+# summary.txt (one line per step: status, seconds, limit), replay.json, replay_last.json,
+# replay_coplan.json, compare.json (hidden 4096), compare_host.json (host-bound), bandwidth.json.
 #
-# Each step runs under its own time limit, in the order of what matters most (correctness under
-# the sanitizer and the host cost first, then R and the side by side on the stage replay, then the
-# PP=1 comparisons), and all of them within one budget (--budget, default 540 s:
-# 9 minutes, so that a 15-minute device session holds the machine's start, the run and a rerun of one
-# step): a step's limit is cut to what is left of it, and a step with less than 15 s left is skipped
-# and listed so in summary.txt. A failing step does not stop the others; the exit status is 1 if any
-# step failed, timed out or was skipped. On an H200 on 2026-11-27 (bench/results/2026-11-27-h200)
-# the steps took: install 2 s, env 3 s, tests 30 s, sanitizer 69 s, overhead 36 s, the hidden-4096
-# comparison about 170 s (its host-bound half was cut by the old joint 240 s limit), replay 94 s,
-# and the host-bound comparison about 275 s with the profile inside each run and both timed runs.
-# Since then the host-bound comparison runs the five modules only (the set its target names; about
-# half the runs), so that every step fits the budget (issue 22 item 6).
-# Since then the host-bound comparison leaves out the timed reload-ahead runs (a hidden-4096
-# question) and profiles each run after all are timed (a profiler's residue no longer slows the
-# later runs' times), and every comparison row's JSON has its run's wall time (wall_s), so the
-# next run says where the time goes; the run without offload runs once for both module sets of a
-# comparison, and a comparison writes its JSON after each module set (a step stopped by its limit
-# leaves the finished sets). Since then each comparison run trains in a fresh process of its own
-# (a few seconds more per run: the interpreter's start, and its grads back through a file), so that
-# no row carries memory, allocator state or profiler residue an earlier run left; the hidden-4096
-# comparison's limit is 300 s for it. The steps after the comparisons (replay_last, bandwidth, replay_coplan,
-# sanitizer_pp4: about 4 minutes on 2026-11-26) may not fit the budget: summary.txt lists them as
-# skipped; run them in a second call with --only. A session's device time is 15 minutes, the
-# machine's start included: run in one call of at most 10 minutes, or two back to back (the machine
-# stays warm about 30 s); what the finished steps wrote still comes back if the limit cuts the last ones.
-# Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
+# Each step runs under its own time limit, and all of them within one budget (--budget, default
+# 540 s: 9 minutes, so that a 15-minute device session holds the machine's start, the run and a
+# rerun of one step): a step's limit is cut to what is left of it, and a step with less than 15 s
+# left is skipped and listed so in summary.txt. A failing step does not stop the others; the exit
+# status is 1 if any step failed, timed out or was skipped.
+# The steps whose times are no measure run first, side by side (BESIDE): what they check
+# (bit-identity, stream order, each process's own device peak and R) does not need the device
+# alone. The steps that time something (overhead, replay, compare, compare_host, bandwidth) then
+# run one at a time, alone on the device.
+# On an H200 (bench/results/2026-11-2[67]-h200*) the steps took one after another about 15
+# minutes (sanitizer 42-120 s, replay 60-94 s, replay_last 62-73 s, the hidden-4096 comparison
+# about 170 s with 9 runs, the host-bound one about 275 s with 11). Besides the side-by-side
+# start, the comparisons now run fewer runs: no separate timed reload-ahead runs (on CUDA the
+# default times its reloads: NOTE [Timed reload ahead by default]), the host-bound one the five
+# modules its target names and no second 'none'. Each comparison run trains in a process of its
+# own; its JSON row has its wall time (wall_s) and its process's (process_s).
+# What the finished steps wrote comes back if a call's limit cuts the last ones (rerun them with
+# --only). Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
 # git): every .whl/*.whl is installed to /tmp/site first. Prepare them on a host with network:
@@ -51,8 +40,9 @@
 # REPLAY_MODULES (default core_attn,qkv_linear).
 set -u -o pipefail
 
-readonly STEPS=(install env tests sanitizer overhead replay compare compare_host replay_last bandwidth replay_coplan sanitizer_pp4)
-declare -A LIMIT=([install]=20 [env]=15 [tests]=90 [compare]=300 [compare_host]=200 [sanitizer]=120 [replay]=150 [overhead]=60 [replay_last]=130 [replay_coplan]=60 [bandwidth]=30 [sanitizer_pp4]=150)
+readonly STEPS=(install env tests sanitizer sanitizer_pp4 replay_last replay_coplan overhead replay compare compare_host bandwidth)
+readonly BESIDE=" tests sanitizer sanitizer_pp4 replay_last replay_coplan "  # run side by side, first (see above)
+declare -A LIMIT=([install]=20 [env]=15 [tests]=90 [compare]=300 [compare_host]=200 [sanitizer]=150 [replay]=150 [overhead]=60 [replay_last]=150 [replay_coplan]=90 [bandwidth]=30 [sanitizer_pp4]=150)
 declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
@@ -62,10 +52,9 @@ declare -A CMD=(
     # which issues no copy, nor the check that a run gives its memory back.
     [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu -k "not pp4_stage0 and not saved_twice and not -1- and not -2- and not captured_graph and not device_memory and not manager_behind"'
     [replay]='replay_stage 0 replay.json'
-    [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --modules core_attn,qkv_linear --modules $FIVE_MODULES --timed-reload-ahead --json "$OUT_DIR/compare.json"'
-    [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --modules $FIVE_MODULES --layer-groups --none-again --profile 2 --json "$OUT_DIR/compare_host.json"'
-    # The last stage on deterministic kernels: its losses and grads rows say, for both engines,
-    # whether the offload changed a bit at this size (its step times are those kernels').
+    [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --modules core_attn,qkv_linear --modules $FIVE_MODULES --json "$OUT_DIR/compare.json"'
+    [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --modules $FIVE_MODULES --layer-groups --profile 2 --json "$OUT_DIR/compare_host.json"'
+    # The last stage on deterministic kernels: bit-for-bit losses and grads rows for both engines (no timing).
     [replay_last]='replay_stage 3 replay_last.json --deterministic'
     # README's co-plan, stage 0: attn_norm,qkv_linear offloaded, core attention recomputed.
     [replay_coplan]='"$PY" -m chunk_offload.replay --pp 2 --stage 0 --layers 8 --hidden 1024 --heads 16 --seq 4096 --microbatches 8 --micro-batch-size 1 --vocab 32000 --dtype bf16 --attention local --modules attn_norm,qkv_linear --recompute-modules core_attn --iterations 3 --warmup 1 --json "$OUT_DIR/replay_coplan.json"'
@@ -73,10 +62,8 @@ declare -A CMD=(
     [overhead]='"$PY" bench/overhead.py --repeats 20 --profile 3'
     [sanitizer_pp4]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_replay.py -k pp4_stage0'
 )
-# Issue 26's configurations: 8 layers at hidden 4096, seq 4096, 4 microbatches, both module sets
-# (compute-bound; with timed reload ahead), then 16 layers at hidden 1024, seq 1024, 8 microbatches,
-# the five modules its host-bound target names (with layer groups, the run without offload again at
-# the end to show the host's drift, and each run's host profile once all are timed).
+# Issue 26's configurations: compute-bound (hidden 4096, both module sets), then host-bound (hidden
+# 1024, the five modules its target names; layer groups and each run's host profile too).
 readonly COMPARE_COMMON='--micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4'
 readonly FIVE_MODULES='attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
 export COMPARE_COMMON FIVE_MODULES
@@ -200,14 +187,26 @@ skip_step() {
     printf '%-10s %-28s %5ss of %ss\n' "$name" "skipped (budget)" 0 "$left" >>"$OUT_DIR/summary.txt"
 }
 
-run_step() {
-    local name=$1 limit=$2 log rc start seconds status
-    log=$(mktemp)
+# Run step $1 under limit $2, its output into file $3 (and to the terminal unless $4 is "quiet");
+# "exit-status seconds" into $3.rc.
+exec_step() {
+    local name=$1 limit=$2 log=$3 start rc
     start=$(date +%s)
-    echo "=== $name (limit ${limit}s): ${CMD[$name]}"
-    timeout --kill-after=15 "$limit" bash -o pipefail -c "${CMD[$name]}" 2>&1 | tee "$log"
-    rc=${PIPESTATUS[0]}
-    seconds=$(($(date +%s) - start))
+    if [[ ${4:-} == quiet ]]; then
+        timeout --kill-after=15 "$limit" bash -o pipefail -c "${CMD[$name]}" >"$log" 2>&1
+        rc=$?
+    else
+        echo "=== $name (limit ${limit}s): ${CMD[$name]}"
+        timeout --kill-after=15 "$limit" bash -o pipefail -c "${CMD[$name]}" 2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+    fi
+    echo "$rc $(($(date +%s) - start))" >"$log.rc"
+}
+
+# What exec_step left for step $1 (limit $2, log $3) into evidence.log and summary.txt; status 0 if it passed.
+record_step() {
+    local name=$1 limit=$2 log=$3 rc seconds status
+    read -r rc seconds <"$log.rc"
     case $rc in
         0) status=ok ;;
         124 | 137) status="timed out after ${limit}s" ;;
@@ -218,20 +217,43 @@ run_step() {
         echo "=== limit ${limit}s, took ${seconds}s, $status"
     } >>"$OUT_DIR/evidence.log"
     append_log "$log"
-    rm -f "$log"
+    rm -f "$log" "$log.rc"
     printf '%-10s %-28s %5ss of %ss\n' "$name" "$status" "$seconds" "$limit" >>"$OUT_DIR/summary.txt"
     echo "=== $name: $status in ${seconds}s"
     [[ $rc -eq 0 ]]
 }
 
+# Steps "$@" side by side, each under its limit cut to $LEFT; their outputs follow in order once all ended.
+run_beside() {
+    local name logs=() limits=() pids=() i failed=0
+    echo "=== side by side: $*"
+    for name in "$@"; do
+        logs+=("$(mktemp)")
+        limits+=($((LEFT < LIMIT[$name] ? LEFT : LIMIT[$name])))
+        exec_step "$name" "${limits[-1]}" "${logs[-1]}" quiet &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    for i in "${!logs[@]}"; do
+        cat "${logs[$i]}"
+        record_step "${@:i+1:1}" "${limits[$i]}" "${logs[$i]}" || failed=1
+    done
+    return "$failed"
+}
+
 print_plan() {
     echo "output folder: $OUT_DIR"
-    local name total=0
+    local name total=0 beside=0
     for name in "${SELECTED[@]}"; do
-        printf '%-10s (limit %ss): %s\n' "$name" "${LIMIT[$name]}" "${DESCRIBE[$name]:-${CMD[$name]}}"
-        total=$((total + LIMIT[$name]))
+        printf '%-10s (limit %ss%s): %s\n' "$name" "${LIMIT[$name]}" "$([[ $BESIDE == *" $name "* ]] && echo ', side by side')" \
+            "${DESCRIBE[$name]:-${CMD[$name]}}"
+        if [[ $BESIDE == *" $name "* ]]; then
+            beside=$((LIMIT[$name] > beside ? LIMIT[$name] : beside))
+        else
+            total=$((total + LIMIT[$name]))
+        fi
     done
-    echo "budget: ${BUDGET}s for every step together; their limits add up to ${total}s"
+    echo "budget: ${BUDGET}s for every step together; by their limits at most $((total + beside))s (the side-by-side steps by the longest)"
 }
 
 main() {
@@ -298,16 +320,28 @@ main() {
     # Wheels carried in .whl/ are installed to /tmp/site by the install step; later steps see them.
     export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     echo "# $COMMAND_LINE" >>"$OUT_DIR/summary.txt"
-    local failed=0 name left began
+    local failed=0 name began beside=() log
     began=$(date +%s)
     for name in "${SELECTED[@]}"; do
-        left=$((BUDGET - ($(date +%s) - began)))
-        if ((left < MIN_STEP)); then
-            skip_step "$name" "$left"
+        [[ $BESIDE == *" $name "* ]] && beside+=("$name")
+    done
+    for name in "${SELECTED[@]}"; do
+        [[ $BESIDE == *" $name "* && $name != "${beside[0]}" ]] && continue  # ran with the first of them
+        LEFT=$((BUDGET - ($(date +%s) - began)))
+        if ((LEFT < MIN_STEP)); then
+            if [[ $name == "${beside[0]:-}" ]]; then
+                for log in "${beside[@]}"; do skip_step "$log" "$LEFT"; done
+            else
+                skip_step "$name" "$LEFT"
+            fi
             failed=1
-            continue
+        elif [[ $name == "${beside[0]:-}" && ${#beside[@]} -gt 1 ]]; then
+            run_beside "${beside[@]}" || failed=1
+        else
+            log=$(mktemp)
+            exec_step "$name" $((LEFT < LIMIT[$name] ? LEFT : LIMIT[$name])) "$log"
+            record_step "$name" $((LEFT < LIMIT[$name] ? LEFT : LIMIT[$name])) "$log" || failed=1
         fi
-        run_step "$name" $((left < LIMIT[$name] ? left : LIMIT[$name])) || failed=1
     done
     cat "$OUT_DIR/summary.txt"
     exit "$failed"

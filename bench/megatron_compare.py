@@ -8,16 +8,15 @@ build of the model from the same seed (so the same weights and inputs):
 - none: no offload (one run, shown in every set: it offloads nothing, whatever the modules);
 - chunk-offload: `chunk_offload.integrations.megatron.attach` with its defaults (at PP=1 every
   backward follows its forward at once: the default plan copies all but a chunk's last groups,
-  NOTE [Kept tail] in chunk_offload/core/ordering.py);
+  NOTE [Kept tail] in chunk_offload/core/ordering.py; on CUDA each chunk's reload-ahead budget
+  comes from the copy timing its last iteration measured, NOTE [Timed reload ahead by default]
+  in chunk_offload/integrations/plan_tracking.py);
 - chunk-offload budget: the same with ``device_budget_bytes`` (``--budget-bytes``; default:
   megatron's measured peak for these modules on CUDA, i.e. the same memory, else half of
-  chunk-offload's saved peak); with ``--timed-reload-ahead`` also ``timed_reload_ahead=True``
-  (its chunks reload ahead by the timing where the predicted peak stays within the budget);
+  chunk-offload's saved peak; where reloads are timed its chunks reload ahead by the timing as
+  far as the predicted peak stays within the budget);
 - chunk-offload reload-ahead (only with ``--reload-ahead-bytes``): the default run with that
   `PlanPolicy` reload-ahead budget (in backward, earlier groups are reloaded while their bytes fit);
-- chunk-offload timed (only with ``--timed-reload-ahead``): the default run with
-  ``timed_reload_ahead=True``: each chunk's reload-ahead budget from the copy timing its last
-  iteration measured (NOTE [Timed reload ahead] in chunk_offload/core/ordering.py);
 - chunk-offload layer (only with ``--layer-groups``): the default run with
   ``OffloadConfig(group_by="layer")``: each layer's offload modules one group, copied and
   reloaded together (NOTE [Layer groups] in chunk_offload/core/marks.py);
@@ -87,7 +86,7 @@ from chunk_offload.replay import megatron_builtin as builtin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compare_text import format_profiles, format_table, write_json  # noqa: E402  (this bench's text and JSON)
-from _compare_run import DTYPES, run_alone, run_once  # noqa: E402  (one run)
+from _compare_run import DTYPES, TIMED, run_alone, run_once  # noqa: E402  (one run)
 from _own_process import RunFailed, in_own_process  # noqa: E402
 
 __all__ = ["main", "parse_args"]
@@ -109,7 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-offload-bytes", type=int, default=1 << 20, help="saved tensors below this stay on device")
     p.add_argument("--budget-bytes", type=int, default=None, help="device budget of the budget run (default: see above)")
     p.add_argument("--reload-ahead-bytes", type=int, default=None, help="also run chunk-offload with this reload-ahead budget")
-    p.add_argument("--timed-reload-ahead", action="store_true", help="also run chunk-offload with timed_reload_ahead=True")
+    p.add_argument("--timed-reload-ahead", choices=sorted(TIMED), nargs="?", const="on", default="auto",
+                   help="every chunk-offload run's timed_reload_ahead (default auto: the library's, on CUDA only; alone: on)")
     p.add_argument("--layer-groups", action="store_true", help="also run chunk-offload with group_by='layer'")
     p.add_argument("--none-again", action="store_true",
                    help="run 'none' again after each set's other runs; overheads over both (a drifting host shows)")
@@ -209,7 +209,7 @@ def _module_set(runs: _Runs, modules: list[str], none: dict[str, Any] | None = N
         budget = megatron["peak_bytes"] if megatron and megatron.get("peak_bytes") is not None and base["peak_bytes"] \
             else (rows[1].get("saved_peak_bytes") or 0) // 2  # fmt: skip
     rows.append(runs.compared(modules, "chunk-offload budget", budget, base))
-    for run, wanted in (("reload-ahead", args.reload_ahead_bytes is not None), ("timed", args.timed_reload_ahead), ("layer", args.layer_groups)):
+    for run, wanted in (("reload-ahead", args.reload_ahead_bytes is not None), ("layer", args.layer_groups)):
         if wanted:
             rows.append(runs.compared(modules, f"chunk-offload {run}", None, base))
     rows.append(megatron if megatron is not None else {"run": "megatron", "modules": ",".join(modules), "skipped": skip})

@@ -118,6 +118,8 @@ def argparse_keywords(row: Option, *, dest: str | None = None, help: str | None 
         return {**keywords, "action": "store_true"}
     if row.kind == "choice":
         return {**keywords, "choices": row.choices, "default": row.default}
+    if row.kind == "switch_or_auto":  # the flag alone switches it on, as a plain switch does
+        return {**keywords, "choices": row.choices, "default": row.default, "nargs": "?", "const": "on"}
     keywords.update(default=row.default, metavar=row.metavar)
     if row.kind == "module_names":
         return {**keywords, "nargs": "+", "action": _ModulesAction}

@@ -20,7 +20,7 @@ from .errors import ChunkOffloadError
 
 __all__ = ["OPTIONS", "Option", "check_value", "config_default", "option", "parse_bytes"]
 
-Kind = Literal["bytes", "bytes_or_none", "bytes_or_auto", "count", "choice", "switch", "module_names", "path"]
+Kind = Literal["bytes", "bytes_or_none", "bytes_or_auto", "count", "choice", "switch", "switch_or_auto", "module_names", "path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,13 +173,17 @@ OPTIONS: tuple[Option, ...] = (
         metavar="BYTES",
     ),
     Option(
-        "timed-reload-ahead", "switch", False, "ScheduleOptions.timed_reload_ahead",
+        "timed-reload-ahead", "switch_or_auto", "auto", "ScheduleOptions.timed_reload_ahead",
         help=(
             "With --chunk-offload-schedule plan and no --chunk-offload-reload-ahead-bytes: set each chunk's "
             "reload-ahead bytes from the previous iteration's measured reload rate and backward time, the fewest "
             "under which its reloads are predicted to wait least (with --chunk-offload-device-budget, only where the "
-            "predicted peak stays within it). Peak memory then follows each run's timing."
+            "predicted peak stays within it). Peak memory then follows each run's timing. 'auto' (the default): on "
+            "where copies run on a device's copy engines (CUDA), off on CPU streams, whose copy times are the host's "
+            "thread scheduling; the flag alone means 'on'."
         ),
+        choices=("auto", "on", "off"),
+        field_values=(("on", True), ("off", False)),
     ),
     Option(
         "device-budget", "bytes_or_auto", None, "ScheduleOptions.device_budget_bytes",
@@ -273,7 +277,8 @@ def check_value(row: Option, value: Any, *, name: str | None = None) -> Any:
 
     Kinds: ``bytes`` an int >= 0 (bool, float, nan and inf refused), ``bytes_or_none`` also None,
     ``bytes_or_auto`` also None and ``"auto"``; ``count`` an int >= 1 (bool refused) or None;
-    ``choice`` one of ``row.choices``; ``switch`` True or False; ``path`` a str or None;
+    ``choice`` one of ``row.choices``; ``switch`` True or False; ``switch_or_auto`` True, False or
+    ``"auto"`` (on the command line ``on``, ``off`` or ``auto``); ``path`` a str or None;
     ``module_names`` is checked by `chunk_offload.module_names`.
     """
     label = name or row.field_name
@@ -296,6 +301,10 @@ def check_value(row: Option, value: Any, *, name: str | None = None) -> Any:
     if kind == "choice":
         if not isinstance(value, str) or value not in row.choices:
             raise ChunkOffloadError(f"{label}={value!r} is not valid; choose one of {row.choices}")
+        return value
+    if kind == "switch_or_auto":
+        if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+            raise ChunkOffloadError(f"{label} must be True, False or 'auto', got {value!r}")
         return value
     if kind == "switch":
         if not isinstance(value, bool):

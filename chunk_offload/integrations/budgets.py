@@ -114,8 +114,9 @@ class Budgets:
         """The node's host budget as given, or None."""
         self.plan_budgets = PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
         """`PlanPolicy`'s prefetch and reload-ahead budgets (checked), for every policy built from the plan."""
-        self.timed_reload_ahead = timed_reload_ahead and reload_ahead_bytes is None
+        self.timed_reload_ahead = False
         """Whether the choice's chunks reload ahead by the latest timing (a given ``reload_ahead_bytes`` wins)."""
+        self.time_reload_ahead(timed_reload_ahead)
         self.chunk_reload_ahead: dict[tuple[int, int], int] = {}
         """The choice's per-chunk reload-ahead bytes from the latest timing (`fit_reload_ahead`)."""
         self.leveled_budget: int | None = None
@@ -231,6 +232,10 @@ class Budgets:
         if peaks is not None:
             self.leveled_budget = level_budget(peaks)
         return None if self.leveled_budget is None else max(0, self.leveled_budget - self.overhead_bytes)
+
+    def time_reload_ahead(self, on: bool) -> None:
+        """Reload ahead by the latest timing (``on``), unless a ``reload_ahead_bytes`` was given."""
+        self.timed_reload_ahead = on and self.plan_budgets["reload_ahead_bytes"] is None
 
     def _choose(self, plan: Plan, record: IterationRecord, budget: int, *, pp_rank: int) -> PlanPolicy | None:
         timing = CopyTiming.from_record(record, plan)

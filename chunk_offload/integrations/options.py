@@ -24,7 +24,8 @@ class ScheduleOptions:
     budget every pipeline rank meets), see `budgets.py`. ``host_budget_bytes``: pinned host bytes
     of the whole node, split among its ranks by need. ``timed_reload_ahead``: each chunk's
     reload-ahead bytes from the latest iteration's measured timing, without ``reload_ahead_bytes``
-    (NOTE [Timed reload ahead] in core/ordering.py; why it is not the default: plan_tracking.py).
+    (NOTE [Timed reload ahead] in core/ordering.py); ``"auto"``: where the engine's streams time
+    a device link (NOTE [Timed reload ahead by default] in plan_tracking.py).
     """
 
     schedule_policy: SchedulePolicy | Literal["plan"] | None = "plan"
@@ -32,4 +33,4 @@ class ScheduleOptions:
     reload_ahead_bytes: int | None = None
     device_budget_bytes: int | Literal["auto"] | None = None
     host_budget_bytes: int | None = None
-    timed_reload_ahead: bool = False
+    timed_reload_ahead: bool | Literal["auto"] = "auto"

@@ -14,20 +14,26 @@
   ``schedule_policy`` uses one).
   With ``timed_reload_ahead`` the reload-ahead budgets do: the latest complete iteration's
   `CopyTiming` is passed as ``reload_timing`` (NOTE [Timed reload ahead] in core/ordering.py; a
-  baseline, or an iteration whose order was not the plan's, has none: one group ahead). Those
-  budgets change when reloads start, never which bytes are copied, what the budgets exchange nor
-  any collective, so ranks need not agree on them, and numerics do not change. They do change the
-  device peak (a chunk's backward starts with more groups on device), so with them an
-  iteration's peak follows the previous one's timing and two runs of one job peak differently.
-  On CPU streams without a simulated link the copies are threads whose timing the host's load
-  decides: in the documented report run (docs/report.md) a reload rate measured about 2 times
-  lower than usual already gives timed budgets, so its "peak with", and every exact comparison
-  of records between runs, would vary from run to run. Hence not the default: a switch of the
-  option table (``--chunk-offload-timed-reload-ahead``) turns it on where the link is the
-  bottleneck (five modules per layer on a GPU: issue 26); a given ``reload_ahead_bytes`` wins
-  over it. Under a device budget the choice's chunks get them as far as its predicted peak stays
-  within the budget (NOTE [Device budget] in budgets.py).
+  baseline, or an iteration whose order was not the plan's, has none: one group ahead).
+  Under a device budget the choice's chunks get them as far as its predicted peak stays within
+  the budget (NOTE [Device budget] in budgets.py); a given ``reload_ahead_bytes`` wins over it.
   `session.TrainingSession` calls them in order.
+
+NOTE [Timed reload ahead by default]
+Timed reload-ahead budgets change when reloads start, never which bytes are copied, what the
+budgets exchange nor any collective, so ranks need not agree on them, and numerics do not change.
+They do change the device peak (a chunk's backward starts with more groups on device), so an
+iteration's peak follows the previous one's timing. ``"auto"`` (the default) resolves at `bind`
+from the engine's streams (`StreamBackend.measures_link`):
+- on CUDA streams, on: copy times are the copy engines', steady from one iteration to the next,
+  and reloads that start one group ahead leave compute waiting where a group's backward is
+  shorter than its reload (one NVIDIA H200, bf16, hidden 4096, five modules per layer, PP=1:
+  +16.3% step time one group ahead, +5.2% timed, against +7.3% for megatron's built-in, at a
+  lower peak than megatron's: bench/results/2026-11-27-h200);
+- on CPU streams, off: copies are worker threads whose timing the host's load decides, so the
+  budgets, the peak and every exact comparison of records between runs (the documented report
+  run, docs/report.md; the tests) would vary from run to run.
+``True`` / ``False`` (``--chunk-offload-timed-reload-ahead on|off``) decide it whatever the streams.
 
 A plan read from a schedule's tables is checked against the order the schedule really ran; on a
 difference the integration warns with both orders side by side (`chunk_offload.core.diff_actions`)
@@ -76,8 +82,10 @@ class PlanTracking:
         check_schedule_policy(schedule_policy)
         self.from_plan = isinstance(schedule_policy, str)
         """Whether the engine's policy is built from the plan (``schedule_policy="plan"``)."""
-        self.timed_reload_ahead = check_value(option("ScheduleOptions.timed_reload_ahead"), options.timed_reload_ahead)
-        """Whether the plan's policy sets reload-ahead budgets from the latest iteration's timing."""
+        self._timed_given = check_value(option("ScheduleOptions.timed_reload_ahead"), options.timed_reload_ahead)
+        self.timed_reload_ahead = self._timed_given is True
+        """Whether the plan's policy sets reload-ahead budgets from the latest iteration's timing
+        (``"auto"`` is decided at `bind`: NOTE [Timed reload ahead by default])."""
         self.budgets = Budgets(
             device_budget_bytes=options.device_budget_bytes,
             host_budget_bytes=options.host_budget_bytes,
@@ -90,7 +98,7 @@ class PlanTracking:
             ("prefetch_bytes", options.prefetch_bytes),
             ("reload_ahead_bytes", options.reload_ahead_bytes),
             ("device_budget_bytes", options.device_budget_bytes),
-            ("timed_reload_ahead", options.timed_reload_ahead or None),
+            ("timed_reload_ahead", True if self._timed_given is True else None),
         )
         given = {k: v for k, v in planned if v is not None}
         if given and not self.from_plan:
@@ -111,13 +119,16 @@ class PlanTracking:
         self._group_bytes: dict[tuple[int, int], list[int]] = {}  # of the last complete iteration
 
     def bind(self, engine: OffloadManager, *, pipeline_group: dist.ProcessGroup | None = None, blocking: bool = True) -> None:
-        """The engine whose `schedule_policy` `use` sets.
+        """The engine whose `schedule_policy` `use` sets; ``timed_reload_ahead="auto"`` follows its streams.
 
         With a budget that needs an exchange this is a COLLECTIVE over the default group
         (`Budgets.bind`); ``pipeline_group``: the rank's pipeline ranks, ``blocking``: NOTE
         [Deferred exchanges] in ``exchange.py``.
         """
         self._engine = engine
+        if self._timed_given == "auto":  # NOTE [Timed reload ahead by default]
+            self.timed_reload_ahead = self.from_plan and engine.streams.measures_link
+            self.budgets.time_reload_ahead(self.timed_reload_ahead)
         self.budgets.bind(pipeline_group=pipeline_group, blocking=blocking)
 
     def use(self, plan: Plan | None) -> None:

@@ -98,10 +98,11 @@ WAIT_HINT_SHARE = 0.02
 
 def wait_hint(summaries: Sequence[StageSummary]) -> list[str]:
     """One line for the ranks whose compute waited on copies for `WAIT_HINT_SHARE` of their last
-    iteration or more, on a GPU, without ``--chunk-offload-timed-reload-ahead``: by default a
-    chunk's backward reloads one group ahead, which a link slower than the backward of the
-    groups between (norms, small projections) leaves waiting; the timed budgets start each reload
-    early enough by the measured copy timing (NOTE [Timed reload ahead] in core/ordering.py).
+    iteration or more, on a GPU, with timed reload ahead off (``--chunk-offload-timed-reload-ahead
+    off``): a chunk's backward then reloads one group ahead, which a link slower than the
+    backward of the groups between (norms, small projections) leaves waiting; the timed budgets
+    start each reload early enough by the measured copy timing (NOTE [Timed reload ahead] in
+    core/ordering.py; on by default on a GPU).
     On CPU streams the waits are the host's thread scheduling, not a link: no hint there."""
     waiting = [
         s for s in summaries
@@ -114,7 +115,7 @@ def wait_hint(summaries: Sequence[StageSummary]) -> list[str]:
     return [
         f"{_ranks([s.rank for s in waiting])}: compute waited on copies for up to {worst.wait_ms:.1f} ms of a "
         f"{worst.iteration_ms:.1f} ms iteration ({worst.wait_ms / worst.iteration_ms:.0%}, rank {worst.rank}): where reloads lag "
-        "the backward, --chunk-offload-timed-reload-ahead starts each one early enough by the measured copy timing"
+        "the backward, --chunk-offload-timed-reload-ahead on starts each one early enough by the measured copy timing"
     ]
 
 

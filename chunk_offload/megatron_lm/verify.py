@@ -67,6 +67,9 @@ def _drop(args: Sequence[str], drop: Callable[[str], bool]) -> list[str]:
         row = _ROWS.get(flag.removeprefix(_PREFIX)) if flag.startswith(_PREFIX) else None
         if row is not None and row.kind == "switch":
             continue
+        if row is not None and row.kind == "switch_or_auto":  # nargs="?": a value only if one of its choices
+            i += i < len(args) and args[i] in row.choices
+            continue
         if row is not None and row.kind == "module_names":  # nargs="+"
             while i < len(args) and not args[i].startswith("-"):
                 i += 1

@@ -19,8 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_evidence.sh"
-STEPS = ("install", "env", "tests", "sanitizer", "overhead", "replay", "compare", "compare_host", "replay_last", "bandwidth",
-         "replay_coplan", "sanitizer_pp4")  # fmt: skip
+STEPS = ("install", "env", "tests", "sanitizer", "sanitizer_pp4", "replay_last", "replay_coplan", "overhead", "replay", "compare",
+         "compare_host", "bandwidth")  # fmt: skip
+BESIDE = ("tests", "sanitizer", "sanitizer_pp4", "replay_last", "replay_coplan")  # no timing: run side by side
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 
@@ -38,8 +39,10 @@ def test_dry_run_lists_every_step_and_writes_nothing(tmp_path: Path) -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == "dry run: nothing is run" and lines[1] == f"output folder: {out}"
     assert [line.split()[0] for line in lines[2:-1]] == list(STEPS)
-    limits = sum(int(line.split("(limit ")[1].split("s)")[0]) for line in lines[2:-1])
-    assert lines[-1] == f"budget: 540s for every step together; their limits add up to {limits}s"
+    limits = {line.split()[0]: int(line.split("(limit ")[1].split("s")[0]) for line in lines[2:-1]}
+    assert [line.split()[0] for line in lines[2:-1] if "s, side by side)" in line.split(":")[0]] == list(BESIDE)
+    most = sum(n for name, n in limits.items() if name not in BESIDE) + max(limits[name] for name in BESIDE)
+    assert lines[-1] == f"budget: 540s for every step together; by their limits at most {most}s (the side-by-side steps by the longest)"
     assert "TORCH_CUDA_SANITIZER=1" in lines[2 + STEPS.index("sanitizer")]
     assert "--pp 4 --vpp 2 --stage 0" in lines[2 + STEPS.index("replay")]
     assert "--modules attn_norm,qkv_linear --recompute-modules core_attn" in lines[2 + STEPS.index("replay_coplan")]
@@ -86,14 +89,7 @@ def test_help() -> None:
 
 def test_a_failing_step_does_not_stop_the_others(tmp_path: Path) -> None:
     """A stand-in Python: CUDA 'available', bench/bandwidth.py fails, the rest is the real Python."""
-    fake = tmp_path / "python"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        'if [[ "$*" == *"torch.cuda.is_available"* ]]; then exit 0; fi\n'
-        'if [[ "$*" == *bench/bandwidth.py* ]]; then echo "bandwidth stand-in fails"; exit 7; fi\n'
-        f'exec {sys.executable} "$@"\n'
-    )
-    fake.chmod(0o755)
+    fake = _stand_in(tmp_path, 'echo "bandwidth stand-in fails"; exit 7')
     out = tmp_path / "evidence"
     done = _run("--out", str(out), "--only", "bandwidth,env", python=str(fake))
     assert done.returncode == 1, done.stdout + done.stderr
@@ -108,13 +104,14 @@ def test_a_failing_step_does_not_stop_the_others(tmp_path: Path) -> None:
     assert "bandwidth stand-in fails" in log and "=== limit 30s" in log
 
 
-def _stand_in(tmp_path: Path, bandwidth: str) -> Path:
-    """A Python for which CUDA is 'available' and bench/bandwidth.py runs ``bandwidth`` (bash); the rest is the real one."""
+def _stand_in(tmp_path: Path, bandwidth: str, others: str = "") -> Path:
+    """A Python for which CUDA is 'available' and bench/bandwidth.py runs ``bandwidth`` (bash), then
+    the bash lines ``others``; the rest is the real one."""
     fake = tmp_path / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
         'if [[ "$*" == *"torch.cuda.is_available"* ]]; then exit 0; fi\n'
-        f'if [[ "$*" == *bench/bandwidth.py* ]]; then {bandwidth}; fi\n'
+        f'if [[ "$*" == *bench/bandwidth.py* ]]; then {bandwidth}; fi\n{others}'
         f'exec {sys.executable} "$@"\n'
     )
     fake.chmod(0o755)
@@ -139,3 +136,28 @@ def test_steps_without_enough_budget_left_are_skipped_and_listed(tmp_path: Path)
     log = (out / "evidence.log").read_text()
     # 14 s left at the first step, 13 where the clock's second turned since the steps began
     assert re.search(r"=== step env: print_environment\n=== skipped: 1[34]s of the 14s budget left \(under 15s\)", log), log
+
+
+def test_the_steps_that_time_nothing_run_side_by_side(tmp_path: Path) -> None:
+    """tests, sanitizer and replay_coplan start together, each under its own limit; their outputs
+    and rows follow in the usual order; one failing does not stop the others, nor the step after."""
+    spans = tmp_path / "spans"
+    fake = _stand_in(tmp_path, 'echo "bandwidth after them"; exit 0', (
+        'if [[ "$*" == *"-m pytest"* || "$*" == *chunk_offload.replay* ]]; then\n'
+        f'  echo "start $(date +%s.%N)" >>{spans}; sleep 2; echo "end $(date +%s.%N)" >>{spans}\n'
+        '  echo "stand-in for: $*"; [[ -n "${TORCH_CUDA_SANITIZER:-}" ]] && exit 7; exit 0\n'
+        "fi\n"
+    ))
+    out = tmp_path / "evidence"
+    done = _run("--out", str(out), "--only", "bandwidth,replay_coplan,sanitizer,tests", python=str(fake))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "=== side by side: tests sanitizer replay_coplan" in done.stdout
+    rows = [row.split() for row in (out / "summary.txt").read_text().splitlines()[1:]]
+    assert [row[:2] for row in rows] == [["tests", "ok"], ["sanitizer", "failed"], ["replay_coplan", "ok"], ["bandwidth", "ok"]]
+    assert [row[-1] for row in rows[:3]] == ["90s", "150s", "90s"]  # each its own limit
+    times = [line.split() for line in spans.read_text().splitlines()]
+    starts, ends = [float(t) for k, t in times if k == "start"], [float(t) for k, t in times if k == "end"]
+    assert len(starts) == 3 and max(starts) < min(ends), times  # all three ran at once
+    log = (out / "evidence.log").read_text()
+    steps = [log.index(f"=== step {name}:") for name in ("tests", "sanitizer", "replay_coplan", "bandwidth")]
+    assert steps == sorted(steps) and "stand-in for: -m pytest" in log and "bandwidth after them" in log

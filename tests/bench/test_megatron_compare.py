@@ -67,6 +67,9 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     # but each chunk's last group (NOTE [Kept tail]).
     default = runs[(modules, "chunk-offload")]
     assert 0 < default["bytes_copied"] and default["peak_bytes"] is not None
+    # timed_reload_ahead="auto" on CPU streams: one group ahead (NOTE [Timed reload ahead by default]).
+    assert {r.get("timed_reload_ahead") for r in ran if r["run"].startswith("chunk-offload")} == {False}
+    assert "chunk-offload's reloads: one group ahead (timed_reload_ahead; by default timed on CUDA only)" in done.stdout
     budget = runs[(modules, "chunk-offload budget")]
     # Half the saved peak is below the lowest reachable peak here (each chunk's input stays on
     # device: NOTE [Storages held elsewhere]): the budget run copies, and says it falls short.
@@ -82,19 +85,22 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     assert all(r["left_bytes"] == 0 and r["process_s"] > r["wall_s"] for r in ran if "same_run_as" not in r)
 
 
-def test_reload_ahead_timed_reload_ahead_and_layer_groups_add_bit_identical_runs(tmp_path) -> None:
+def test_reload_ahead_and_layer_groups_add_bit_identical_runs_and_every_run_times_its_reloads_when_asked(tmp_path) -> None:
+    """``--timed-reload-ahead`` alone is ``on``: every chunk-offload run's reloads ahead by its timing
+    (on CPU streams the default, ``auto``, leaves them one group ahead: the other tests' runs)."""
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "2", "--warmup", "1", "--modules", "core_attn,qkv_linear",
                 "--reload-ahead-bytes", "1048576", "--timed-reload-ahead", "--layer-groups", "--processes", "one",
                 "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
-    runs = ["none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload timed",
-            "chunk-offload layer", "megatron"]  # fmt: skip
+    runs = ["none", "chunk-offload", "chunk-offload budget", "chunk-offload reload-ahead", "chunk-offload layer", "megatron"]
     assert [r["run"] for r in rows] == runs
-    for ahead in rows[3:6]:
+    assert [r["timed_reload_ahead"] for r in rows] == [None, True, True, True, True, None]
+    for ahead in rows[3:5]:
         assert ahead["losses_identical"] and ahead["grads_identical"] and ahead["bytes_copied"] > 0, ahead["run"]
-    assert "chunk-offload reload-ahead" in done.stdout and "chunk-offload timed" in done.stdout and "wait ms" in done.stdout
+    assert "chunk-offload's reloads: ahead by the last iteration's copy timing (timed_reload_ahead" in done.stdout
+    assert "chunk-offload reload-ahead" in done.stdout and "wait ms" in done.stdout
     assert "chunk-offload layer" in done.stdout and "every run in one process" in done.stdout
     assert all("process_s" not in r for r in rows)
 
@@ -246,7 +252,8 @@ def test_memory_left_by_earlier_runs_is_named_under_the_table() -> None:
     ("flag", "message"),
     [("--no-such-flag", "unrecognized arguments: --no-such-flag"), ("--none-again=yes", "argument --none-again: ignored explicit argument 'yes'"),
      ("--deterministic=yes", "argument --deterministic: ignored explicit argument 'yes'"),
-     ("--processes=two", "argument --processes: invalid choice: 'two' (choose from 'per-run', 'one')")],  # fmt: skip
+     ("--processes=two", "argument --processes: invalid choice: 'two' (choose from 'per-run', 'one')"),
+     ("--timed-reload-ahead=yes", "argument --timed-reload-ahead: invalid choice: 'yes' (choose from 'auto', 'off', 'on')")],  # fmt: skip
 )
 def test_bad_flag_exits_2(flag: str, message: str) -> None:
     done = _run(flag)

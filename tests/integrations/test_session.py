@@ -64,18 +64,32 @@ def test_the_sequence_records_then_checks_then_sets_the_policy() -> None:
     assert isinstance(policy, PlanPolicy) and policy is not first_policy and policy.plan is plan
 
 
+class _LinkTimedStreams(CpuStreams):
+    """CPU streams whose copy times count as a device link's (`StreamBackend.measures_link`, as on CUDA)."""
+
+    measures_link = True
+
+
 @pytest.mark.parametrize(
-    "options",
-    [ScheduleOptions(timed_reload_ahead=True), ScheduleOptions(), ScheduleOptions(timed_reload_ahead=True, reload_ahead_bytes=0)],
-    ids=["timed", "default", "given_wins"],
+    ("options", "measures_link", "timed"),
+    [
+        (ScheduleOptions(timed_reload_ahead=True), False, True),
+        (ScheduleOptions(), False, False),
+        (ScheduleOptions(), True, True),
+        (ScheduleOptions(timed_reload_ahead=False), True, False),
+        (ScheduleOptions(timed_reload_ahead=True, reload_ahead_bytes=0), True, False),
+    ],
+    ids=["timed", "default_on_cpu_streams", "default_on_a_device_link", "off_on_a_device_link", "given_wins"],
 )
-def test_the_policy_reads_the_latest_iterations_timing_for_its_reload_ahead(options: ScheduleOptions) -> None:
+def test_the_policy_reads_the_latest_iterations_timing_for_its_reload_ahead(options: ScheduleOptions, measures_link: bool, timed: bool) -> None:
     """NOTE [Timed reload ahead]: groups of 64 KiB, 2 KiB and 16 KiB (kept, the last) on a 1 MB/s
     reload link: one group ahead, the 64 KiB reload starts only when the small group's backward
     does. With ``timed_reload_ahead`` the policy gets the offloaded iteration's `CopyTiming` and
     reloads it with the small one during the last group's backward; the lifespan rule reads no
-    timing (the bytes copied stay). Off by default; a given ``reload_ahead_bytes`` wins."""
-    session = _session([], options, streams=CpuStreams(reload_link_bytes_per_s=1e6), baseline_iterations=1)
+    timing (the bytes copied stay). By default (``"auto"``) only where the streams time a device
+    link (NOTE [Timed reload ahead by default]); a given ``reload_ahead_bytes`` wins."""
+    streams = (_LinkTimedStreams if measures_link else CpuStreams)(reload_link_bytes_per_s=1e6)
+    session = _session([], options, streams=streams, baseline_iterations=1)
     model = nn.Sequential(nn.Linear(4, 8192), nn.GELU(), nn.Linear(8192, 256), nn.GELU(), nn.Linear(256, 2048), nn.GELU())
     for index in (1, 3, 5):  # each GELU saves its input, which no other module saves
         session.engine.offload_module(model[index], f"gelu{index}")
@@ -91,7 +105,7 @@ def test_the_policy_reads_the_latest_iterations_timing_for_its_reload_ahead(opti
     assert after_baseline.reload_timing is None and after_baseline.copied_head == {(0, 0): 2}
     policy = session.engine.schedule_policy
     assert policy.copied_head == {(0, 0): 2} and policy.timing is None
-    if options.timed_reload_ahead and options.reload_ahead_bytes is None:
+    if timed:
         assert policy.reload_timing == CopyTiming.from_record(session.records[-1], plan) is not None
         assert policy.timed_reload_ahead == {(0, 0): 65536 + 2048}
     else:  # the decisions did not change: the policy learned at the baseline stays
@@ -101,8 +115,12 @@ def test_the_policy_reads_the_latest_iterations_timing_for_its_reload_ahead(opti
 def test_timed_reload_ahead_needs_the_plan() -> None:
     with pytest.raises(ChunkOffloadError, match="timed_reload_ahead=True needs schedule_policy='plan'"):
         _session([], ScheduleOptions(schedule_policy=None, timed_reload_ahead=True))
-    with pytest.raises(ChunkOffloadError, match="timed_reload_ahead must be True or False, got 1"):
+    with pytest.raises(ChunkOffloadError, match="timed_reload_ahead must be True, False or 'auto', got 1"):
         _session([], ScheduleOptions(timed_reload_ahead=1))
+    # "auto", the default, asks for nothing: without the plan it is off, even where the streams time a link.
+    session = _session([], ScheduleOptions(schedule_policy=None), streams=_LinkTimedStreams())
+    session.engine.close()
+    assert session.tracking.timed_reload_ahead is False
 
 
 def test_a_discarded_iteration_is_no_call() -> None:

@@ -68,7 +68,7 @@ def test_compute_waiting_on_copies_on_a_gpu_hints_at_timed_reload_ahead() -> Non
     summaries = [_summary(0, wait_ms=at_share, **cuda), _summary(1, wait_ms=74.0, **cuda), _summary(2, wait_ms=at_share - 0.1, **cuda)]
     assert wait_hint(summaries) == [
         "ranks 0, 1: compute waited on copies for up to 74.0 ms of a 400.0 ms iteration (18%, rank 1): where reloads lag "
-        "the backward, --chunk-offload-timed-reload-ahead starts each one early enough by the measured copy timing"
+        "the backward, --chunk-offload-timed-reload-ahead on starts each one early enough by the measured copy timing"
     ]
     assert wait_hint(summaries[1:2])[0] in close_run(summaries[1:2], report_path=None).summary.splitlines()
     assert wait_hint([_summary(1, wait_ms=74.0, timed_reload_ahead=True, **cuda)]) == []

@@ -79,7 +79,7 @@ def test_expert_parallelism_without_experts_is_refused(script: Path, capsys) -> 
         ),
         (
             ["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start", "--chunk-offload-timed-reload-ahead"],
-            "--chunk-offload-timed-reload-ahead is never used by --chunk-offload-schedule group-start",
+            "--chunk-offload-timed-reload-ahead on is never used by --chunk-offload-schedule group-start",
         ),
         (["--chunk-offload-device-budget", "1MiB"], "--chunk-offload-device-budget 1MiB given without --chunk-offload-modules"),
         (["--chunk-offload-device-budget", "lots"], "argument --chunk-offload-device-budget: expected 'auto' or a byte count >= 0"),

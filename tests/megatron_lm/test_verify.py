@@ -32,6 +32,13 @@ def test_the_run_without_offload_has_no_flag_of_ours_and_neither_run_saves() -> 
     ]
 
 
+def test_the_flags_own_values_go_with_it_and_nothing_else() -> None:
+    """``--chunk-offload-timed-reload-ahead`` takes a value only if one of its choices follows."""
+    argv = ["--chunk-offload-timed-reload-ahead", "off", "--seed", "7", "--chunk-offload-timed-reload-ahead", "--num-layers", "2"]
+    assert reference_args(argv) == ["--seed", "7", "--num-layers", "2"]
+    assert reference_args(["--chunk-offload-timed-reload-ahead"]) == []
+
+
 def _fake_runs(monkeypatch, *, statuses=(0, 0), trained=(3, 3), corrupt: str | None = None, moved: int = 100) -> list:
     """`verify._child` replaced: run k returns ``statuses[k]`` after recording ``trained[k]`` iterations;
     the run with offload has ``corrupt`` (a parameter name) changed from iteration 2 on."""

@@ -300,6 +300,9 @@ class StreamBackend:
     copies_hold_sources = False
     """Whether a copy in flight holds references to the tensors it reads (CPU worker threads),
     so that a check of what else holds a storage must wait for the copies first."""
+    measures_link = False
+    """Whether copy times measure the device's link (CUDA copy engines), rather than the host's
+    scheduling of worker threads: ``timed_reload_ahead="auto"`` plans reloads by them only then."""
     compute: Stream
     d2h: Stream
     h2d: Stream

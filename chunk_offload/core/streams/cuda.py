@@ -240,6 +240,8 @@ class _CudaStream(Stream):
 class CudaStreams(StreamBackend):
     """Compute is the current CUDA stream at each call; two dedicated copy streams."""
 
+    measures_link = True
+
     def __init__(self, device: torch.device | int | str | None = None, *, check_order: bool = False) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if self.device.index is None:

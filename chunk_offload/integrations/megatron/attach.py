@@ -292,7 +292,7 @@ def attach(
     reload_ahead_bytes: int | None = None,
     device_budget_bytes: int | Literal["auto"] | None = None,
     host_budget_bytes: int | None = None,
-    timed_reload_ahead: bool = False,
+    timed_reload_ahead: bool | Literal["auto"] = "auto",
     baseline_iterations: int = 0,
     iterations: Literal["wrap", "auto"] = "wrap",
     num_microbatches: int | Callable[[], int] | None = None,

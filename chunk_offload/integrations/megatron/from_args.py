@@ -14,7 +14,7 @@ from typing import Sequence
 
 from torch import nn
 
-from ...core import ChunkOffloadError, OffloadConfig, StreamBackend
+from ...core import ChunkOffloadError, OffloadConfig, StreamBackend, option
 from ...module_names import check_combination
 from ...option_flags import typed_flag
 from .args import BUDGET_FLAGS, DESTS, FLAG_ROWS, LONG_PREFIX, MEGATRON_OFFLOAD_SWITCHES, PLANNED_FLAGS
@@ -49,15 +49,16 @@ def _typed(args: argparse.Namespace, suffix: str) -> str:
 
 
 def _given(args: argparse.Namespace, suffixes: Sequence[str]) -> list[str]:
-    """``--flag value`` as typed for each of ``suffixes`` set on the command line (their defaults
-    are None; a switch's is False, and a switch given is named alone)."""
+    """``--flag value`` as typed for each of ``suffixes`` that asks for something: set, and not to
+    its default or to off (a switch given is named alone; ``--chunk-offload-timed-reload-ahead``
+    asks only when ``on``)."""
     given = []
     for suffix in suffixes:
         value = getattr(args, DESTS[suffix], None)
-        if value is True:
-            given.append(LONG_PREFIX + suffix)
-        elif value is not None and value is not False:
-            given.append(_typed(args, suffix))
+        row = option(suffix)
+        if value is None or value == row.default or row.to_field(value) is False:
+            continue
+        given.append(LONG_PREFIX + suffix if value is True else _typed(args, suffix))
     return given
 
 

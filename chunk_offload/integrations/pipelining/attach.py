@@ -234,7 +234,7 @@ def attach(
     reload_ahead_bytes: int | None = None,
     device_budget_bytes: int | Literal["auto"] | None = None,
     host_budget_bytes: int | None = None,
-    timed_reload_ahead: bool = False,
+    timed_reload_ahead: bool | Literal["auto"] = "auto",
 ) -> PipelineOffloadManager:
     """Offload ``offload_modules`` of this rank's stages under ``schedule`` (a pipelining schedule).
 

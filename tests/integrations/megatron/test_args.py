@@ -10,6 +10,7 @@ import pytest
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, OffloadConfig
+from chunk_offload.core import option
 from chunk_offload.integrations.megatron import (
     ALIASES,
     ITERATION_MODES,
@@ -177,6 +178,37 @@ def test_schedule_flags() -> None:
     args = parser().parse_args(["--chunk-offload-schedule", "group-start", "--chunk-offload-prefetch-bytes", "2MiB", "--chunk-offload-reload-ahead-bytes", "1GiB"])
     assert args.chunk_offload_schedule == "group-start" and args.chunk_offload_prefetch_bytes == 2 << 20
     assert args.chunk_offload_reload_ahead_bytes == 1 << 30
+
+
+def test_timed_reload_ahead_flag() -> None:
+    """``auto`` unless given; the flag alone is ``on`` (it was a plain switch); each maps to the
+    library's value (NOTE [Timed reload ahead by default] in integrations/plan_tracking.py)."""
+    row = option("timed-reload-ahead")
+    cases = {(): "auto", ("--chunk-offload-timed-reload-ahead",): "on", ("--chunk-offload-timed-reload-ahead", "off"): "off",
+             ("--chunk-offload-timed-reload-ahead=auto",): "auto"}  # fmt: skip
+    for argv, value in cases.items():
+        assert parser().parse_args(list(argv)).chunk_offload_timed_reload_ahead == value, argv
+    assert [row.to_field(v) for v in ("auto", "on", "off")] == ["auto", True, False]
+    # The flag alone does not take the next flag as its value.
+    args = parser().parse_args(["--chunk-offload-timed-reload-ahead", "--chunk-offload-schedule", "group-start"])
+    assert (args.chunk_offload_timed_reload_ahead, args.chunk_offload_schedule) == ("on", "group-start")
+
+
+def test_timed_reload_ahead_off_or_auto_asks_nothing_of_the_schedule() -> None:
+    """Only ``on`` needs the plan: ``off`` and ``auto`` under ``group-start`` are accepted."""
+    for value in ("off", "auto"):
+        args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start",
+                                    "--chunk-offload-timed-reload-ahead", value])  # fmt: skip
+        check_args(args)
+    args = parser().parse_args(["--chunk-offload-modules", "core_attn", "--chunk-offload-schedule", "group-start",
+                                "--chunk-offload-device-budget", "auto"])  # fmt: skip
+    with pytest.raises(ChunkOffloadError, match="--chunk-offload-device-budget auto is never used by"):
+        check_args(args)
+
+
+def test_timed_reload_ahead_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(parser(), ["--chunk-offload-timed-reload-ahead", "yes"], capsys)
+    assert "argument --chunk-offload-timed-reload-ahead: invalid choice: 'yes' (choose from 'auto', 'on', 'off')" in err
 
 
 def test_schedule_rejects_other_values(capsys: pytest.CaptureFixture[str]) -> None:
