@@ -31,10 +31,10 @@ Each run trains in a fresh process of its own (``--processes per-run``, the defa
 with no device memory another run left allocated, no allocator cache another model shaped, no
 megatron singleton and no profiler residue, so each row measures that run alone. A run that
 fails (out of memory, say) is one ``failed`` row, the others still run, and the exit status is 1.
-Its gradients come back through a file in a temporary folder (compared with the run without
-offload's as soon as it ends, then deleted: one model's worth on disk besides that run's), its
-other results pickled; each row's ``process_s`` in the JSON is its process's whole time,
-interpreter start included.
+The run without offload saves its gradients to a file in a temporary folder; every other run
+compares its own with them in its process, on its device, before any profiled step (no model's
+worth copied to host and written per run); its results come back pickled; each row's
+``process_s`` in the JSON is its process's whole time, interpreter start included.
 ``--processes one`` runs them one after another in this process instead (a few seconds less per
 run): each run then measures what is still allocated before it builds its model, takes it off its
 peak and adds it to its budget, and the table names it.
@@ -67,14 +67,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -143,50 +142,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @dataclass
 class _Runs:
-    """Where each run trains: each in a fresh process (``workdir``: its grads' folder), or here (None)."""
+    """Where each run trains: each in a fresh process (``workdir``: where the run without offload's
+    grads wait for the others to compare theirs with), or here (None)."""
 
     args: argparse.Namespace
     shape: GPTShape
     workdir: Path | None
-    _files: Iterator[int] = field(default_factory=itertools.count)
 
-    def measured(self, modules: list[str], run: str, budget: int | None) -> dict[str, Any]:
+    def measured(self, modules: list[str], run: str, budget: int | None, *, is_base: bool = False) -> dict[str, Any]:
         """One run's row (``failed`` where its process raised or ended without an answer)."""
         if self.workdir is None:
             return run_once(self.args, self.shape, modules, run, budget)
-        grads_file = self.workdir / f"grads-{next(self._files)}.pt"
         started = time.perf_counter()
         try:
-            row = in_own_process(run_alone, self.args, self.shape, modules, run, budget, grads_file)
+            row = in_own_process(run_alone, self.args, self.shape, modules, run, budget, self.workdir / "grads-none.pt", is_base)
         except RunFailed as failure:
             print(f"{','.join(modules)} / {run} failed: {failure}", file=sys.stderr)
             return {"run": run, "modules": ",".join(modules), "failed": str(failure)}
-        return {**row, "_grads": torch.load(grads_file, mmap=True), "_grads_file": grads_file, "process_s": time.perf_counter() - started}
+        return {**row, "process_s": time.perf_counter() - started}
 
     def compared(self, modules: list[str], run: str, budget: int | None, base: dict[str, Any] | None) -> dict[str, Any]:
         """`measured`, and whether its losses and grads equal ``base``'s (None: it is the base,
-        identical to itself, and keeps its grads); its own grads are then let go (at hidden 4096 a
-        model's worth per run)."""
-        row = self.measured(modules, run, budget)
+        identical to itself). Measured here, the base keeps host copies of its grads and every
+        other run's are let go once compared (at hidden 4096 a model's worth per run); in its own
+        process a run compared its grads itself (`run_alone`)."""
+        row = self.measured(modules, run, budget, is_base=base is None)
         if "failed" in row:
             return row
         if base is None:
             return {**row, "losses_identical": True, "grads_identical": True}
-        row.update(_same(base, row))
-        del row["_grads"]
-        if "_grads_file" in row:
-            row.pop("_grads_file").unlink()
+        row["losses_identical"] = len(base["_losses"]) == len(row["_losses"]) and all(map(torch.equal, base["_losses"], row["_losses"]))
+        if "_grads" in row:
+            grads = row.pop("_grads")
+            row["grads_identical"] = base["_grads"].keys() == grads.keys() and all(torch.equal(g, grads[k]) for k, g in base["_grads"].items())
         return row
 
     def profiled(self, modules: list[str], run: str, budget: int | None) -> dict[str, Any]:
         """``--profile`` steps of a run measured here: built again, once every run is timed."""
         return run_once(self.args, self.shape, modules, run, budget, measure=False, profile_steps=self.args.profile)
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:
-    losses = len(a["_losses"]) == len(b["_losses"]) and all(map(torch.equal, a["_losses"], b["_losses"]))
-    grads = a["_grads"].keys() == b["_grads"].keys() and all(torch.equal(g, b["_grads"][k]) for k, g in a["_grads"].items())
-    return {"losses_identical": losses, "grads_identical": grads}
 
 
 def _module_set(runs: _Runs, modules: list[str], none: dict[str, Any] | None = None) -> list[dict[str, Any]]:

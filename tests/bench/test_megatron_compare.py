@@ -186,19 +186,17 @@ def test_each_finished_set_is_in_the_json_before_the_next_one_runs(tmp_path, mon
 def test_a_failed_run_is_one_row_the_others_run_and_the_exit_status_is_1(tmp_path, monkeypatch, capsys) -> None:
     """A run whose process raises (or ends without an answer) is a ``failed`` row, not the end of the comparison."""
     bench = load_bench_script("megatron_compare")
-    calls, files = [], []
+    calls = []
 
-    def in_own_process(function, args, shape, modules, run, budget, grads_file):
-        # Each run's grads file is gone once compared; the run without offload's stays, for the next.
-        assert [f.exists() for f in files] == [True] * min(len(files), 1) + [False] * (len(files) - 1)
+    def in_own_process(function, args, shape, modules, run, budget, base_file, is_base):
+        # Only the run without offload saves its grads (for the others to compare theirs with).
+        assert is_base == (run == "none") and base_file.name == "grads-none.pt"
         calls.append(run)
-        files.append(grads_file)
         if run == "megatron":
             raise bench.RunFailed("OutOfMemoryError: CUDA out of memory")
-        torch.save({"w": torch.ones(2)}, grads_file)
         return {"run": run, "modules": ",".join(modules), "peak_bytes": None, "median_step_s": 0.2, "min_step_s": 0.1,
                 "bytes_copied": 0, "compute_wait_ms": None, "gc_ms": 0.0, "saved_peak_bytes": 8, "_losses": [torch.zeros(1)],
-                "budget_bytes": budget, "left_bytes": 0, "wall_s": 1.0}  # fmt: skip
+                "budget_bytes": budget, "left_bytes": 0, "wall_s": 1.0, **({} if is_base else {"grads_identical": True})}  # fmt: skip
 
     monkeypatch.setattr(bench, "in_own_process", in_own_process)
     out = tmp_path / "compare.json"
@@ -281,3 +279,20 @@ def test_usage_errors(capsys, argv: list[str], message: str) -> None:
         bench.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_run_in_its_own_process_compares_its_grads_with_the_run_without_offloads(tmp_path, monkeypatch) -> None:
+    """`run_alone`: the run without offload saves its grads; each other run answers whether its own
+    equal them, bit for bit and name for name."""
+    load_bench_script("megatron_compare")
+    compare_run = sys.modules["_compare_run"]
+    grads = {"w": torch.ones(3), "b": torch.zeros(2)}
+    monkeypatch.setattr(compare_run, "run_once", lambda *args, check_grads, **kwargs: check_grads(dict(grads)))
+    base, args = tmp_path / "grads-none.pt", SimpleNamespace(profile=0)
+    assert compare_run.run_alone(args, None, [], "none", None, base, True) == {} and base.exists()
+    assert compare_run.run_alone(args, None, [], "chunk-offload", None, base, False) == {"grads_identical": True}
+    grads["w"] = torch.tensor([1.0, 1.0, float.fromhex("0x1.000002p+0")])  # one ulp off in one element
+    assert compare_run.run_alone(args, None, [], "chunk-offload", None, base, False) == {"grads_identical": False}
+    grads["w"] = torch.ones(3)
+    del grads["b"]
+    assert compare_run.run_alone(args, None, [], "chunk-offload", None, base, False) == {"grads_identical": False}
