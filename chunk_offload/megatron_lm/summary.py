@@ -64,7 +64,8 @@ class StageSummary:
     iteration_ms: float = 0.0
     """Its wall time, in milliseconds (0: no iteration recorded)."""
     timed_reload_ahead: bool = False
-    """``--chunk-offload-timed-reload-ahead``: the rank's reloads start by the measured timing."""
+    """Whether the rank's reloads start by the measured timing (``--chunk-offload-timed-reload-ahead``;
+    by default on CUDA streams: NOTE [Timed reload ahead by default])."""
     min_offload_bytes: int = 0
     """``--chunk-offload-min-offload-bytes``."""
     min_offload_flag: str = ""
