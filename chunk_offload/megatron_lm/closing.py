@@ -2,8 +2,9 @@
 
 A table with a row per rank (pipeline stage, bytes offloaded per iteration, device peak, measured
 drop and R where the report has them, compute wait), the reasons of ranks that copied nothing
-(warnings when no rank copied anything), a hint where compute waited on its copies on a GPU
-(`wait_hint`), and where the report files are. With
+(warnings when no rank copied anything), the ranks whose reloads follow the measured timing
+(`timed_reloads_line`), a hint where compute waited on its copies on a GPU (`wait_hint`), and
+where the report files are. With
 ``--chunk-offload-report`` the report is written here; a failure to write it is an error of the
 run (exit status 1), after the summary and the report's table are printed all the same.
 """
@@ -19,7 +20,7 @@ from ..report import MEASURES, ReportFiles, format_table, write_report
 from ..report.render import table_lines
 from .summary import StageSummary, absent_modules, why_nothing
 
-__all__ = ["WAIT_HINT_SHARE", "Closing", "close_run", "wait_hint"]
+__all__ = ["WAIT_HINT_SHARE", "Closing", "close_run", "timed_reloads_line", "wait_hint"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,7 +83,7 @@ def close_run(summaries: Sequence[StageSummary] | None, *, report_path: str | No
     ]
     if copied:  # notes: the run offloaded, some modules or ranks did not
         lines += [*absent, *(f"{_ranks(ranks)} copied nothing: {reason}" for reason, ranks in reasons.items())]
-        lines += wait_hint(summaries)
+        lines += timed_reloads_line(summaries) + wait_hint(summaries)
     else:
         closing.warnings += [*absent, *(f"nothing was offloaded on {_ranks(ranks)}: {reason}" for reason, ranks in reasons.items())]
     lines += [files_line, NOTATION]
@@ -90,6 +91,20 @@ def close_run(summaries: Sequence[StageSummary] | None, *, report_path: str | No
         lines += ["", "the report that could not be written:", "", format_table([s.report for s in summaries if s.report is not None])]
     closing.summary = "\n".join(lines)
     return closing
+
+
+def timed_reloads_line(summaries: Sequence[StageSummary]) -> list[str]:
+    """One line naming the ranks whose reloads started by the previous iteration's copy timing (by
+    default on CUDA streams: NOTE [Timed reload ahead by default]): their peak follows each run's
+    timing, so two runs of one job may peak differently; a user comparing runs learns why and how
+    to pin it."""
+    timed = [s.rank for s in summaries if s.timed_reload_ahead and s.offload and s.bytes_offloaded]
+    if not timed:
+        return []
+    return [
+        f"{_ranks(timed)}: reloads start by the previous iteration's measured copy timing (timed reload ahead), so "
+        "the device peak follows each run's timing; --chunk-offload-timed-reload-ahead off reloads one group ahead"
+    ]
 
 
 WAIT_HINT_SHARE = 0.02

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from chunk_offload.core.actions import NOTATION
-from chunk_offload.megatron_lm.closing import WAIT_HINT_SHARE, close_run, wait_hint
+from chunk_offload.megatron_lm.closing import WAIT_HINT_SHARE, close_run, timed_reloads_line, wait_hint
 from chunk_offload.megatron_lm.cli import _close
 from chunk_offload.megatron_lm.summary import StageSummary, stage_summary, why_nothing
 from chunk_offload.report import format_table, read_json
@@ -74,6 +74,17 @@ def test_compute_waiting_on_copies_on_a_gpu_hints_at_timed_reload_ahead() -> Non
     assert wait_hint([_summary(1, wait_ms=74.0, timed_reload_ahead=True, **cuda)]) == []
     assert wait_hint([_summary(1, wait_ms=74.0, iteration_ms=400.0)]) == []  # the CPU accounting: no link to speak of
     assert wait_hint([_summary(1, wait_ms=74.0, offload=False, **cuda)]) == []  # a baseline iteration
+
+
+def test_ranks_whose_reloads_follow_the_timing_are_named() -> None:
+    """Their peak varies from run to run: the summary says which ranks and how to pin it; nothing
+    where no rank timed its reloads (CPU streams by default) or a timed rank copied nothing."""
+    summaries = [_summary(0, timed_reload_ahead=True), _summary(1), _summary(2, timed_reload_ahead=True, bytes_per_module={"core_attn": 0, "qkv_linear": 0})]
+    line = ("rank 0: reloads start by the previous iteration's measured copy timing (timed reload ahead), so the device peak "
+            "follows each run's timing; --chunk-offload-timed-reload-ahead off reloads one group ahead")  # fmt: skip
+    assert timed_reloads_line(summaries) == [line]
+    assert line in close_run(summaries, report_path=None).summary.splitlines()
+    assert timed_reloads_line(summaries[1:]) == [] and "timed reload ahead" not in close_run(summaries[1:2], report_path=None).summary
 
 
 def test_a_rank_that_copied_nothing_is_a_note_when_others_copied() -> None:
