@@ -80,7 +80,7 @@ def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool
 
 
 def write_json(args: argparse.Namespace, rows: list[dict[str, Any]], device: str, *, complete: bool) -> None:
-    """``--json``: the rows so far (``complete``: every set and profile ran); after each set too, for a run a limit stops."""
+    """``--json``: the rows so far (``complete``: every set and profile ran); after each run too, for a comparison a limit stops."""
     if args.json is None:
         return
     from megatron.core import __version__ as megatron_core_version

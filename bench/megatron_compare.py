@@ -51,9 +51,9 @@ Each iteration is timed with the device synchronised before and after; the peak 
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was still
 allocated before the run built its model (on CPU: chunk-offload's accounting of saved bytes,
 n/a for the others); each row's ``wall_s`` in the JSON is the run's time from its build to its
-last measured iteration; the JSON is written after each module set too (``"complete": false``
-until every set, and the profiles, ran), so that a run a time limit stops leaves its finished
-sets. Losses are those of the first measured iteration; grads those of the last; both are
+last measured iteration; the JSON is written after each run too (``"complete": false`` until
+every set, and the profiles, ran; a set's overheads once all its runs ended), so that a
+comparison a time limit stops leaves every run that ended before it. Losses are those of the first measured iteration; grads those of the last; both are
 compared with ``torch.equal`` to the run without offload. On CUDA, flash attention's backward is
 not deterministic, so grads may differ without any offload; the losses (forward only) are the
 fair check there, or every run on deterministic kernels (``--deterministic``,
@@ -71,9 +71,9 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -148,6 +148,10 @@ class _Runs:
     args: argparse.Namespace
     shape: GPTShape
     workdir: Path | None
+    ran: list[dict[str, Any]] = field(default_factory=list)
+    """Every row `compared` made, in the order the runs ended."""
+    on_row: Callable[[], None] | None = None
+    """Called after each row is added to `ran` (the JSON so far: a time limit that stops a run keeps those before it)."""
 
     def measured(self, modules: list[str], run: str, budget: int | None, *, is_base: bool = False) -> dict[str, Any]:
         """One run's row (``failed`` where its process raised or ended without an answer)."""
@@ -166,6 +170,13 @@ class _Runs:
         identical to itself). Measured here, the base keeps host copies of its grads and every
         other run's are let go once compared (at hidden 4096 a model's worth per run); in its own
         process a run compared its grads itself (`run_alone`)."""
+        row = self._compared(modules, run, budget, base)
+        self.ran.append(row)
+        if self.on_row is not None:
+            self.on_row()
+        return row
+
+    def _compared(self, modules: list[str], run: str, budget: int | None, base: dict[str, Any] | None) -> dict[str, Any]:
         row = self.measured(modules, run, budget, is_base=base is None)
         if "failed" in row:
             return row
@@ -257,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="megatron_compare-") if args.processes == "per-run" else contextlib.nullcontext() as workdir:
         runs = _Runs(args, shape, None if workdir is None else Path(workdir))
         for modules in args.modules:
+            # What a time limit that stops the comparison leaves: the finished sets, then each run of this one.
+            runs.ran, done = [], list(rows)
+            runs.on_row = lambda done=done: write_json(args, done + runs.ran, device, complete=False)
             rows += _module_set(runs, modules, rows[0] if rows else None)
-            write_json(args, rows, device, complete=False)  # what a time limit that stops the run leaves
+            write_json(args, rows, device, complete=False)
             if "failed" in rows[0]:
                 break
         if args.profile and "failed" not in rows[0]:

@@ -183,6 +183,27 @@ def test_each_finished_set_is_in_the_json_before_the_next_one_runs(tmp_path, mon
     assert data["complete"] is False and data["rows"] == [{"modules": "core_attn", "run": "none"}]
 
 
+def test_each_run_is_in_the_json_as_soon_as_it_ends(tmp_path, monkeypatch) -> None:
+    """A time limit that stops the comparison during a run leaves every run that ended before it."""
+    bench = load_bench_script("megatron_compare")
+    calls = []
+
+    def in_own_process(function, args, shape, modules, run, budget, base_file, is_base):
+        calls.append(run)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the limit: during the third run
+        return {"run": run, "modules": ",".join(modules), "peak_bytes": None, "median_step_s": 0.2, "min_step_s": 0.1,
+                "saved_peak_bytes": 8, "_losses": [torch.zeros(1)], **({} if is_base else {"grads_identical": True})}  # fmt: skip
+
+    monkeypatch.setattr(bench, "in_own_process", in_own_process)
+    out = tmp_path / "compare.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--modules", "core_attn", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["complete"] is False and [r["run"] for r in data["rows"]] == calls[:2] == ["none", "megatron"]
+    assert data["rows"][1]["losses_identical"] and "_losses" not in data["rows"][1]
+
+
 def test_a_failed_run_is_one_row_the_others_run_and_the_exit_status_is_1(tmp_path, monkeypatch, capsys) -> None:
     """A run whose process raises (or ends without an answer) is a ``failed`` row, not the end of the comparison."""
     bench = load_bench_script("megatron_compare")
