@@ -24,9 +24,9 @@
 # start, the comparisons now run fewer runs: no separate timed reload-ahead runs (on CUDA the
 # default times its reloads: NOTE [Timed reload ahead by default]), the host-bound one the five
 # modules its target names and no second 'none'. Each comparison run trains in a process of its
-# own; its JSON row has its wall time (wall_s) and its process's (process_s).
-# What the finished steps wrote comes back if a call's limit cuts the last ones (rerun them with
-# --only). Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
+# own; its JSON row, written as soon as the run ends, has its wall time (wall_s) and its
+# process's (process_s). What the finished runs and steps wrote comes back if a limit cuts the
+# last ones (rerun them with --only). Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
 # git): every .whl/*.whl is installed to /tmp/site first. Prepare them on a host with network:
