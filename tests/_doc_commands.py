@@ -319,6 +319,7 @@ CLIS: dict[str, Cli] = {
         shrink={"--layers": "4", "--microbatches": "4", "--hidden": "64", "--seq": "32", "--iterations": "1"},
     ),
     "bench/sdpa_saved.py": Cli("shrink", outputs=("--json",), shrink={"--seq": "64", "--heads": "4", "--head-dim": "16"}),
+    "bench/timed_refit.py": Cli("shrink", shrink={"--iterations": "2", "--ranks": "7"}),
     "bash bench/gpu_evidence.sh": Cli("run"),
     **{setup: Cli("setup") for setup in ("pip", "apt", "make", "-m pytest", "bash tests/run_megatron_019.sh", "bash .ci/run")},
 }

@@ -41,7 +41,8 @@ NOTE [Device budget]
   get the budgets the new timing gives (`fit_reload_ahead`), without a new choice: they change
   when reloads start, never what is copied. The refit is two to four `simulate` runs and the
   derivation: 0.14 s of CPU on the 70B-like plan of NOTE [Budget choice] (rank 0: 64 chunks,
-  3,200 groups).
+  3,200 groups); so it runs only when the timing moved (`CopyTiming.close_to` the one of the
+  latest fit: NOTE [Timed reload ahead by default] in plan_tracking.py).
 - ``"auto"``: every pipeline rank's lowest peak (plus its overhead) is all-gathered over the
   pipeline (`Exchange`, NOTE [Deferred exchanges]); the budget is `level_budget` of them, the
   smallest every rank meets. Until it is known every group is offloaded.
@@ -119,6 +120,7 @@ class Budgets:
         self.time_reload_ahead(timed_reload_ahead)
         self.chunk_reload_ahead: dict[tuple[int, int], int] = {}
         """The choice's per-chunk reload-ahead bytes from the latest timing (`fit_reload_ahead`)."""
+        self._fitted_timing: CopyTiming | None = None  # the timing they were derived from
         self.leveled_budget: int | None = None
         """``"auto"``: the levelled budget (the largest lowest peak of the pipeline), once known."""
         self.choice: OffloadChoice | None = None
@@ -245,8 +247,10 @@ class Budgets:
             return self._fit_reload_ahead(plan, timing, pp_rank=pp_rank)
         self._key = key
         self.chunk_reload_ahead = {}
+        self._fitted_timing = None
         timed = None
         if self.timed_reload_ahead and timing is not None:
+            self._fitted_timing = timing
             timed = choose_with_reload_ahead(
                 plan, sizes, budget, timing, kept_bytes=self._kept_bytes, shared=self._shared, prefetch_bytes=self.plan_budgets["prefetch_bytes"]
             )
@@ -286,8 +290,9 @@ class Budgets:
     def _fit_reload_ahead(self, plan: Plan, timing: CopyTiming | None, *, pp_rank: int) -> PlanPolicy | None:
         """With ``timed_reload_ahead`` and a timing: the choice's policy with the reload-ahead
         budgets ``timing`` gives that keep it within the budget, if they changed; else None."""
-        if not self.timed_reload_ahead or timing is None:
-            return None
+        if not self.timed_reload_ahead or timing is None or timing.close_to(self._fitted_timing):
+            return None  # NOTE [Timed reload ahead by default] in plan_tracking.py: budgets from a close timing hold
+        self._fitted_timing = timing
         fitted = fit_reload_ahead(
             self.choice, plan, self._group_bytes, timing, prefetch_bytes=self.plan_budgets["prefetch_bytes"], kept_bytes=self._kept_bytes
         )

@@ -13,7 +13,11 @@ from ..core.actions import Action, ActionKind
 from ..core.records import IterationRecord
 from .plan import Plan
 
-__all__ = ["CopyTiming", "OffloadChoice"]
+__all__ = ["TIMING_TOLERANCE", "CopyTiming", "OffloadChoice"]
+
+TIMING_TOLERANCE = 0.1
+"""How far a timing may move from the one decisions were last made from before they are made
+again (`CopyTiming.close_to`; NOTE [Timed reload ahead by default] in integrations/plan_tracking.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +33,29 @@ class CopyTiming:
     """For each action of the plan, seconds from the iteration's start at which it began."""
     iteration_s: float
     """Wall time of that iteration."""
+
+    def close_to(self, other: "CopyTiming | None", tolerance: float = TIMING_TOLERANCE) -> bool:
+        """Whether ``other`` is this timing give or take ``tolerance``: each link rate within that
+        share of the larger, and each action's duration within that share of the larger of the two
+        or of the mean action (a short action's jitter is no change). Decisions made from one hold
+        for the other: iteration-to-iteration jitter does not remake them."""
+        if other is None or len(other.action_starts_s) != len(self.action_starts_s):
+            return False
+        if (self.reload_bytes_per_s is None) != (other.reload_bytes_per_s is None):
+            return False
+        rates = [(self.bytes_per_s, other.bytes_per_s)]
+        if self.reload_bytes_per_s is not None:
+            rates.append((self.reload_bytes_per_s, other.reload_bytes_per_s))
+        if any(abs(a - b) > tolerance * max(a, b) for a, b in rates):
+            return False
+        mine, theirs = self._durations(), other._durations()
+        mean = max(self.iteration_s, other.iteration_s) / max(1, len(mine))
+        return all(abs(a - b) <= tolerance * max(a, b, mean) for a, b in zip(mine, theirs))
+
+    def _durations(self) -> list[float]:
+        """Each action's seconds, to the next action's start (the last: to the iteration's end)."""
+        ends = (*self.action_starts_s[1:], self.iteration_s)
+        return [end - start for start, end in zip(self.action_starts_s, ends)]
 
     @classmethod
     def from_record(cls, record: IterationRecord, plan: Plan) -> "CopyTiming | None":

@@ -233,6 +233,23 @@ def test_timed_reload_ahead_under_a_budget_keeps_the_choices_peak(timed: bool, c
     assert not given.timed_reload_ahead  # a given reload_ahead_bytes wins
 
 
+def test_the_reload_ahead_budgets_are_fitted_again_only_when_the_timing_moves(monkeypatch) -> None:
+    """NOTE [Timed reload ahead by default]: backwards 6% longer (a GPU's jitter) keep the budgets
+    fitted to the timing before, without deriving them again; ten times longer derive them again."""
+    from chunk_offload.integrations import budgets as budgets_module
+
+    plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
+    budgets = Budgets(device_budget_bytes=220, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None, timed_reload_ahead=True)
+    policy = budgets.after_iteration(plan, _timed_record(plan, [100, 10, 10], 3.0, 220), budgets.policy(plan), pp_rank=0)
+    fits = []
+    fit = budgets_module.fit_reload_ahead
+    monkeypatch.setattr(budgets_module, "fit_reload_ahead", lambda *args, **kwargs: fits.append(args[3]) or fit(*args, **kwargs))
+    assert budgets.after_iteration(plan, _timed_record(plan, [100, 10, 10], 3.2, 220), policy, pp_rank=0) is None
+    assert fits == [] and budgets.chunk_reload_ahead == {(1, 0): 110}
+    moved = budgets.after_iteration(plan, _timed_record(plan, [100, 10, 10], 30.0, 220), policy, pp_rank=0)
+    assert len(fits) == 1 and moved.timed_reload_ahead == {}  # reloads now hidden one group ahead
+
+
 @pytest.mark.parametrize("pp_size", [2, 1], ids=["stage0_of_pp2", "pp1"])
 def test_timed_reload_ahead_under_a_budget_waits_less_within_it(pp_size: int, caplog) -> None:
     """Stage 0 of PP=2, and PP=1, 4 microbatches, on a slow reload link (`tests._slow_link`),

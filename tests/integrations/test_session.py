@@ -6,6 +6,8 @@ The integrations' own tests run it under real schedules; these pin its order of 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -110,6 +112,37 @@ def test_the_policy_reads_the_latest_iterations_timing_for_its_reload_ahead(opti
         assert policy.timed_reload_ahead == {(0, 0): 65536 + 2048}
     else:  # the decisions did not change: the policy learned at the baseline stays
         assert policy is after_baseline and policy.reload_ahead_bytes(ChunkKey(0, 0)) == options.reload_ahead_bytes
+
+
+def test_the_reload_ahead_budgets_are_derived_again_only_when_the_timing_moves(monkeypatch) -> None:
+    """NOTE [Timed reload ahead by default]: after the iteration whose timing made the policy, an
+    iteration whose timing is within `CopyTiming.close_to` derives nothing (30 to 120 ms of CPU on
+    a 70B-like plan); a reload link twice as fast derives the budgets again."""
+    session = _session([], ScheduleOptions(timed_reload_ahead=True), streams=CpuStreams(reload_link_bytes_per_s=1e6), baseline_iterations=1)
+    model = nn.Sequential(nn.Linear(4, 8192), nn.GELU(), nn.Linear(8192, 256), nn.GELU(), nn.Linear(256, 2048), nn.GELU())
+    for index in (1, 3, 5):
+        session.engine.offload_module(model[index], f"gelu{index}")
+    plan = Plan((F0, B0), pp_rank=0, pp_size=1, vp_size=1, source="test")
+    session.use_plan(plan)
+    derived = []
+    reload_ahead_from = PlanPolicy.reload_ahead_from
+    monkeypatch.setattr(PlanPolicy, "reload_ahead_from", lambda self, *args: derived.append(args[1]) or reload_ahead_from(self, *args))
+    timings = []
+    from_record = CopyTiming.from_record.__func__
+    monkeypatch.setattr(CopyTiming, "from_record", classmethod(lambda cls, record, plan: timings.pop(0) if timings else from_record(cls, record, plan)))
+    try:
+        _step(session, model)  # the baseline
+        _step(session, model)  # the first timing: derived
+        first = derived[-1]
+        assert len(derived) == 1 and session.engine.schedule_policy.reload_timing is first
+        timings.append(dataclasses.replace(first, bytes_per_s=first.bytes_per_s * 1.05, iteration_s=first.iteration_s * 1.02))
+        _step(session, model)  # 5% off: the budgets derived from the first hold
+        assert len(derived) == 1
+        timings.append(dataclasses.replace(first, reload_bytes_per_s=first.reload_bytes_per_s * 2))
+        _step(session, model)
+        assert len(derived) == 2 and derived[-1].reload_bytes_per_s == 2 * first.reload_bytes_per_s
+    finally:
+        session.engine.close()
 
 
 def test_timed_reload_ahead_needs_the_plan() -> None:

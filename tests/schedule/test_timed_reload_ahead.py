@@ -111,3 +111,22 @@ def test_timed_budget_waits_less_than_one_group_ahead_on_a_slow_link():
     one_ahead, timed = (sum(g.wait_time_s for g in records[i].groups.values()) for i in (1, 2))
     assert [sum(g.bytes_offloaded for g in records[i].groups.values()) for i in (1, 2)] == [2 * 4 * UNIT * sum(LAYOUT[:-1])] * 2
     assert one_ahead > 3 * timed, (one_ahead, timed)
+
+
+def test_close_timings_are_within_the_tolerance_of_each_rate_and_action():
+    """`CopyTiming.close_to`: each rate within 10% of the larger, each action's duration within 10%
+    of the larger or of the mean action (so a short action's jitter is no change)."""
+    base = _pp1_timing((12.0, 12.0))  # actions of 1, 12, 1 and 12 s: a mean of 6.5 s
+    assert base.close_to(base) and not base.close_to(None)
+    assert base.close_to(CopyTiming(bytes_per_s=1090.0, reload_bytes_per_s=60.0, action_starts_s=base.action_starts_s, iteration_s=base.iteration_s))
+    assert not base.close_to(CopyTiming(bytes_per_s=1120.0, reload_bytes_per_s=60.0, action_starts_s=base.action_starts_s, iteration_s=base.iteration_s))
+    assert not base.close_to(CopyTiming(bytes_per_s=1000.0, reload_bytes_per_s=67.0, action_starts_s=base.action_starts_s, iteration_s=base.iteration_s))
+    assert not base.close_to(CopyTiming(bytes_per_s=1000.0, action_starts_s=base.action_starts_s, iteration_s=base.iteration_s))
+    assert base.close_to(_pp1_timing((13.0, 12.0)))  # a backward 1 s longer: under 10% of 13 s
+    assert not base.close_to(_pp1_timing((14.0, 12.0)))  # 2 s: over 10% of 14 s
+    # A forward of 1.5 s instead of 1 s: 50% of itself, under 10% of the mean action.
+    shifted = (0.0, 1.5, 13.5, 14.5)
+    assert base.close_to(CopyTiming(bytes_per_s=1000.0, reload_bytes_per_s=60.0, action_starts_s=shifted, iteration_s=26.5))
+    assert not base.close_to(CopyTiming(bytes_per_s=1000.0, reload_bytes_per_s=60.0, action_starts_s=(0.0, 1.0, 13.0), iteration_s=25.0))
+    assert base.close_to(CopyTiming(bytes_per_s=1000.0, reload_bytes_per_s=60.0, action_starts_s=base.action_starts_s,
+                                    iteration_s=base.iteration_s), tolerance=0.0)  # fmt: skip
