@@ -1,8 +1,10 @@
-"""Loading a `bench/` script as a module, the one way the tests do it."""
+"""Loading a `bench/` script as a module, or running it as a user does: the one way each the tests do it."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,3 +21,14 @@ def load_bench_script(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_bench_script(name: str, *args: str, timeout: float = 300, path: str | None = None) -> subprocess.CompletedProcess:
+    """``python bench/<name>.py args...`` as a user runs it, on the CPU (CUDA hidden, one OpenMP
+    thread), this checkout first on the import path; ``path``: the ``PATH`` it sees (default ours)."""
+    root = str(BENCH.parent)
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], capture_output=True, text=True, timeout=timeout, env=env)

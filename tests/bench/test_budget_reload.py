@@ -7,22 +7,16 @@ the printed waits. Bad arguments are usage errors (exit status 2).
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "budget_reload.py"
+from ._scripts import run_bench_script
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+    return run_bench_script("budget_reload", *args)
 
 
 def test_prints_both_runs_within_the_budget_and_the_ratio() -> None:

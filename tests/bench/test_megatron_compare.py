@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ._scripts import load_bench_script
+from ._scripts import load_bench_script, run_bench_script
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "megatron_compare.py"
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
@@ -32,9 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+    return run_bench_script("megatron_compare", *args)
 
 
 def _megatron_copies_on_cpu() -> bool:

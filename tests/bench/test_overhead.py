@@ -7,22 +7,17 @@ node per group), and that each printed ratio is the quotient of the printed per-
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "overhead.py"
+from ._scripts import run_bench_script
+
 _NUMBER = r"(-?[0-9.]+|nan|inf)"
 MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline", "offload_timed")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+    return run_bench_script("overhead", *args)
 
 
 def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:

@@ -8,25 +8,18 @@ per-group counts.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "overhead_instructions.py"
+from ._scripts import run_bench_script
 
 
 def _run(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
-    if path is not None:
-        env["PATH"] = path
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env)
+    return run_bench_script("overhead_instructions", *args, timeout=900, path=path)
 
 
 def test_bad_argument_is_a_usage_error() -> None:

@@ -6,21 +6,15 @@ CPU times depend on the host; the test checks the counts, which follow from the 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "timed_refit.py"
+from ._scripts import run_bench_script
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+    return run_bench_script("timed_refit", *args)
 
 
 def _row(stdout: str, rank: int) -> list[str]:
