@@ -9,24 +9,23 @@
 # summary.txt (one line per step: status, seconds, limit), replay.json, replay_last.json,
 # replay_coplan.json, compare.json (hidden 4096), compare_host.json (host-bound), bandwidth.json.
 #
-# Each step runs under its own time limit, and all of them within one budget (--budget, default
-# 540 s: 9 minutes, so that a 15-minute device session holds the machine's start, the run and a
-# rerun of one step): a step's limit is cut to what is left of it, and a step with less than 15 s
-# left is skipped and listed so in summary.txt. A failing step does not stop the others; the exit
-# status is 1 if any step failed, timed out or was skipped.
+# Each step runs under its own time limit, all within one budget (--budget, default 540 s, so that
+# a 15-minute device session holds the machine's start, the run and a rerun of one step): a step's
+# limit is cut to what is left, a step with under 15 s left is skipped (listed in summary.txt). A
+# failing step does not stop the others; the exit status is 1 if any failed, timed out or skipped.
 # The steps whose times are no measure run first, side by side (BESIDE): what they check
 # (bit-identity, stream order, each process's own device peak and R) does not need the device
-# alone. The steps that time something (overhead, replay, compare, compare_host, bandwidth) then
-# run one at a time, alone on the device.
+# alone. The steps that time something then run one at a time, alone on the device.
 # On an H200 (bench/results/2026-11-2[67]-h200*) the steps took one after another about 15
 # minutes (sanitizer 42-120 s, replay 60-94 s, replay_last 62-73 s, the hidden-4096 comparison
 # about 170 s with 9 runs, the host-bound one about 275 s with 11). Besides the side-by-side
 # start, the comparisons now run fewer runs: no separate timed reload-ahead runs (on CUDA the
 # default times its reloads: NOTE [Timed reload ahead by default]), the host-bound one the five
 # modules its target names and no second 'none'. Each comparison run trains in a process of its
-# own; its JSON row, written as soon as the run ends, has its wall time (wall_s) and its
-# process's (process_s). What the finished runs and steps wrote comes back if a limit cuts the
-# last ones (rerun them with --only). Without a CUDA device (or with --dry-run) it prints the steps it would run and exits 0.
+# own; its JSON row, written as the run ends, has its wall time (wall_s) and its process's
+# (process_s). What ended comes back if a limit cuts the rest (rerun it with --only). summary.txt
+# ends with the side-by-side steps' wall and the total. Without a CUDA device (or --dry-run) it
+# prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
 # git): every .whl/*.whl is installed to /tmp/site first. Prepare them on a host with network:
@@ -35,9 +34,8 @@
 #   bash bench/gpu_evidence.sh --out "$OUT"
 # and commit what comes back under bench/results/<date>-<device>/ with the exact command.
 #
-# Environment: PYTHON (default python3), OUT (default output folder when --out is not given),
-# REPLAY_SEQS (sequence lengths tried in turn when one does not fit; default "4096 2048 1024"),
-# REPLAY_MODULES (default core_attn,qkv_linear).
+# Environment: PYTHON (default python3), OUT (output folder without --out), REPLAY_SEQS (sequence
+# lengths tried in turn when one does not fit; default "4096 2048 1024"), REPLAY_MODULES (core_attn,qkv_linear).
 set -u -o pipefail
 
 readonly STEPS=(install env tests sanitizer sanitizer_pp4 replay_last replay_coplan overhead replay compare compare_host bandwidth)
@@ -47,9 +45,8 @@ declare -A CMD=(
     [install]='install_wheels'
     [env]='print_environment'
     [tests]='"$PY" -m pytest -v -rsP --durations=0 -p no:cacheprovider tests/gpu'
-    # Under the sanitizer the parity runs of seed 0 only: it checks the order of stream accesses,
-    # which no seed changes (the tests step runs all three seeds); not the CUDA-graph refusal,
-    # which issues no copy, nor the check that a run gives its memory back.
+    # Under the sanitizer seed 0 only (no seed changes the order of stream accesses); not the
+    # CUDA-graph refusal (no copy), nor the checks that a run gives its memory back.
     [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu -k "not pp4_stage0 and not saved_twice and not -1- and not -2- and not captured_graph and not device_memory and not manager_behind"'
     [replay]='replay_stage 0 replay.json'
     [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --modules core_attn,qkv_linear --modules $FIVE_MODULES --json "$OUT_DIR/compare.json"'
@@ -225,7 +222,8 @@ record_step() {
 
 # Steps "$@" side by side, each under its limit cut to $LEFT; their outputs follow in order once all ended.
 run_beside() {
-    local name logs=() limits=() pids=() i failed=0
+    local name logs=() limits=() pids=() i failed=0 start
+    start=$(date +%s)
     echo "=== side by side: $*"
     for name in "$@"; do
         logs+=("$(mktemp)")
@@ -238,6 +236,7 @@ run_beside() {
         cat "${logs[$i]}"
         record_step "${@:i+1:1}" "${limits[$i]}" "${logs[$i]}" || failed=1
     done
+    printf '%-10s %-28s %5ss\n' "(beside)" "the $# above, side by side" $(($(date +%s) - start)) >>"$OUT_DIR/summary.txt"
     return "$failed"
 }
 
@@ -343,6 +342,7 @@ main() {
             record_step "$name" $((LEFT < LIMIT[$name] ? LEFT : LIMIT[$name])) "$log" || failed=1
         fi
     done
+    printf '%-10s %-28s %5ss of %ss\n' "(total)" "every step" $(($(date +%s) - began)) "$BUDGET" >>"$OUT_DIR/summary.txt"
     cat "$OUT_DIR/summary.txt"
     exit "$failed"
 }

@@ -96,8 +96,8 @@ def test_a_failing_step_does_not_stop_the_others(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["evidence.log", "summary.txt"]
     summary = (out / "summary.txt").read_text().splitlines()
     assert summary[0] == f"# bash bench/gpu_evidence.sh --out {out} --only bandwidth,env"
-    assert [row.split()[:2] for row in summary[1:]] == [["env", "ok"], ["bandwidth", "failed"]]
-    assert "(exit 7)" in summary[2]
+    assert [row.split()[:2] for row in summary[1:]] == [["env", "ok"], ["bandwidth", "failed"], ["(total)", "every"]]
+    assert "(exit 7)" in summary[2] and summary[3].endswith("s of 540s")
     log = (out / "evidence.log").read_text()
     assert "=== step env: print_environment" in log and "command: bash bench/gpu_evidence.sh" in log
     assert f"torch {__import__('torch').__version__}" in log
@@ -132,7 +132,7 @@ def test_steps_without_enough_budget_left_are_skipped_and_listed(tmp_path: Path)
     done = _run("--out", str(out), "--only", "env,bandwidth", "--budget", "14", python=str(_stand_in(tmp_path, "exit 0")))
     assert done.returncode == 1, done.stdout + done.stderr
     rows = [row.split()[:3] for row in (out / "summary.txt").read_text().splitlines()[1:]]
-    assert rows == [["env", "skipped", "(budget)"], ["bandwidth", "skipped", "(budget)"]]
+    assert rows == [["env", "skipped", "(budget)"], ["bandwidth", "skipped", "(budget)"], ["(total)", "every", "step"]]
     log = (out / "evidence.log").read_text()
     # 14 s left at the first step, 13 where the clock's second turned since the steps began
     assert re.search(r"=== step env: print_environment\n=== skipped: 1[34]s of the 14s budget left \(under 15s\)", log), log
@@ -153,8 +153,12 @@ def test_the_steps_that_time_nothing_run_side_by_side(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert "=== side by side: tests sanitizer replay_coplan" in done.stdout
     rows = [row.split() for row in (out / "summary.txt").read_text().splitlines()[1:]]
-    assert [row[:2] for row in rows] == [["tests", "ok"], ["sanitizer", "failed"], ["replay_coplan", "ok"], ["bandwidth", "ok"]]
+    assert [row[:2] for row in rows] == [["tests", "ok"], ["sanitizer", "failed"], ["replay_coplan", "ok"], ["(beside)", "the"],
+                                         ["bandwidth", "ok"], ["(total)", "every"]]  # fmt: skip
     assert [row[-1] for row in rows[:3]] == ["90s", "150s", "90s"]  # each its own limit
+    # The side-by-side steps' wall: the longest of them, not their sum (each sleeps 2 s).
+    seconds = [int(row[row.index("of") - 1].removesuffix("s")) if "of" in row else int(row[-1].removesuffix("s")) for row in rows]
+    assert rows[3][1:5] == ["the", "3", "above,", "side"] and seconds[3] < sum(seconds[:3])
     times = [line.split() for line in spans.read_text().splitlines()]
     starts, ends = [float(t) for k, t in times if k == "start"], [float(t) for k, t in times if k == "end"]
     assert len(starts) == 3 and max(starts) < min(ends), times  # all three ran at once
