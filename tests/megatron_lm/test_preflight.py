@@ -83,6 +83,8 @@ def test_expert_parallelism_without_experts_is_refused(script: Path, capsys) -> 
         ),
         (["--chunk-offload-device-budget", "1MiB"], "--chunk-offload-device-budget 1MiB given without --chunk-offload-modules"),
         (["--chunk-offload-device-budget", "lots"], "argument --chunk-offload-device-budget: expected 'auto' or a byte count >= 0"),
+        (["--chunk-offload-timed-reload-ahead", "yes"],
+         "argument --chunk-offload-timed-reload-ahead: invalid choice: 'yes' (choose from 'auto', 'on', 'off')"),
         (["--chunk-offload-modules", "core_atn"], "argument --chunk-offload-modules: "),
     ],
 )
