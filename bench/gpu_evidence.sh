@@ -16,16 +16,15 @@
 # The steps whose times are no measure run first, side by side (BESIDE): what they check
 # (bit-identity, stream order, each process's own device peak and R) does not need the device
 # alone. The steps that time something then run one at a time, alone on the device.
-# On an H200 (bench/results/2026-11-2[67]-h200*) the steps took one after another about 15
-# minutes (sanitizer 42-120 s, replay 60-94 s, replay_last 62-73 s, the hidden-4096 comparison
-# about 170 s with 9 runs, the host-bound one about 275 s with 11). Besides the side-by-side
-# start, the comparisons now run fewer runs: no separate timed reload-ahead runs (on CUDA the
-# default times its reloads: NOTE [Timed reload ahead by default]), the host-bound one the five
-# modules its target names and no second 'none'. Each comparison run trains in a process of its
-# own; its JSON row, written as the run ends, has its wall time (wall_s) and its process's
-# (process_s). What ended comes back if a limit cuts the rest (rerun it with --only). summary.txt
-# ends with the side-by-side steps' wall and the total. Without a CUDA device (or --dry-run) it
-# prints the steps it would run and exits 0.
+# On an H200 (bench/results/2026-11-28-h200) the side-by-side steps took 102 s together (320 s one
+# after another), overhead 31 s, replay 110 s, compare 151 s with 7 runs; the host-bound compare
+# did not end in 200 s: under --profile 2 each of its runs' processes took 27-48 s for 9-17 s of
+# training. Its profiles are now opt-in (COMPARE_HOST_PROFILE, below); the profiles of the
+# engine's host path come from the overhead step and the replay's host time row. Each comparison
+# run trains in a process of its own; its JSON row, written as the run ends, has its wall time
+# (wall_s) and its process's (process_s). What ended comes back if a limit cuts the rest (rerun it
+# with --only). summary.txt ends with the side-by-side steps' wall and the total. Without a CUDA
+# device (or --dry-run) it prints the steps it would run and exits 0.
 #
 # On a lent GPU machine (no network; see shared/GPU.md), carry the wheels in .whl/ (ignored by
 # git): every .whl/*.whl is installed to /tmp/site first. Prepare them on a host with network:
@@ -35,7 +34,8 @@
 # and commit what comes back under bench/results/<date>-<device>/ with the exact command.
 #
 # Environment: PYTHON (default python3), OUT (output folder without --out), REPLAY_SEQS (sequence
-# lengths tried in turn when one does not fit; default "4096 2048 1024"), REPLAY_MODULES (core_attn,qkv_linear).
+# lengths tried in turn when one does not fit; default "4096 2048 1024"), REPLAY_MODULES (core_attn,qkv_linear),
+# COMPARE_HOST_PROFILE (steps each host-bound comparison run profiles, --profile; default 0).
 set -u -o pipefail
 
 readonly STEPS=(install env tests sanitizer sanitizer_pp4 replay_last replay_coplan overhead replay compare compare_host bandwidth)
@@ -50,7 +50,7 @@ declare -A CMD=(
     [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu -k "not pp4_stage0 and not saved_twice and not -1- and not -2- and not captured_graph and not device_memory and not manager_behind"'
     [replay]='replay_stage 0 replay.json'
     [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --modules core_attn,qkv_linear --modules $FIVE_MODULES --json "$OUT_DIR/compare.json"'
-    [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --modules $FIVE_MODULES --layer-groups --profile 2 --json "$OUT_DIR/compare_host.json"'
+    [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --modules $FIVE_MODULES --layer-groups --profile ${COMPARE_HOST_PROFILE:-0} --json "$OUT_DIR/compare_host.json"'
     # The last stage on deterministic kernels: bit-for-bit losses and grads rows for both engines (no timing).
     [replay_last]='replay_stage 3 replay_last.json --deterministic'
     # README's co-plan, stage 0: attn_norm,qkv_linear offloaded, core attention recomputed.
@@ -60,7 +60,7 @@ declare -A CMD=(
     [sanitizer_pp4]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_replay.py -k pp4_stage0'
 )
 # Issue 26's configurations: compute-bound (hidden 4096, both module sets), then host-bound (hidden
-# 1024, the five modules its target names; layer groups and each run's host profile too).
+# 1024, the five modules its target names, and layer groups).
 readonly COMPARE_COMMON='--micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4'
 readonly FIVE_MODULES='attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
 export COMPARE_COMMON FIVE_MODULES
