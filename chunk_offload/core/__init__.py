@@ -12,6 +12,7 @@ from .errors import ChunkOffloadError, HappensBeforeError
 from .group_state import GroupState
 from .handler import ChunkOffloadHandler
 from .host_pool import HostPool, HostPoolStats
+from .joins import joins_layer_group
 from .manager import OffloadManager
 from .marks import ModuleOffload
 from .option_table import OPTIONS, Option, check_value, option, parse_bytes
@@ -54,6 +55,7 @@ __all__ = [
     "diff_actions",
     "format_actions",
     "is_marked_not_offloadable",
+    "joins_layer_group",
     "kept_tail",
     "mark_not_offloadable",
     "option",

@@ -46,6 +46,10 @@ class OffloadConfig:
     core/marks.py). 'layer': calls of modules registered with one ``layer`` (`OffloadManager.offload_module`)
     that follow one another in a chunk's forward form one group (NOTE [Layer groups]). 'call': each call
     its own group, no joins."""
+    layer_group_bytes: int | None = config_default("OffloadConfig.layer_group_bytes")
+    """With ``group_by="layer"``: a call joins its layer's pending group only while that group holds
+    fewer bytes to copy than this (`joins_layer_group`; NOTE [Bounded layer groups] in
+    core/marks.py). None: every call of the layer joins."""
     profile_ranges: bool = config_default("OffloadConfig.profile_ranges")
     """Mark each group's offload and reload issue, the compute waits on them and policy prefetches
     with `torch.profiler.record_function` ranges (NVTX ranges on CUDA under nsys or ``emit_nvtx``),
@@ -57,6 +61,11 @@ class OffloadConfig:
         field's row of the option table says what is)."""
         for row in _ROWS:
             check_value(row, getattr(self, row.field_name))
+        if self.layer_group_bytes is not None and self.group_by != "layer":
+            raise ChunkOffloadError(
+                f"layer_group_bytes={self.layer_group_bytes!r} bounds layer groups; it needs group_by='layer', "
+                f"got group_by={self.group_by!r} (pass group_by='layer', or leave layer_group_bytes None)"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:

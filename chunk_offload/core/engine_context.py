@@ -50,6 +50,8 @@ class EngineContext:
     originals to the copy stream (NOTE [Release by the copy stream])."""
     profile_ranges: bool = False
     """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
+    layer_group_bytes: int | None = None
+    """`OffloadConfig.layer_group_bytes`: the bound of a layer group (NOTE [Bounded layer groups] in marks.py)."""
     skip_waits: frozenset[str] = frozenset()
     """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
     empties: EmptyTensors = field(default_factory=EmptyTensors)

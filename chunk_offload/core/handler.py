@@ -68,7 +68,7 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self._states = GroupStates(self.groups)  # the ordering rules' view of `groups`
         self.current: OffloadGroup | None = None
-        self._joins = CallJoins()  # NOTE [Layer groups] and NOTE [Joined calls] in marks.py
+        self._joins = CallJoins(ctx.layer_group_bytes)  # NOTE [Layer groups], [Bounded layer groups] and [Joined calls] in marks.py
         self._unreleased = 0
         self._holding: list[OffloadGroup] = []  # committed groups whose device tensors are still held
         self._backward_cursor = 0  # groups committed minus groups whose backward began (TE protocol)
@@ -95,15 +95,18 @@ class ChunkOffloadHandler:
         return self._unreleased == 0 and self.current is None
 
     # ------------------------------------------------------------------ named groups
-    def open_group(self, name: str, inputs: Sequence[torch.Tensor] = (), layer: object = None, if_shared: bool = False) -> OffloadGroup:
+    def open_group(
+        self, name: str, inputs: Sequence[torch.Tensor] = (), layer: object = None, if_shared: bool = False, joiner_of: str | None = None
+    ) -> OffloadGroup:
         """Start collecting the tensors saved by one call of submodule ``name`` on ``inputs``.
 
         ``layer`` (not None): the call joins the pending group of the same layer, if any (NOTE [Layer groups] in marks.py);
-        ``if_shared``: only if its first tensor to copy is a storage of that group (NOTE [Joined calls]).
+        ``if_shared``: only if its first tensor to copy is a storage of that group (NOTE [Joined calls]);
+        ``joiner_of``: the module its module joins (``joins``), for a bounded layer group (NOTE [Bounded layer groups]).
         """
         if self._forward_ended or self.current is not None or self._capturing():
             raise open_error(name, self.key, forward_ended=self._forward_ended, open_name=None if self.current is None else self.current.name)
-        joined = self._joins.join(name, inputs, layer, if_shared, self._commit)
+        joined = self._joins.join(name, inputs, layer, if_shared, self._commit, joiner_of)
         if joined is not None:
             self.current = joined
             return joined

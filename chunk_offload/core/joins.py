@@ -1,6 +1,6 @@
-"""`CallJoins`: which group a module call collects into where calls join (NOTE [Layer groups] and
-NOTE [Joined calls] in marks.py): the group pending for its layer's next call, and a join that
-holds only if the joining call saves a storage of that group."""
+"""`CallJoins`: which group a module call collects into where calls join (NOTE [Layer groups],
+NOTE [Bounded layer groups] and NOTE [Joined calls] in marks.py): the group pending for its layer's
+next call, and a join that holds only if the joining call saves a storage of that group."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 if TYPE_CHECKING:
     from .group import OffloadGroup
 
-__all__ = ["CallJoins"]
+__all__ = ["CallJoins", "joins_layer_group"]
 
 Undone = tuple[str, Sequence[torch.Tensor], Collection]
 """A joined call's name, inputs and input nodes, for the group of its own it opens instead."""
@@ -19,28 +19,42 @@ Commit = Callable[["OffloadGroup"], None]
 """The handler's commit of a group no call joins any more."""
 
 
+def joins_layer_group(copy_bytes: int, bound: int | None) -> bool:
+    """Whether a layer's next call joins its pending group, which holds ``copy_bytes`` to copy, under
+    `OffloadConfig.layer_group_bytes` ``bound`` (NOTE [Bounded layer groups] in marks.py). The one
+    rule: the engine's `CallJoins` and the planner's layer groups both ask it."""
+    return bound is None or copy_bytes < bound
+
+
 class CallJoins:
     """A chunk's pending group (committed through the handler's ``commit`` once no call joins it) and
     tentative join. The methods that may commit take ``commit``: a stored callback of the handler would
     make a cycle (NOTE [No cycles per iteration] in handler.py)."""
 
-    __slots__ = ("_pending", "_layer", "tentative")
+    __slots__ = ("_pending", "_layer", "_bound", "tentative")
 
-    def __init__(self) -> None:
+    def __init__(self, bound: int | None = None) -> None:
         self._pending: OffloadGroup | None = None
+        self._bound = bound  # `OffloadConfig.layer_group_bytes`
         self._layer: object = None
         self.tentative: tuple[OffloadGroup, str, str, Sequence[torch.Tensor], set[int]] | None = None
         """Set while the open call joined on condition and has copied nothing yet: the group it
         joined, that group's name, member and inputs before, and the storages it held then."""
 
-    def join(self, name: str, inputs: Sequence[torch.Tensor], layer: object, if_shared: bool, commit: Commit) -> "OffloadGroup | None":
+    def join(
+        self, name: str, inputs: Sequence[torch.Tensor], layer: object, if_shared: bool, commit: Commit, joiner_of: str | None = None
+    ) -> "OffloadGroup | None":
         """The pending group, which call ``name`` of ``layer`` joins (tentatively where ``if_shared``);
-        None once the pending group, if any, is committed: the call opens a group of its own."""
+        None once the pending group, if any, is committed: the call opens a group of its own.
+        ``joiner_of``: the module whose group the call's module is registered to join (``joins``)."""
         pending = self._pending
         if pending is None:
             return None
         joins = layer is not None and layer is self._layer
         self._pending = self._layer = None
+        if joins and not joins_layer_group(pending.copy_bytes, self._bound):
+            # Past the bound only the joiner of the call before joins, on condition (NOTE [Bounded layer groups] in marks.py).
+            joins = if_shared = joiner_of is not None and joiner_of == pending.member
         if not joins:
             commit(pending)
             return None

@@ -37,6 +37,22 @@ module's end, so a layer's originals stay on device until then. The budget and t
 see one group per layer: they keep, copy and reload whole layers, so where a chunk's peak is at its
 backward start (a kept tail, a reload ahead) it can hold up to a layer more than module groups would.
 
+NOTE [Bounded layer groups]
+With ``OffloadConfig.layer_group_bytes`` a layer's next call joins its pending group only while the
+group holds fewer bytes to copy than the bound (`joins.joins_layer_group`; a storage counts its first
+saved view's bytes as the call saves it); else the group commits and the call opens a group of its
+own, which the layer's calls after it may join in turn. A group's host work (events, stream
+switches, launches) costs the same whatever it copies, so small groups are where it shows: under a
+bound of a few link-milliseconds' bytes small modules (norms at a small hidden size) share a group
+while large ones (any module at hidden 4096) keep their own, whose peak module groups would have.
+Past the bound the call of a module registered to join the call before it (``joins``: attn_proj
+after core_attn) still joins, on condition as in NOTE [Joined calls], so the storage both save is
+copied once. A call that copies nothing is joined by the next, so where a layer's bytes vary from
+call to call (an MoE layer's experts, given the tokens the router picks) its groups may vary from
+one microbatch to the next. The planner groups a layer's modules by the same rule on its own byte
+model (`planner.grouping.merged_layer_group`); where a group's modelled bytes fall on the other
+side of the bound from the engine's, the two group differently.
+
 NOTE [Joined calls]
 Two modules of one layer may save one storage: SDPA's output is core attention's saved output and
 the attention projection's saved input. As groups of their own both copy it and both reload it:
@@ -100,16 +116,18 @@ class GroupMarks:
         return tensors
 
     def open(
-        self, handler: ChunkOffloadHandler, inputs: list[torch.Tensor], name: str, layer: object = None, if_shared: bool = False
+        self, handler: ChunkOffloadHandler, inputs: list[torch.Tensor], name: str, layer: object = None, if_shared: bool = False,
+        joiner_of: str | None = None,
     ) -> None:
         """Open group ``name`` on ``handler`` with input tensors ``inputs`` and push its hooks;
         ``layer``: join the pending group of that layer (NOTE [Layer groups]), ``if_shared``: only
-        if the call saves a storage of it (NOTE [Joined calls]).
+        if the call saves a storage of it (NOTE [Joined calls]), ``joiner_of``: the module the
+        call's module joins (NOTE [Bounded layer groups]).
 
         The caller checked that gradients are enabled and no foreign saved-tensor hook is active.
         """
         # A plain call, no autograd node on the inputs: see NOTE [Group backward hook].
-        group = handler.open_group(name, inputs, layer, if_shared)
+        group = handler.open_group(name, inputs, layer, if_shared, joiner_of)
         # The inputs' nodes as they are now: an input modified in place inside the group gets a
         # node of the group, and an output that is that input is then an output the group created.
         group.input_nodes = [node for t in inputs if (node := t.grad_fn) is not None]
@@ -219,7 +237,7 @@ class ModuleOffload:
         values = (*args, *kwargs.values()) if kwargs else args
         inputs = [a for a in values if isinstance(a, torch.Tensor)]
         try:
-            self._marks.open(handler, inputs, self.name, self.open_layer, self.if_shared)
+            self._marks.open(handler, inputs, self.name, self.open_layer, self.if_shared, self.joins)
         except BaseException:
             self._opened.stack.append(False)  # the always_call post hook runs next and must not commit
             raise

@@ -138,6 +138,16 @@ OPTIONS: tuple[Option, ...] = (
         choices=("call", "module", "layer"),
     ),
     Option(
+        "layer-group-bytes", "bytes_or_none", None, "OffloadConfig.layer_group_bytes",
+        help=(
+            "Under layer groups (group-by layer) a layer's next call joins its group only while the group holds "
+            "fewer bytes to copy than this (attn_proj still joins core_attn's group where it saves its output), so "
+            "small modules share their per-group host work while large ones keep their own groups (default: the "
+            "whole layer)."
+        ),
+        metavar="BYTES",
+    ),
+    Option(
         "profile-ranges", "switch", False, "OffloadConfig.profile_ranges",
         help=(
             "Name each group's offload, reload and waits in torch.profiler traces (NVTX ranges under nsys on "

@@ -97,6 +97,7 @@ def resolve_plan(args: argparse.Namespace) -> CoPlan:
             min_offload_bytes=args.chunk_offload_min_offload_bytes,
             schedule=args.chunk_offload_schedule,
             group_by=args.chunk_offload_group_by,
+            layer_group_bytes=args.chunk_offload_layer_group_bytes,
         )
         plan = co_plan(planner, budget_bytes=args.chunk_offload_device_budget)
     if len(plan.stages) != args.pipeline_model_parallel_size:

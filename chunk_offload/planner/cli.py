@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     min_bytes = option("min-offload-bytes")
     off.add_argument("--min-offload-bytes", **argparse_keywords(min_bytes, dest="min_offload_bytes"))
     off.add_argument("--group-by", **argparse_keywords(option("group-by"), dest="group_by"))
+    off.add_argument("--layer-group-bytes", **argparse_keywords(option("layer-group-bytes"), dest="layer_group_bytes"))
     schedule = option("schedule")
     off.add_argument(
         "--schedule",
@@ -264,6 +265,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         schedule=args.schedule,
         other_activation_bytes=round(args.other_activation_gb * GB),
         group_by=args.group_by,
+        layer_group_bytes=args.layer_group_bytes,
     )
     present = [m for m in OFFLOAD_MODULE_NAMES if any(m in dims.modules_of(i) for i in range(dims.num_layers))]
     if args.modules is None:
@@ -293,6 +295,7 @@ def _plan(args: argparse.Namespace) -> _Result:
         "modules": modules,
         "min_offload_bytes": planner.min_offload_bytes,
         "group_by": planner.group_by,
+        "layer_group_bytes": planner.layer_group_bytes,
         "schedule_policy": planner.schedule,
         "schedule": planner.plans[0].source,
         "stages": [_stage_dict(s, group_choices) for s in stages],

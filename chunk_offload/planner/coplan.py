@@ -137,7 +137,7 @@ def _stages_for(planner: StagePlanner, recompute: list[str], candidates: list[st
     dims = dataclasses.replace(planner.dims, recompute_modules=tuple(recompute))
     under = StagePlanner(dims, planner.pipeline, hardware=planner.hardware, min_offload_bytes=planner.min_offload_bytes,
                          schedule=planner.schedule, other_activation_bytes=planner.other_activation_bytes,
-                         group_by=planner.group_by)  # fmt: skip
+                         group_by=planner.group_by, layer_group_bytes=planner.layer_group_bytes)  # fmt: skip
     allowed = [m for m in candidates if not all(dims.recomputed(i, m) for i in range(dims.num_layers) if m in dims.modules_of(i))]
     subsets = [list(c) for k in range(len(allowed) + 1) for c in combinations(allowed, k) if combination_problem(c, recompute) is None]
     estimates = {tuple(s): under.estimate(s) for s in subsets}

@@ -31,7 +31,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
-from ..core.errors import ChunkOffloadError
+from ..core import ChunkOffloadError, OffloadConfig
 from ..core.option_table import check_value, config_default, option
 from ..schedule import PlanPolicy, Simulation, simulate
 from ..module_names import canonical_modules
@@ -255,9 +255,9 @@ class StagePlanner:
         other_activation_bytes: int = 0,
         policy: Literal["plan", "all"] | None = None,
         group_by: Literal["call", "module", "layer"] = "module",
+        layer_group_bytes: int | None = None,
     ) -> None:
-        check_value(option("OffloadConfig.min_offload_bytes"), min_offload_bytes)
-        check_value(option("OffloadConfig.group_by"), group_by)
+        OffloadConfig(min_offload_bytes=min_offload_bytes, group_by=group_by, layer_group_bytes=layer_group_bytes).validate()
         schedule = _schedule(schedule, policy)
         if not isinstance(other_activation_bytes, int) or other_activation_bytes < 0:
             raise ChunkOffloadError(f"other_activation_bytes must be an int >= 0, got {other_activation_bytes!r}")
@@ -265,7 +265,7 @@ class StagePlanner:
         self.pipeline = pipeline
         self.hardware = hardware if hardware is not None else Hardware()
         self.min_offload_bytes = min_offload_bytes
-        self.group_by = group_by  # `OffloadConfig.group_by`: the engine's groups it models (`as_groups`)
+        self.group_by, self.layer_group_bytes = group_by, layer_group_bytes  # `OffloadConfig`'s: the engine's groups it models (`as_groups`)
         self.schedule = schedule
         """``"plan"`` or ``"group-start"``: the schedule policy the estimate assumes."""
         self.other_activation_bytes = other_activation_bytes
@@ -283,11 +283,11 @@ class StagePlanner:
         return [self._stage(r, modules) for r in range(self.pipeline.pipeline_parallel)]
 
     def as_groups(self, layer_groups: list[LayerGroup]) -> list[LayerGroup]:
-        """One layer's module groups (`layer_offload_groups`) as the engine opens them under this
-        planner's ``group_by``: as they are ("call"), with joined calls ("module", `joined_groups`),
-        or one group ("layer", `merged_layer_group`)."""
+        """One layer's module groups (`layer_offload_groups`) as the engine opens them under this planner's
+        ``group_by``: as they are ("call"), with joined calls ("module", `joined_groups`), or ("layer",
+        `merged_layer_group`) in one group or, under ``layer_group_bytes``, a group per run of calls."""
         if self.group_by == "layer":
-            return merged_layer_group(self.dims, layer_groups)
+            return merged_layer_group(self.dims, layer_groups, self.layer_group_bytes)
         return joined_groups(self.dims, layer_groups) if self.group_by == "module" else layer_groups
 
     def _layer_groups(self, pp_rank: int, vp: int, modules: list[str]) -> list[tuple[int, list[LayerGroup]]]:

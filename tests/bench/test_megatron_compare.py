@@ -285,6 +285,8 @@ def test_bad_flag_exits_2(flag: str, message: str) -> None:
         (["--reload-ahead-bytes", "-5"], "--reload-ahead-bytes must be an integer >= 0, got -5"),
         (["--reload-ahead-bytes", "lots"], "argument --reload-ahead-bytes: invalid int value: 'lots'"),
         (["--profile", "-1"], "--profile must be an integer >= 0, got -1"),
+        (["--layer-group-bytes", "4096"], "--layer-group-bytes 4096 bounds the layer-groups run: add --layer-groups"),
+        (["--layer-groups", "--layer-group-bytes", "-1"], "--layer-group-bytes must be an integer >= 0, got -1"),
         (["--processes", "two"], "argument --processes: invalid choice: 'two' (choose from"),
     ],
 )

@@ -24,7 +24,7 @@ def _megatron_args(**overrides) -> argparse.Namespace:
         bias_swiglu_fusion=True, position_embedding_type="learned_absolute", tensor_model_parallel_size=1, sequence_parallel=False,
         transformer_impl="local", pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
         microbatch_group_size_per_vp_stage=None, recompute_granularity=None, recompute_modules=None,
-        chunk_offload_plan="auto", chunk_offload_device_budget=None, chunk_offload_min_offload_bytes=1 << 20, chunk_offload_schedule="plan", chunk_offload_group_by="module",
+        chunk_offload_plan="auto", chunk_offload_device_budget=None, chunk_offload_min_offload_bytes=1 << 20, chunk_offload_schedule="plan", chunk_offload_group_by="module", chunk_offload_layer_group_bytes=None,
     )  # fmt: skip
     values.update(overrides)
     return argparse.Namespace(**values)

@@ -86,6 +86,10 @@ def test_expert_parallelism_without_experts_is_refused(script: Path, capsys) -> 
         (["--chunk-offload-timed-reload-ahead", "yes"],
          "argument --chunk-offload-timed-reload-ahead: invalid choice: 'yes' (choose from 'auto', 'on', 'off')"),
         (["--chunk-offload-modules", "core_atn"], "argument --chunk-offload-modules: "),
+        (["--chunk-offload-modules", "core_attn", "--chunk-offload-layer-group-bytes", "4KiB"],
+         "--chunk-offload-layer-group-bytes 4KiB bounds layer groups: add --chunk-offload-group-by layer (got 'module')"),
+        (["--chunk-offload-group-by", "layer", "--chunk-offload-layer-group-bytes", "-1"],
+         "argument --chunk-offload-layer-group-bytes: expected a byte count >= 0"),
     ],
 )
 def test_check_args_usage_errors_apply_under_the_launcher(script: Path, capsys, args: list[str], message: str) -> None:

@@ -90,6 +90,18 @@ def test_group_by_layer_equals_the_api(capsys, tmp_path: Path):
     assert {name for s in stages for names in s.group_names.values() for name in names} == {"qkv_linear+core_attn"}
 
 
+def test_layer_group_bytes_equals_the_api(capsys, tmp_path: Path):
+    path = tmp_path / "plan.json"
+    status, _, err = _run(capsys, "--modules", "qkv_linear,core_attn", "--group-by", "layer", "--layer-group-bytes", "1", "--json", str(path))
+    assert (status, err) == (0, "")
+    data = json.loads(path.read_text())
+    planner = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, group_by="layer", layer_group_bytes=1)
+    stages = planner.estimate(["qkv_linear", "core_attn"])
+    assert data["layer_group_bytes"] == 1
+    assert data["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]
+    assert {name for s in stages for names in s.group_names.values() for name in names} == {"qkv_linear", "core_attn"}
+
+
 def test_default_modules_are_every_module_the_model_has(capsys, tmp_path: Path):
     path = tmp_path / "plan.json"
     status, _, _ = _run(capsys, "--json", str(path))
@@ -157,6 +169,8 @@ def test_invalid_input_names_the_fix(capsys, extra, message):
         (["--min-offload-bytes", "-1"], "argument --min-offload-bytes: expected a byte count >= 0 such as 1048576 or 1MiB"),
         (["--schedule", "all"], "argument --schedule: invalid choice: 'all' (choose from 'plan', 'group-start')"),
         (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'call', 'module', 'layer')"),
+        (["--layer-group-bytes", "4KiB"], "argument --layer-group-bytes: needs --group-by layer: it bounds layer groups"),
+        (["--group-by", "layer", "--layer-group-bytes", "-1"], "argument --layer-group-bytes: expected a byte count >= 0"),
         (["--attention-kernel", "fused"], "argument --attention-kernel: 'fused' is not a kernel of --transformer-impl local; choose from ['flash', 'efficient']"),
         (["--transformer-impl", "transformer_engine", "--attention-kernel", "efficient"], "choose from ['flash', 'fused']"),
     ],

@@ -66,6 +66,7 @@ class _Case:
     attention: str = "sdpa"
     modules: tuple[str, ...] = _DENSE
     group_by: str = "module"
+    layer_group_bytes: int | None = None
 
 
 _MOE = TinyGPTConfig(expert_parallel=2, num_experts=4, num_layers=2, num_microbatches=2, iterations=2, add_bias_linear=False)
@@ -83,6 +84,9 @@ _CASES = {
     # NOTE [Layer groups]: one group per layer; SDPA's output, which attn_proj saves too, counts once.
     "pp2_vpp2_layer": _Case(TinyGPTConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4, iterations=2), 2, group_by="layer"),
     "pp4_layer": _Case(TinyGPTConfig(pipeline_parallel=4, num_layers=16, num_microbatches=6, iterations=2), 4, group_by="layer"),
+    # NOTE [Bounded layer groups]: a norm's call (4352 bytes) stays under 6000 and the next joins it;
+    # core_attn's is over, and attn_proj joins it past the bound: attn_norm+qkv_linear, core_attn+attn_proj, mlp_norm+mlp_fc1.
+    "pp2_bounded": _Case(TinyGPTConfig(pipeline_parallel=2, num_microbatches=4, iterations=2), 2, group_by="layer", layer_group_bytes=6000),
 }
 
 
@@ -90,7 +94,7 @@ def _runs(case: _Case) -> list[Run]:
     runs = []
     cfg = case.config
     for schedule_policy in _SCHEDULES.values():
-        options = {"min_offload_bytes": 1, "schedule_policy": schedule_policy, "group_by": case.group_by}
+        options = {"min_offload_bytes": 1, "schedule_policy": schedule_policy, "group_by": case.group_by, "layer_group_bytes": case.layer_group_bytes}
         hooks = RecordHooks(case.modules, options=options, attention=case.attention)
         runs.append(Run(config=cfg, hooks=Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, after_step=hooks.after_step)))
     return runs
@@ -135,8 +139,12 @@ def test_predicted_drop_equals_measured(measured, name: str):
     case = _CASES[name]
     cfg = case.config
     for (schedule, _), ranks in zip(_SCHEDULES.items(), measured[name], strict=True):
-        planner = StagePlanner(_dims(cfg, case.attention), _pipeline(cfg), min_offload_bytes=1, schedule=schedule, group_by=case.group_by)
+        planner = StagePlanner(_dims(cfg, case.attention), _pipeline(cfg), min_offload_bytes=1, schedule=schedule, group_by=case.group_by,
+                               layer_group_bytes=case.layer_group_bytes)  # fmt: skip
         stages = planner.estimate(case.modules)
+        if case.layer_group_bytes is not None:
+            assert {n for s in stages for names in s.group_names.values() for n in names} == {
+                "attn_norm+qkv_linear", "core_attn+attn_proj", "mlp_norm+mlp_fc1"}  # fmt: skip
         steady_steps = 0
         for result in ranks:
             stage = stages[result.pipeline_rank]

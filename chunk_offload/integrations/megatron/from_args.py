@@ -73,12 +73,16 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
     - module combinations megatron-core refuses for its own offloading (`combination_problem`:
       ``attn_proj`` without ``core_attn``; MoE modules with ``--recompute-modules moe``): an error;
     - ``--chunk-offload-plan`` with ``--chunk-offload-modules`` or a host budget, or ``auto``
-      without a device budget in bytes: an error.
+      without a device budget in bytes: an error;
+    - ``--chunk-offload-layer-group-bytes`` without ``--chunk-offload-group-by layer``: an error.
 
     `attach_from_args` calls it without ``parser``; a command line calls it with its parser right
     after parsing.
     """
     _check_plan(args, parser)
+    group_by = getattr(args, DESTS["group-by"], "module")
+    if getattr(args, DESTS["layer-group-bytes"], None) is not None and group_by != "layer":
+        _refuse(f"{_typed(args, 'layer-group-bytes')} bounds layer groups: add {LONG_PREFIX}group-by layer (got {group_by!r})", parser)
     modules = getattr(args, DESTS["modules"], None)
     if modules:
         recompute = getattr(args, "recompute_modules", None) if getattr(args, "recompute_granularity", None) == "selective" else None

@@ -26,6 +26,7 @@ LONG_FLAGS = (
     "--chunk-offload-profile-ranges",
     "--chunk-offload-deterministic-memory",
     "--chunk-offload-group-by",
+    "--chunk-offload-layer-group-bytes",
     "--chunk-offload-plan",
     "--chunk-offload-verify",
 )

@@ -8,7 +8,8 @@ in core/marks.py). Each case trains without offload, with per-module groups and 
 - every layer-group run is bit-identical to the run without offload (losses, gradients, parameters);
 - the layer groups account the same saved bytes as the per-module groups and copy no more, all
   back, nothing left;
-- one group per layer call: layers on the rank x microbatches x iterations, named by its modules.
+- one group per layer call: layers on the rank x microbatches x iterations, named by its modules;
+- bounded at one byte (``layer_group_bytes=1``), the groups and bytes of per-module groups.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ def spawned(request):
         Run(config=config, hooks=_hooks(modules, schedule_policy=None)),
         Run(config=config, hooks=_hooks(modules, schedule_policy=None, group_by="layer")),
         Run(config=config, hooks=_hooks(modules, group_by="layer")),
+        Run(config=config, hooks=_hooks(modules, schedule_policy=None, group_by="layer", layer_group_bytes=1)),
     ]
     return config, modules, spawn_runs(runs, world_size=2, timeout_s=_TIMEOUT_S)
 
 
 def test_layer_groups_are_bit_identical(spawned) -> None:
-    _, _, (baseline, _, every_chunk, planned) = spawned
-    for run_name, run in (("every chunk", every_chunk), ("plan policy", planned)):
+    _, _, (baseline, _, every_chunk, planned, bounded) = spawned
+    for run_name, run in (("every chunk", every_chunk), ("plan policy", planned), ("bounded", bounded)):
         for base, off in zip(baseline, run, strict=True):
             what = f"{run_name} rank {off.rank}"
             assert len(base.losses) == len(off.losses), what
@@ -68,7 +70,7 @@ def test_layer_groups_are_bit_identical(spawned) -> None:
 
 
 def test_layer_groups_move_the_module_groups_bytes(spawned) -> None:
-    config, modules, (_, by_module, by_layer, _) = spawned
+    config, modules, (_, by_module, by_layer, _, _) = spawned
     calls = config.num_microbatches * config.iterations
     for module_rank, layer_rank in zip(by_module, by_layer, strict=True):
         what = f"rank {layer_rank.rank}"
@@ -87,3 +89,25 @@ def test_layer_groups_move_the_module_groups_bytes(spawned) -> None:
         assert 0 < stats["offloaded"][name] + stats["kept_held_elsewhere"][name] <= moved, what
         assert stats["offloaded"][name] > 0 and stats["reloaded"][name] == stats["offloaded"][name], what
         assert (stats["pool_in_use"], stats["resident"], stats["host"], stats["live_chunks"]) == (0, 0, 0, []), what
+
+
+def test_a_one_byte_bound_gives_the_module_groups(spawned) -> None:
+    """NOTE [Bounded layer groups]: past the bound a call opens its own group, and attn_proj still
+    joins core_attn's where it saves its output: the groups, and the bytes, of ``group_by="module"``.
+    Except the experts: a call that copied nothing (an expert given no token) is joined by the next,
+    whose group then copies once a storage both save, which module groups copy twice."""
+    _, _, (_, by_module, _, _, bounded) = spawned
+    for module_rank, bounded_rank in zip(by_module, bounded, strict=True):
+        what = f"rank {bounded_rank.rank}"
+        ours, theirs = bounded_rank.extra, module_rank.extra
+        assert ours["groups"].keys() == theirs["groups"].keys(), what
+        for name in ours["groups"]:
+            if name == "expert_fc1":
+                assert 0 < ours["groups"][name] <= theirs["groups"][name], what
+                moved = lambda extra: extra["offloaded"][name] + extra["kept_held_elsewhere"][name]  # noqa: E731
+                assert 0 < moved(ours) <= moved(theirs), what
+                continue
+            for key in ("groups", "offloaded", "reloaded", "kept_held_elsewhere"):
+                assert ours[key][name] == theirs[key][name], (what, name, key)
+        assert ours["reloaded"] == ours["offloaded"], what
+        assert (ours["pool_in_use"], ours["resident"], ours["live_chunks"]) == (0, 0, []), what
