@@ -320,6 +320,8 @@ def _tensors_of(tensors: Any) -> list[torch.Tensor]:
     """
     if isinstance(tensors, torch.Tensor):
         return [tensors]
-    if type(tensors) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in tensors):
-        return list(tensors)
+    if type(tensors) in (tuple, list):
+        found = [t for t in tensors if isinstance(t, torch.Tensor)]
+        if len(found) == len(tensors):
+            return found
     return [leaf for leaf in tree_flatten(tensors)[0] if isinstance(leaf, torch.Tensor)]

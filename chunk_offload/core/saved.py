@@ -78,8 +78,8 @@ class Storage:
             refs = alive(self)
             if not refs:
                 return 0
-            spans = [ref.span() for ref in refs]
-            start, end = min(s for s, _ in spans), max(e for _, e in spans)
+            starts, ends = zip(*[ref.span() for ref in refs])
+            start, end = min(starts), max(ends)
             views = len(refs)
         start -= start % SPAN_ALIGN
         self.start = start
@@ -191,7 +191,9 @@ class SavedRef:
         start = tensor.storage_offset() * itemsize
         if tensor.numel() == 0:
             return start, start
-        extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+        extent = 1
+        for n, s in zip(tensor.shape, tensor.stride()):  # a loop: no generator frame per dimension on the pack path
+            extent += (n - 1) * s
         return start, start + extent * itemsize
 
     def __del__(self) -> None:
