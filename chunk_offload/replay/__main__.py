@@ -100,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--modules", required=True, help="comma-separated offload module names, e.g. core_attn,qkv_linear")
     g.add_argument("--min-offload-bytes", **argparse_keywords(option("min-offload-bytes"), dest="min_offload_bytes"))
     g.add_argument("--group-by", **argparse_keywords(option("group-by"), dest="group_by"))
+    g.add_argument("--layer-group-bytes", **argparse_keywords(option("layer-group-bytes"), dest="layer_group_bytes"))
     g.add_argument(
         "--recompute-modules",
         nargs="+",
@@ -184,6 +185,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--hidden must be divisible by the attention heads ({heads}), got {args.hidden}")
     if args.budget_bytes is not None and args.compare != "megatron":
         p.error(f"--budget-bytes {args.budget_bytes} is a column of the comparison: add --compare megatron")
+    if args.layer_group_bytes is not None and args.group_by != "layer":
+        p.error(f"--layer-group-bytes {args.layer_group_bytes} bounds layer groups: add --group-by layer")
     if args.host_profile_iterations is not None:
         if args.compare != "megatron":
             p.error(f"--host-profile-iterations {args.host_profile_iterations} is a row of the comparison: add --compare megatron")
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         min_offload_bytes=args.min_offload_bytes,
         group_by=args.group_by,
+        layer_group_bytes=args.layer_group_bytes,
     )
     try:
         with deterministic_kernels() if args.deterministic else contextlib.nullcontext():

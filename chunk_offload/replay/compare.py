@@ -252,6 +252,7 @@ def compare_with_megatron(
     budget_bytes: int | Literal["megatron"] | None = None,
     timed_reload_ahead: bool = True,
     group_by: Literal["call", "module", "layer"] = "module",
+    layer_group_bytes: int | None = None,
     host_profile_iterations: int = 1,
 ) -> Comparison:
     """Replay stage ``pp_rank`` of ``pp_size`` without offload, with chunk-offload and with megatron's own.
@@ -261,7 +262,7 @@ def compare_with_megatron(
     (`replay_under_budget`, with ``timed_reload_ahead``); ``"megatron"``: megatron's measured
     peak (where megatron's path has none, skipped or on CPU, `Comparison.budget_skipped` says so).
     ``streams``: makes the copy streams of each chunk-offload run (its manager closes them; None:
-    the device's default). ``group_by``: `OffloadConfig.group_by` of the chunk-offload runs.
+    the device's default). ``group_by``, ``layer_group_bytes``: `OffloadConfig`'s of the chunk-offload runs.
     ``host_profile_iterations``: iterations each mode runs under cProfile after its measured ones,
     for the host time row (0: no row). The other arguments are `replay`'s and `megatron_stage`'s.
     """
@@ -276,7 +277,8 @@ def compare_with_megatron(
         """What every chunk-offload run takes: its own streams (its manager closes them)."""
         return dict(
             modules=modules, iterations=iterations, warmup=warmup, min_offload_bytes=min_offload_bytes, keep_tensors=True,
-            streams=None if streams is None else streams(), group_by=group_by, host_profile_iterations=host_profile_iterations,
+            streams=None if streams is None else streams(), group_by=group_by, layer_group_bytes=layer_group_bytes,
+            host_profile_iterations=host_profile_iterations,
         )  # fmt: skip
 
     left: dict[str, int] = {}

@@ -158,6 +158,18 @@ def test_replay_with_layer_groups() -> None:
     assert result.measured_drop == result.theoretical_drop > 0 and result.ratio == 1.0
 
 
+def test_replay_with_bounded_layer_groups() -> None:
+    """``layer_group_bytes`` (NOTE [Bounded layer groups]): at one byte each call past it opens its own
+    group, so the layer's two modules are two groups again; the same numbers, R = 1."""
+    _, _, result = _replay(4, 0, 2, "plan", group_by="layer", layer_group_bytes=1)
+    base, off = result.baseline, result.offload
+    assert_equal_tensors(base.grads, off.grads, "parameter gradients")
+    layers = _SHAPE.num_layers // 8
+    assert {chunk: len(names) for chunk, names in off.last.group_names.items()} == {c: 2 * layers for c in result.plan.chunks}
+    assert set(off.last.groups) == {"qkv_linear", "core_attn"}
+    assert result.measured_drop == result.theoretical_drop > 0 and result.ratio == 1.0
+
+
 @pytest.mark.parametrize(("flag", "dtype"), [(None, "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
 def test_cli_prints_table_and_writes_json(tmp_path, capsys, flag: str | None, dtype: str) -> None:
     dtype_args = ["--dtype", flag] if flag else []
@@ -226,6 +238,8 @@ _CLI = ["--pp", "2", "--stage", "0", "--modules", "core_attn"]
         (["--modules", "mlp_fc2"], "--modules: chunk_offload: unknown offload module 'mlp_fc2'"),
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
         (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'call', 'module', 'layer')"),
+        (["--layer-group-bytes", "4096"], "--layer-group-bytes 4096 bounds layer groups: add --group-by layer"),
+        (["--group-by", "layer", "--layer-group-bytes", "-1"], "argument --layer-group-bytes: expected a byte count >= 0"),
     ],
 )
 def test_cli_usage_errors(capsys, argv: list[str], message: str) -> None:
