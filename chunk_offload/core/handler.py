@@ -101,9 +101,8 @@ class ChunkOffloadHandler:
         """Start collecting the tensors saved by one call of submodule ``name`` on ``inputs``.
 
         ``layer`` (not None): the call joins the pending group of the same layer, if any (NOTE [Layer groups] in marks.py);
-        ``if_shared``: only if its first tensor to copy is a storage of that group (NOTE [Joined calls]);
-        ``joiner_of``: the module its module joins (``joins``), for a bounded layer group (NOTE [Bounded layer groups]).
-        """
+        ``if_shared``: only if its first tensor to copy is a storage of that group (NOTE [Joined calls]); ``joiner_of``:
+        the module its module joins (``joins``), for a bounded layer group (NOTE [Bounded layer groups])."""
         if self._forward_ended or self.current is not None or self._capturing():
             raise open_error(name, self.key, forward_ended=self._forward_ended, open_name=None if self.current is None else self.current.name)
         joined = self._joins.join(name, inputs, layer, if_shared, self._commit, joiner_of)
