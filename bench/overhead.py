@@ -1,7 +1,7 @@
 """Host-side cost of the offload bookkeeping per group, against plain autograd and the floor.
 
 A stack of tiny layers (so that compute is negligible) runs forward + backward
-``--repeats`` times in seven modes in one process:
+``--repeats`` times in eight modes in one process:
 
 - plain: no manager;
 - floor: what any saved-tensor-hook design pays per group: each layer's call enters a
@@ -19,6 +19,9 @@ A stack of tiny layers (so that compute is negligible) runs forward + backward
   engine's own offload work and the copies' calls, without the copy streams' machinery (worker
   threads on CPU; stream switches, events and stream waits on CUDA). offload - offload_inline is
   what the streams cost per group;
+- offload_unslabbed: the offload mode with ``group_slab_bytes=0``: a host buffer, a device buffer and
+  a copy back per storage instead of one per group (NOTE [Group slabs] in core/slab.py).
+  offload_unslabbed - offload is what slabs save per group;
 - offload_timed: the offload mode with ``measure_time=True``, the training default (every other
   mode runs without it): copy and wait times (three more timing events per group on CUDA) and a
   device sync at each end of the iteration. offload_timed - offload is what timing costs per group.
@@ -67,7 +70,7 @@ from _inline_streams import InlineStreams  # noqa: E402  (this bench's backend)
 
 __all__ = ["main"]
 
-MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline", "offload_timed")
+MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline", "offload_unslabbed", "offload_timed")
 WARMUP = 3  # iterations before timing: pool allocation, autograd caches
 
 
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
 
     bookkeeping_mgr, offload_mgr, layer_mgr = manager(offload=False), manager(), manager(group_by="layer")
     managers = {"plain": None, "floor": None, "bookkeeping": bookkeeping_mgr, "offload": offload_mgr, "offload_layer": layer_mgr,
-                "offload_inline": manager(InlineStreams(device)), "offload_timed": manager(measure_time=True)}  # fmt: skip
+                "offload_inline": manager(InlineStreams(device)), "offload_unslabbed": manager(group_slab_bytes=0),
+                "offload_timed": manager(measure_time=True)}  # fmt: skip
     runs = {}
     for mode in MODES:
         model = build(args.layers, args.hidden, device)
@@ -248,17 +252,18 @@ def main(argv: list[str] | None = None) -> None:
     extra = {mode: tuple((t - p) / groups for t, p in zip(times[mode], plain)) for mode in MODES}
     print(f"device {device}, {groups} groups per iteration, {args.repeats} iterations per mode")
     print(f"tensors offloaded per group: {saved.tensors_offloaded / saved.groups:.1f}; offload_layer: {layer_groups / saved.groups:.2f} groups per module group")
-    print(f"{'mode':<14} {'median ms/iter':>15} {'us/group over plain':>20} {'fastest ms/iter':>16} {'us/group over plain':>20}")
+    print(f"{'mode':<17} {'median ms/iter':>15} {'us/group over plain':>20} {'fastest ms/iter':>16} {'us/group over plain':>20}")
     for mode in MODES:
         (median, fastest), (extra_median, extra_fastest) = times[mode], extra[mode]
-        print(f"{mode:<14} {median * 1e3:>15.3f} {extra_median * 1e6:>20.2f} {fastest * 1e3:>16.3f} {extra_fastest * 1e6:>20.2f}")
+        print(f"{mode:<17} {median * 1e3:>15.3f} {extra_median * 1e6:>20.2f} {fastest * 1e3:>16.3f} {extra_fastest * 1e6:>20.2f}")
     for mode, label in (("bookkeeping", "bookkeeping"), ("offload", "copies")):
         ratios = [e / f if f > 0 else float("nan") for e, f in zip(extra[mode], extra["floor"])]
         print(f"{label} / floor (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
-    for mode in ("offload", "offload_layer", "offload_inline", "offload_timed"):
+    for mode in ("offload", "offload_layer", "offload_inline", "offload_unslabbed", "offload_timed"):
         ratios = [e / b if b > 0 else float("nan") for e, b in zip(extra[mode], extra["bookkeeping"])]
         print(f"{mode} / bookkeeping (us/group over plain): {ratios[1]:.2f} fastest, {ratios[0]:.2f} median")
-    for label, more, less in (("copy streams' machinery", "offload", "offload_inline"), ("timing", "offload_timed", "offload")):
+    for label, more, less in (("copy streams' machinery", "offload", "offload_inline"), ("group slabs' saving", "offload_unslabbed", "offload"),
+                              ("timing", "offload_timed", "offload")):  # fmt: skip
         added = [(m - l) * 1e6 for m, l in zip(extra[more], extra[less])]
         print(f"{label} ({more} - {less}, us/group): {added[1]:.2f} fastest, {added[0]:.2f} median")
     print("objects left in reference cycles per group and iteration (freed only by the garbage collector): "

@@ -2,8 +2,8 @@
 
 Wall-clock times on a shared host move by 10% from run to run, more than most changes to the
 engine's hot path. Instructions executed do not depend on the host's load: each mode of
-`bench/overhead.py` (plain, floor, bookkeeping, offload, offload_layer) runs in its own process under
-``valgrind --tool=callgrind``, which counts instructions only while the iterations run
+`bench/overhead.py` but offload_inline (each offload mode here copies inline) runs in its own
+process under ``valgrind --tool=callgrind``, which counts instructions only while the iterations run
 (switched on and off around them with ``callgrind_control``, after warm-up, with Python's
 garbage collector paused so that a collection does not land in one mode's window only). One
 iteration's count is the difference between a run of ``--iterations + 1`` iterations and a run
@@ -71,7 +71,8 @@ def run_child(mode: str, layers: int, count: int, modules_per_layer: int) -> Non
     elif mode != "plain":
         copies = mode != "bookkeeping"
         config = chunk_offload.OffloadConfig(
-            min_offload_bytes=1, offload=copies, measure_time=mode == "offload_timed", group_by="layer" if mode == "offload_layer" else "module"
+            min_offload_bytes=1, offload=copies, measure_time=mode == "offload_timed", group_by="layer" if mode == "offload_layer" else "module",
+            **({"group_slab_bytes": 0} if mode == "offload_unslabbed" else {}),
         )
         manager = chunk_offload.OffloadManager(config, streams=InlineStreams(torch.device("cpu")) if copies else None)
         overhead.register(manager, model, modules_per_layer)
@@ -126,15 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     groups = args.layers
     extra = {mode: (per_iteration[mode] - per_iteration["plain"]) / groups for mode in args.modes}
     print(f"{groups} groups per iteration, {args.iterations} iterations counted per mode, garbage collector paused")
-    print(f"{'mode':<12} {'instructions/iter':>18} {'per group over plain':>21}")
+    print(f"{'mode':<17} {'instructions/iter':>18} {'per group over plain':>21}")
     for mode in args.modes:
-        print(f"{mode:<12} {per_iteration[mode]:>18,.0f} {extra[mode]:>21,.0f}")
+        print(f"{mode:<17} {per_iteration[mode]:>18,.0f} {extra[mode]:>21,.0f}")
     for mode, label in (("bookkeeping", "bookkeeping"), ("offload", "copies")):
         if mode in extra:
             print(f"{label} / floor (instructions per group over plain): {extra[mode] / extra['floor']:.3f}")
-    for mode in ("offload", "offload_layer"):
+    for mode in ("offload", "offload_layer", "offload_unslabbed"):
         if mode in extra and "bookkeeping" in extra:
             print(f"{mode} / bookkeeping (instructions per group over plain): {extra[mode] / extra['bookkeeping']:.3f}")
+    if "offload" in extra and "offload_unslabbed" in extra:
+        print(f"group slabs' saving (offload_unslabbed - offload, instructions per group): {extra['offload_unslabbed'] - extra['offload']:,.0f}")
     return 0
 
 

@@ -50,6 +50,10 @@ class OffloadConfig:
     """With ``group_by="layer"``: a call joins its layer's pending group only while that group holds
     fewer bytes to copy than this (`joins_layer_group`; NOTE [Bounded layer groups] in
     core/marks.py). None: every call of the layer joins."""
+    group_slab_bytes: int = config_default("OffloadConfig.group_slab_bytes")
+    """A committed group of two or more storages whose spans fit in this many bytes takes one host
+    buffer and reloads with one copy into one device buffer (NOTE [Group slabs] in core/slab.py);
+    0: one buffer and one copy per storage."""
     profile_ranges: bool = config_default("OffloadConfig.profile_ranges")
     """Mark each group's offload and reload issue, the compute waits on them and policy prefetches
     with `torch.profiler.record_function` ranges (NVTX ranges on CUDA under nsys or ``emit_nvtx``),

@@ -15,6 +15,7 @@ import torch
 
 from ._torch_compat import weak_storage
 from .saved import Storage, alive, byte_view, copy_pairs, same_view
+from .slab import release_host, slab_of, slab_offsets, slab_views
 
 if TYPE_CHECKING:
     from .engine_context import EngineContext
@@ -76,9 +77,12 @@ def view_device_bytes(ctx: "EngineContext", name: str, storages: Iterable[Storag
 
 
 def host_view(storage: Storage) -> "torch.Tensor":
-    """What ``storage``'s copies write or read on host (NOTE [Direct copies])."""
+    """What ``storage``'s copies write or read on host (NOTE [Direct copies]; its slice of a group slab: NOTE [Group slabs])."""
     layout = storage.layout
-    return storage.host.view() if layout is None else storage.host.typed_view(*layout)
+    host = storage.host
+    if layout is None:
+        return host.view(storage.host_offset, storage.nbytes)
+    return host.typed_view(layout[0], layout[1], storage.host_offset)
 
 
 def copy_to_host(ctx: "EngineContext", name: str, storages: Iterable[Storage], wait: Wait) -> "Event":
@@ -89,17 +93,30 @@ def copy_to_host(ctx: "EngineContext", name: str, storages: Iterable[Storage], w
     if "offload_after_compute" not in ctx.skip_waits:
         d2h.wait_stream(streams.compute)
     d2h.require(viewed_mark, rule="R1", what="offload of {!r} reading a saved tensor or its byte view", subject=name)
-    pairs = []
-    nbytes = 0
+    # Each buffer is held by its storages as soon as it is acquired: should a later acquire
+    # raise (a full pool), the group is kept and autograd's free of its storages returns it.
+    slab = slab_offsets(copied, ctx.slab_bytes)
+    if slab is None:
+        for storage in copied:
+            storage.host = ctx.pool.acquire(storage.nbytes)
+        buffers = [storage.host for storage in copied]
+    else:  # NOTE [Group slabs]
+        offsets, slab_bytes = slab
+        shared = ctx.pool.acquire(slab_bytes)
+        shared.holders = len(copied)
+        for storage, offset in zip(copied, offsets):
+            storage.host, storage.host_offset = shared, offset
+        buffers = [shared]
     waited = None  # the fence last waited on: buffers released by one reload share its event
-    for storage in copied:
-        buf = ctx.pool.acquire(storage.nbytes)
+    for buf in buffers:
         fence = buf.fence
         if fence is not None and fence is not waited:
             wait(d2h, fence, "reuse_after_reload")
             d2h.require(fence.mark, rule="R3", what="offload of {!r} writing a reused host buffer", subject=name)
             waited = fence
-        storage.host = buf
+    pairs = []
+    nbytes = 0
+    for storage in copied:
         pairs.append((host_view(storage), storage.device_bytes))
         nbytes += storage.nbytes
     event, timing = d2h.launch_recorded(functools.partial(copy_pairs, pairs), timed=ctx.measure_time, nbytes=nbytes)
@@ -117,20 +134,27 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
     streams = ctx.streams
     h2d = streams.h2d
     device = streams.device
-    pairs = []
     nbytes = 0
     for storage in storages:
-        # NOTE [Reload allocation]: the reload buffer is allocated on the compute stream, so the
-        # caching allocator frees it in compute order after its last use; the copy stream must
-        # therefore wait on compute before writing it (R4).
-        layout = storage.layout
-        if layout is None:
-            device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=device)
-        else:  # NOTE [Direct copies]
-            device_bytes = torch.empty(layout[1], dtype=layout[0], device=device)
-        pairs.append((device_bytes, host_view(storage)))
-        storage.device_bytes = device_bytes
         nbytes += storage.nbytes
+    # NOTE [Reload allocation]: reload buffers are allocated on the compute stream, so the caching
+    # allocator frees them in compute order after their last use; the copy stream must therefore
+    # wait on compute before writing them (R4).
+    slab = slab_of(storages)
+    if slab is not None:  # NOTE [Group slabs]
+        device_slab = torch.empty(slab.nbytes, dtype=torch.uint8, device=device)
+        slab_views(storages, device_slab)
+        pairs = [(device_slab, slab.view())]
+    else:
+        pairs = []
+        for storage in storages:
+            layout = storage.layout
+            if layout is None:
+                device_bytes = torch.empty(storage.nbytes, dtype=torch.uint8, device=device)
+            else:  # NOTE [Direct copies]
+                device_bytes = torch.empty(layout[1], dtype=layout[0], device=device)
+            pairs.append((device_bytes, host_view(storage)))
+            storage.device_bytes = device_bytes
     alloc_mark = streams.compute.tick()
     if "reload_after_alloc" not in ctx.skip_waits:
         h2d.wait_stream(streams.compute)
@@ -144,8 +168,7 @@ def copy_to_device(ctx: "EngineContext", name: str, storages: list[Storage], off
     ctx.stats.group(name).bytes_reloaded += nbytes
     ctx.resident.moved_to_device(nbytes)
     for storage in storages:
-        ctx.pool.release(storage.host, event)
-        storage.host = None
+        release_host(ctx.pool, storage, event)
     return event
 
 

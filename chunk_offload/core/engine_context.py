@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
 from .saved import EmptyTensors
+from .option_table import config_default
 from .stats import ResidentBytes, StatsRecorder
 from .streams import StreamBackend
 
@@ -52,6 +53,8 @@ class EngineContext:
     """`OffloadConfig.profile_ranges`: name the engine's steps in profiler traces."""
     layer_group_bytes: int | None = None
     """`OffloadConfig.layer_group_bytes`: the bound of a layer group (NOTE [Bounded layer groups] in marks.py)."""
+    slab_bytes: int = config_default("OffloadConfig.group_slab_bytes")
+    """`OffloadConfig.group_slab_bytes`: the largest group slab (NOTE [Group slabs] in slab.py); 0: none."""
     skip_waits: frozenset[str] = frozenset()
     """Test-only: names from `WAIT_NAMES` whose wait is not issued."""
     empties: EmptyTensors = field(default_factory=EmptyTensors)

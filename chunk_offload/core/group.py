@@ -23,6 +23,7 @@ from .engine_context import EngineContext, profile_range
 from .errors import internal_assert
 from .group_state import TRANSITIONS, GroupHandler, GroupState, state_error
 from .saved import KeptRef, SavedRef, Storage, alive, fix_spans
+from .slab import release_host
 from .streams import Event
 
 __all__ = ["OffloadGroup"]
@@ -244,8 +245,7 @@ class OffloadGroup:
         """Backward reached the group before its device tensors were released: keep them."""
         for storage in self._storages.values():
             if storage.host is not None:
-                self._ctx.pool.release(storage.host, self._d2h_event)
-                storage.host = None
+                release_host(self._ctx.pool, storage, self._d2h_event)
         self._offload_cancelled = True
         self._to(GroupState.RESIDENT)
 
@@ -309,8 +309,7 @@ class OffloadGroup:
             # The offload's copy (in flight, or cancelled by backward) may still read the original.
             release_after_copy(ctx, self.name, [storage], self._d2h_event, self._wait, "free of the originals of {!r} while their offload may run")
         if storage.host is not None:
-            ctx.pool.release(storage.host, self._d2h_event)
-            storage.host = None
+            release_host(ctx.pool, storage, self._d2h_event)
         self._storage_released(storage)
 
     def _storage_released(self, storage: Storage) -> None:
@@ -339,8 +338,7 @@ class OffloadGroup:
         committed = self.state is not GroupState.COLLECTING
         for storage in self._storages.values():
             if storage.host is not None:
-                self._ctx.pool.release(storage.host, None)
-                storage.host = None
+                release_host(self._ctx.pool, storage, None)
             if committed and storage.live:
                 self._ctx.resident.freed(storage.nbytes, on_host=storage.on_host)
             for ref in alive(storage):

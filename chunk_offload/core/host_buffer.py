@@ -40,9 +40,14 @@ def size_class(nbytes: int, per_doubling: int) -> int:
 
 
 class HostBuffer:
-    """A host byte buffer of ``nbytes`` (maybe larger ``capacity``) and its reuse fence."""
+    """A host byte buffer of ``nbytes`` (maybe larger ``capacity``) and its reuse fence.
 
-    __slots__ = ("tensor", "nbytes", "capacity", "pooled", "fence", "last_used", "_view", "_typed")
+    ``holders``: the group storages whose copies live in it: one when the pool hands it out, as
+    many as share it in a group slab (NOTE [Group slabs] in slab.py); it goes back to the pool
+    when the last lets go (`slab.release_host`).
+    """
+
+    __slots__ = ("tensor", "nbytes", "capacity", "pooled", "fence", "last_used", "holders", "_views")
 
     def __init__(self, tensor: torch.Tensor | None, nbytes: int, pooled: bool, capacity: int | None = None) -> None:
         self.tensor = tensor
@@ -51,30 +56,46 @@ class HostBuffer:
         self.pooled = pooled
         self.fence: Event | None = None
         self.last_used = 0  # the pool's acquire count when it was last handed out
-        # The last view made: a buffer is handed out again and again for the same size (the same
-        # layer's tensor each iteration), and slicing costs more than the copy of a small tensor.
-        self._view: torch.Tensor | None = None
-        self._typed: tuple[torch.dtype, torch.Size, torch.Tensor] | None = None  # the last typed view made
+        self.holders = 1
+        # The views made, by (offset, bytes) or (offset, dtype, shape): a buffer is handed out
+        # again and again for the same sizes (the same layer's tensors each iteration), and slicing
+        # costs more than the copy of a small tensor. Bounded: cleared past _MAX_VIEWS entries.
+        self._views: dict[tuple, torch.Tensor] = {}
 
-    def view(self) -> torch.Tensor:
-        """The first ``nbytes`` bytes as a uint8 tensor."""
-        view = self._view
-        if view is None or view.shape[0] != self.nbytes:
-            view = self._view = self.tensor[: self.nbytes]
+    def view(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` as a uint8 tensor (default: the first ``nbytes``)."""
+        if nbytes is None:
+            nbytes = self.nbytes
+        key = (offset, nbytes)
+        view = self._views.get(key)
+        if view is None:
+            view = self._keep(key, self.tensor[offset : offset + nbytes])
         return view
 
-    def typed_view(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """The first ``nbytes`` bytes as a contiguous tensor of ``dtype`` and ``shape`` (whose
-        bytes must be ``nbytes``), for a copy of a saved view as it is (NOTE [Direct copies]
-        in copies.py). Kept like `view`: the same layer saves the same shape every iteration."""
-        typed = self._typed
-        if typed is not None and typed[0] == dtype and typed[1] == shape:
-            return typed[2]
-        view = self.tensor[: self.nbytes].view(dtype).view(shape)
-        self._typed = (dtype, shape, view)
+    def typed_view(self, dtype: torch.dtype, shape: torch.Size, offset: int = 0) -> torch.Tensor:
+        """The bytes from ``offset`` as a contiguous tensor of ``dtype`` and ``shape``, for a copy
+        of a saved view as it is (NOTE [Direct copies] in copies.py); ``offset`` a multiple of
+        the dtype's size."""
+        key = (offset, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            nbytes = shape.numel() * dtype.itemsize
+            view = self._keep(key, self.tensor[offset : offset + nbytes].view(dtype).view(shape))
+        return view
+
+    def _keep(self, key: tuple, view: torch.Tensor) -> torch.Tensor:
+        views = self._views
+        if len(views) >= _MAX_VIEWS:
+            views.clear()
+        views[key] = view
         return view
 
     def drop(self) -> None:
         """Let go of the memory: it returns to the allocator (NOTE [Releasing host memory])."""
         self.fence = None
-        self.tensor = self._view = self._typed = None
+        self.tensor = None
+        self._views = {}
+
+
+_MAX_VIEWS = 32
+"""Views a `HostBuffer` keeps (the storages of one slab, over a few shapes)."""

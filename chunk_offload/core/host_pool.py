@@ -159,7 +159,7 @@ class HostPool:
         return buf
 
     def _hand_out(self, buf: HostBuffer, nbytes: int) -> None:
-        buf.nbytes = nbytes
+        buf.nbytes, buf.holders = nbytes, 1
         buf.last_used = self._acquires
         self._in_use += buf.capacity
         requested = self._in_use_requested + nbytes

@@ -85,9 +85,9 @@ class OffloadManager:
             stats=self._stats,
             held_elsewhere=HeldElsewhere(),
             on_backward_start=self._on_backward_start,
-            measure_time=self.config.measure_time,
-            deterministic_memory=self.config.deterministic_memory,
+            measure_time=self.config.measure_time, deterministic_memory=self.config.deterministic_memory,
             profile_ranges=self.config.profile_ranges, layer_group_bytes=self.config.layer_group_bytes,
+            slab_bytes=self.config.group_slab_bytes,
         )
         self._marks = GroupMarks()
         self._threads = ThreadScope()  # the training thread, and the thread of the open chunk

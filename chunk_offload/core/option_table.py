@@ -148,6 +148,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="BYTES",
     ),
     Option(
+        "group-slab-bytes", "bytes", 32 << 20, "OffloadConfig.group_slab_bytes",
+        help=(
+            "A group of several saved storages that fit in this many bytes shares one pinned host buffer and "
+            "comes back in one device buffer with one copy, which cuts the per-tensor host work of small "
+            "groups; 0: a buffer and a copy per storage (default: {default})."
+        ),
+        metavar="BYTES",
+    ),
+    Option(
         "profile-ranges", "switch", False, "OffloadConfig.profile_ranges",
         help=(
             "Name each group's offload, reload and waits in torch.profiler traces (NVTX ranges under nsys on "

@@ -38,7 +38,10 @@ class SavedOwner(Protocol):
 class Storage:
     """One device storage saved in a group (through one or more views) and its copies."""
 
-    __slots__ = ("key", "first", "more", "start", "nbytes", "device_bytes", "layout", "host", "on_host", "live", "pinned", "weak")
+    __slots__ = (
+        "key", "first", "more", "start", "nbytes", "device_bytes", "device_offset", "layout", "host", "host_offset", "on_host", "live", "pinned",
+        "weak",
+    )  # fmt: skip
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -50,8 +53,10 @@ class Storage:
         self.start = 0
         self.nbytes = 0
         self.device_bytes: torch.Tensor | None = None  # what is copied on device: a uint8 span, or the saved view itself
+        self.device_offset = 0  # where the reloaded ``device_bytes`` start in their storage (a group slab's slice: NOTE [Group slabs] in slab.py)
         self.layout: tuple[torch.dtype, torch.Size] | None = None  # set when copied as the view itself (NOTE [Direct copies])
         self.host: HostBuffer | None = None
+        self.host_offset = 0  # where its bytes start in ``host`` (a group slab's slice)
         self.on_host = False  # the host copy is the only one (counted in `ResidentBytes.host`)
         self.live = 0  # SavedRefs autograd still holds
         self.pinned = False  # kept on device: copying would free nothing (NOTE [Storages held elsewhere])
@@ -122,7 +127,7 @@ class Storage:
         device_bytes = self.device_bytes
         if self.layout is not None:
             return device_bytes
-        offset = (ref.offset_bytes - self.start) // ref.dtype.itemsize
+        offset = (ref.offset_bytes - self.start + self.device_offset) // ref.dtype.itemsize
         return torch.empty(0, dtype=ref.dtype, device=device_bytes.device).set_(
             device_bytes.untyped_storage(), offset, ref.size, ref.stride
         )

@@ -13,7 +13,7 @@ import subprocess
 from ._scripts import run_bench_script
 
 _NUMBER = r"(-?[0-9.]+|nan|inf)"
-MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline", "offload_timed")
+MODES = ("plain", "floor", "bookkeeping", "offload", "offload_layer", "offload_inline", "offload_unslabbed", "offload_timed")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -41,13 +41,15 @@ def test_prints_every_mode_and_the_ratios_to_the_floor() -> None:
         if rows["floor"][1] > 0:
             expected_median = rows[mode][1] / rows["floor"][1]
             assert abs(median - expected_median) <= 0.01 + 0.01 * abs(expected_median), (label, median, expected_median)
-    for mode in ("offload", "offload_layer", "offload_inline", "offload_timed"):
+    for mode in ("offload", "offload_layer", "offload_inline", "offload_unslabbed", "offload_timed"):
         match = re.search(rf"^{mode} / bookkeeping \(us/group over plain\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
         assert match, f"no {mode} / bookkeeping line:\n{done.stdout}"
         if rows["bookkeeping"][3] > 0:
             expected = rows[mode][3] / rows["bookkeeping"][3]
             assert abs(float(match.group(1)) - expected) <= 0.01 + 0.01 * abs(expected), (mode, match.group(1), expected)
-    for label, more, less in (("copy streams' machinery", "offload", "offload_inline"), ("timing", "offload_timed", "offload")):
+    differences = (("copy streams' machinery", "offload", "offload_inline"), ("group slabs' saving", "offload_unslabbed", "offload"),
+                   ("timing", "offload_timed", "offload"))  # fmt: skip
+    for label, more, less in differences:
         added = re.search(rf"^{label} \({more} - {less}, us/group\): {_NUMBER} fastest, {_NUMBER} median$", done.stdout, re.M)
         assert added, done.stdout
         # The printed difference is that of the printed per-group costs (2 decimals each).

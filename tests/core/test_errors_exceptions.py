@@ -162,22 +162,25 @@ def test_exception_mid_backward_leaves_nothing_behind(manager, inside_iteration)
     _clean_iteration_matches_reference(manager, model)
 
 
-def test_a_group_whose_offload_failed_returns_its_host_buffers_when_autograd_frees_it(make_manager):
-    """The pool refuses the second storage of a group after handing out the first: the group stays
-    on device (kept), and when the caller goes on without aborting the chunk, autograd's release
-    of its saved tensors still returns the first buffer to the pool."""
-    mgr = make_manager(host_pool_bytes=1024, on_exhausted="error", min_offload_bytes=1)
+@pytest.mark.parametrize("slab", [False, True], ids=["buffer_per_storage", "group_slab"])
+def test_a_group_whose_offload_failed_returns_its_host_buffers_when_autograd_frees_it(make_manager, slab):
+    """The pool refuses a group's host memory at the cap: the group stays on device (kept), and when
+    the caller goes on without aborting the chunk, nothing it was handed stays out of the pool.
+    With a buffer per storage the first storage's buffer was handed out before the second was
+    refused, and autograd's release of its saved tensors returns it; a group slab (NOTE [Group
+    slabs] in core/slab.py) is one request, refused whole: nothing was handed out."""
+    mgr = make_manager(host_pool_bytes=1024, on_exhausted="error", min_offload_bytes=1, **({} if slab else {"group_slab_bytes": 0}))
     mgr.begin_iteration()
     mgr.begin_chunk(microbatch=0)
     x = torch.randn(256, requires_grad=True)
-    a, b = x * 2, x * 3  # two storages of 1024 bytes: the first fits the cap, the second does not
+    a, b = x * 2, x * 3  # two storages of 1024 bytes: the first fits the cap, the second (or both) does not
     mgr.group_start(a, "two")
     out = a.sin() + b.cos()
-    with pytest.raises(ChunkOffloadError, match="host pool exhausted"):
+    with pytest.raises(ChunkOffloadError, match="host pool exhausted: 2048 bytes requested" if slab else "host pool exhausted: 1024 bytes"):
         mgr.group_commit(out, "two")
     (group,) = mgr.current_handler.groups
     assert group.state.value == "kept"
-    assert mgr.stats().pool.in_use_bytes == 1024, "the first storage's buffer was handed out"
+    assert mgr.stats().pool.in_use_bytes == (0 if slab else 1024), "what was handed out before the refusal"
     mgr.end_chunk()
     out.sum().backward()
     assert group.state.value == "released"

@@ -27,6 +27,7 @@ LONG_FLAGS = (
     "--chunk-offload-deterministic-memory",
     "--chunk-offload-group-by",
     "--chunk-offload-layer-group-bytes",
+    "--chunk-offload-group-slab-bytes",
     "--chunk-offload-plan",
     "--chunk-offload-verify",
 )

@@ -93,7 +93,7 @@ def test_empty_module_list_is_an_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "no offload module given" in err
 
 
-@pytest.mark.parametrize("flag", ["--chunk-offload-min-offload-bytes", "--chunk-offload-host-pool-bytes"])
+@pytest.mark.parametrize("flag", ["--chunk-offload-min-offload-bytes", "--chunk-offload-host-pool-bytes", "--chunk-offload-group-slab-bytes"])
 @pytest.mark.parametrize("value", ["-1", "-1048576", "1.5", "one", "1MB", "1 mib x"])
 def test_bad_byte_counts_rejected(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = parse_error(parser(), [flag, value], capsys)

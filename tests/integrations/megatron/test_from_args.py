@@ -115,6 +115,7 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
         "--chunk-offload-schedule", "group-start",
         "--chunk-offload-profile-ranges",
         "--chunk-offload-deterministic-memory",
+        "--chunk-offload-group-slab-bytes", "0",
     ]  # fmt: skip
     args = add_arguments(megatron_like_parser()).parse_args(argv)
     with _megatron_world_of_one():
@@ -134,6 +135,7 @@ def test_attach_from_args_on_tiny_moe_gpt() -> None:
             assert type(manager.schedule_policy) is SchedulePolicy  # group-start: the engine default, no PlanPolicy
             assert manager.baseline_iterations == 1 and manager.config.trace is True  # for the report
             assert manager.config.profile_ranges is True and manager.config.deterministic_memory is True
+            assert manager.config.group_slab_bytes == 0
         finally:
             if manager is not None:
                 manager.detach()
