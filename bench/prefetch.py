@@ -26,7 +26,7 @@ import argparse
 
 import torch
 
-from chunk_offload import CpuStreams
+from chunk_offload import CpuStreams, OffloadConfig
 from chunk_offload.devkit.gpt import GPTShape
 from chunk_offload.replay import megatron_stage, replay
 from chunk_offload.schedule import PlanPolicy
@@ -76,7 +76,7 @@ def main() -> None:
                 iterations=args.iterations,
                 streams=CpuStreams(link_bytes_per_s=link),
                 schedule_policy=policy,
-                min_offload_bytes=1,
+                config=OffloadConfig(min_offload_bytes=1),
             )
     group_start, planned = runs["reload at group start"], runs["plan-driven prefetch"]
     print(

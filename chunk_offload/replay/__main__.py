@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.config import OffloadConfig
 from ..core.errors import ChunkOffloadError
 from ..core.option_table import option, parse_bytes
 from ..core.streams import CpuStreams
@@ -253,15 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rates = [None if r is None else r * 1e9 for r in (to_host, back)]
             make_streams = functools.partial(CpuStreams, link_bytes_per_s=rates[0], reload_link_bytes_per_s=rates[1])
-    common = dict(
-        modules=args.modules,
-        num_microbatches=args.microbatches,
-        iterations=args.iterations,
-        warmup=args.warmup,
-        min_offload_bytes=args.min_offload_bytes,
-        group_by=args.group_by,
-        layer_group_bytes=args.layer_group_bytes,
-    )
+    config = OffloadConfig(min_offload_bytes=args.min_offload_bytes, group_by=args.group_by, layer_group_bytes=args.layer_group_bytes)
+    common = dict(modules=args.modules, num_microbatches=args.microbatches, iterations=args.iterations, warmup=args.warmup, config=config)
     try:
         with deterministic_kernels() if args.deterministic else contextlib.nullcontext():
             result = _run(args, shape, common, make_streams)

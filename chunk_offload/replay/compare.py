@@ -34,6 +34,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from ..core.config import OffloadConfig
 from ..core.errors import ChunkOffloadError
 from ..core.streams import StreamBackend
 from ..devkit.gpt import GPTShape
@@ -246,13 +247,11 @@ def compare_with_megatron(
     iterations: int = 1,
     warmup: int = 1,
     seed: int = 1234,
-    min_offload_bytes: int = 1 << 20,
+    config: OffloadConfig | None = None,
     streams: Callable[[], StreamBackend] | None = None,
     skip_builtin: str | None = None,
     budget_bytes: int | Literal["megatron"] | None = None,
     timed_reload_ahead: bool = True,
-    group_by: Literal["call", "module", "layer"] = "module",
-    layer_group_bytes: int | None = None,
     host_profile_iterations: int = 1,
 ) -> Comparison:
     """Replay stage ``pp_rank`` of ``pp_size`` without offload, with chunk-offload and with megatron's own.
@@ -262,7 +261,8 @@ def compare_with_megatron(
     (`replay_under_budget`, with ``timed_reload_ahead``); ``"megatron"``: megatron's measured
     peak (where megatron's path has none, skipped or on CPU, `Comparison.budget_skipped` says so).
     ``streams``: makes the copy streams of each chunk-offload run (its manager closes them; None:
-    the device's default). ``group_by``, ``layer_group_bytes``: `OffloadConfig`'s of the chunk-offload runs.
+    the device's default). ``config``: the chunk-offload runs' (default `OffloadConfig()`); megatron's
+    takes its ``min_offload_bytes``.
     ``host_profile_iterations``: iterations each mode runs under cProfile after its measured ones,
     for the host time row (0: no row). The other arguments are `replay`'s and `megatron_stage`'s.
     """
@@ -271,14 +271,14 @@ def compare_with_megatron(
     if not (budget_bytes is None or budget_bytes == "megatron" or (isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool) and budget_bytes >= 0)):
         raise ChunkOffloadError(f"chunk_offload: budget_bytes must be an int >= 0 (bytes), 'megatron' or None, got {budget_bytes!r}")
     modules = canonical_modules(modules)
+    config = config or OffloadConfig()
     stage_of = functools.partial(megatron_stage, shape, pp_size=pp_size, pp_rank=pp_rank, vp_size=vp_size, seed=seed)
 
     def chunk_offload_run() -> dict[str, Any]:
         """What every chunk-offload run takes: its own streams (its manager closes them)."""
         return dict(
-            modules=modules, iterations=iterations, warmup=warmup, min_offload_bytes=min_offload_bytes, keep_tensors=True,
-            streams=None if streams is None else streams(), group_by=group_by, layer_group_bytes=layer_group_bytes,
-            host_profile_iterations=host_profile_iterations,
+            modules=modules, iterations=iterations, warmup=warmup, config=config, keep_tensors=True,
+            streams=None if streams is None else streams(), host_profile_iterations=host_profile_iterations,
         )  # fmt: skip
 
     left: dict[str, int] = {}
@@ -288,7 +288,7 @@ def compare_with_megatron(
     reason = skip_builtin or builtin_unavailable(modules)
     builtin = None
     if reason is None:
-        overrides = builtin_config(modules, min_offload_bytes=min_offload_bytes, dtype=shape.dtype)
+        overrides = builtin_config(modules, min_offload_bytes=config.min_offload_bytes, dtype=shape.dtype)
         left["megatron"] = device_bytes_left() - first
         try:
             with stage_of(config_overrides=overrides) as stage:

@@ -14,7 +14,7 @@ inputs, so a baseline and an offload iteration must agree bit for bit.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ def replay(
     reload_ahead_bytes: int | None = None,
     keep_tensors: bool = False,
     host_profile_iterations: int = 0,
-    **options: Any,
+    config: OffloadConfig | None = None,
 ) -> ReplayResult:
     """Replay ``stage``'s plan with and without offloading ``modules``; measure both.
 
@@ -59,7 +59,7 @@ def replay(
     baseline iteration, the groups of one baseline iteration run first: with them a chunk whose
     backward follows its forward at once copies all but its last group, NOTE [Kept tail]), None
     (every chunk offloaded, each group reloaded when backward reaches the group after it) or a
-    `SchedulePolicy`. ``streams`` and ``options`` (`OffloadConfig` fields) go to `attach`.
+    `SchedulePolicy`. ``streams`` and ``config`` (default `OffloadConfig()`) go to `attach`.
     ``keep_tensors``: also keep chunk outputs and gradients in the result, for comparisons.
     ``host_profile_iterations``: after the measured iterations, this many more offload iterations
     under cProfile, for the engine's host time (`ModeResult.host_engine_s`).
@@ -83,7 +83,7 @@ def replay(
         )
     elif schedule_policy is None:
         schedule_policy = SchedulePolicy()
-    manager = attach(stage.chunks, modules, config=OffloadConfig(**options), streams=streams, schedule_policy=schedule_policy)
+    manager = attach(stage.chunks, modules, config=config or OffloadConfig(), streams=streams, schedule_policy=schedule_policy)
     try:
         runner = _Runner(stage, plan, manager, keep_tensors=keep_tensors)
         if learn_groups:
@@ -143,7 +143,7 @@ def replay_under_budget(
     streams: StreamBackend | None = None,
     keep_tensors: bool = False,
     host_profile_iterations: int = 0,
-    **options: Any,
+    config: OffloadConfig | None = None,
 ) -> BudgetReplay:
     """Replay ``stage``'s megatron plan as training does under ``device_budget_bytes``.
 
@@ -153,13 +153,13 @@ def replay_under_budget(
     under the choice made from it (its copy timing: with ``timed_reload_ahead`` the choice is
     made again with the reload-ahead budgets, NOTE [Reload room]), ``warmup`` more, then
     ``iterations`` measured ones. ``streams``, ``host_profile_iterations`` (training calls here)
-    and ``options`` as `replay` takes them.
+    and ``config`` as `replay` takes them.
     """
     _check_plan(stage, plan)
     manager = attach(
         stage.chunks,
         modules,
-        config=OffloadConfig(**options),
+        config=config or OffloadConfig(),
         streams=streams,
         device_budget_bytes=device_budget_bytes,
         timed_reload_ahead=timed_reload_ahead,

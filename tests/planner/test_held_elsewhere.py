@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from chunk_offload import OffloadConfig
 from chunk_offload.planner import GPTDims, PipelineConfig, StagePlanner
 
 pytestmark = [
@@ -53,7 +54,7 @@ def _replay(attention: str, pp_rank: int, vp_size: int, modules: list[str], opti
         extra["add_bias_linear"] = False  # megatron-core 0.16.1 with EP=1 and TP=1
     shape = GPTShape(vocab_size=64, attention=attention, dtype=dtype, **_SHAPE, **extra)
     with megatron_stage(shape, pp_size=4, pp_rank=pp_rank, vp_size=vp_size) as stage:
-        return replay(stage, modules=modules, num_microbatches=8, iterations=2, warmup=1, min_offload_bytes=1).offload.last
+        return replay(stage, modules=modules, num_microbatches=8, iterations=2, warmup=1, config=OffloadConfig(min_offload_bytes=1)).offload.last
 
 
 @pytest.mark.parametrize("name", list(_CASES))

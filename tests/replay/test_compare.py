@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chunk_offload import OffloadConfig
 from chunk_offload.devkit.gpt import GPTShape
 
 from ._common import needs_megatron_on_cpu, run_cli
@@ -48,7 +49,7 @@ def test_three_modes_bit_identical(pp: int, stage: int, vp: int, modules: str) -
 
     before = te_ext.cpu_offload
     comparison = compare_with_megatron(
-        _SHAPE, pp_size=pp, pp_rank=stage, vp_size=vp, modules=modules, num_microbatches=4, min_offload_bytes=1
+        _SHAPE, pp_size=pp, pp_rank=stage, vp_size=vp, modules=modules, num_microbatches=4, config=OffloadConfig(min_offload_bytes=1)
     )
     assert te_ext.cpu_offload is before  # the stand-in is gone again
 
@@ -141,7 +142,7 @@ def test_skip_line_and_the_rest_runs(modules: str, skip: str | None, line: str) 
     from chunk_offload.replay.compare import compare_with_megatron
 
     comparison = compare_with_megatron(
-        _SHAPE, pp_size=2, pp_rank=0, modules=modules, num_microbatches=4, min_offload_bytes=1, skip_builtin=skip
+        _SHAPE, pp_size=2, pp_rank=0, modules=modules, num_microbatches=4, config=OffloadConfig(min_offload_bytes=1), skip_builtin=skip
     )
     assert comparison.builtin is None
     table = comparison.format()
@@ -170,7 +171,7 @@ def test_budget_mode_trains_under_the_budget_bit_identical() -> None:
     offload; the table and the JSON name the fourth mode."""
     from chunk_offload.replay.compare import compare_with_megatron
 
-    run = dict(pp_size=2, pp_rank=0, modules="core_attn,qkv_linear", num_microbatches=4, min_offload_bytes=1)
+    run = dict(pp_size=2, pp_rank=0, modules="core_attn,qkv_linear", num_microbatches=4, config=OffloadConfig(min_offload_bytes=1))
     plain = compare_with_megatron(_SHAPE, **run, skip_builtin="not needed here")
     budget = (plain.replay.baseline.peak_bytes + plain.replay.offload.peak_bytes) // 2
     comparison = compare_with_megatron(_SHAPE, **run, budget_bytes=budget)
@@ -219,7 +220,7 @@ def test_budget_at_megatrons_peak_is_skipped_without_one() -> None:
     from chunk_offload.replay.compare import compare_with_megatron
 
     comparison = compare_with_megatron(
-        _SHAPE, pp_size=2, pp_rank=0, modules="core_attn", num_microbatches=4, min_offload_bytes=1, budget_bytes="megatron"
+        _SHAPE, pp_size=2, pp_rank=0, modules="core_attn", num_microbatches=4, config=OffloadConfig(min_offload_bytes=1), budget_bytes="megatron"
     )
     reason = "megatron's peak is the budget, and megatron's path has no peak on CPU (no device allocator)"
     assert comparison.budget is None and comparison.summary()["modes"]["chunk_offload_budget"] == {"skipped": reason}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 
+from chunk_offload import OffloadConfig
 from chunk_offload.devkit.gpt import GPTShape
 
 from ._common import assert_equal_tensors, needs_megatron_on_cpu, run_cli
@@ -38,7 +39,7 @@ def _replay(stage: int, modules: str, *, recompute: bool, policy="plan"):
     shape = GPTShape(**_SHAPE, **(_RECOMPUTE if recompute else {}))
     with megatron_stage(shape, pp_size=2, pp_rank=stage) as built:
         assert built.recompute_modules == (["core_attn"] if recompute else [])
-        return replay(built, modules=modules, num_microbatches=4, schedule_policy=policy, min_offload_bytes=1, keep_tensors=True)
+        return replay(built, modules=modules, num_microbatches=4, schedule_policy=policy, config=OffloadConfig(min_offload_bytes=1), keep_tensors=True)
 
 
 def test_recompute_with_offload_is_bit_identical() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chunk_offload import OffloadConfig
 from chunk_offload.core.errors import ChunkOffloadError
 from chunk_offload.devkit.gpt import GPTShape
 
@@ -45,8 +46,11 @@ _MODULES = ("core_attn", "qkv_linear")
 _MICROBATCHES = 8
 
 
-def _replay(pp: int, stage: int, vp: int, policy, shape: GPTShape = _SHAPE, microbatches: int = _MICROBATCHES, **kwargs):
-    """The stage's structure, its parameters' dtypes by name and the replay's result."""
+def _replay(
+    pp: int, stage: int, vp: int, policy, shape: GPTShape = _SHAPE, microbatches: int = _MICROBATCHES, iterations: int = 1, **config: object
+):
+    """The stage's structure, its parameters' dtypes by name and the replay's result; ``config``:
+    `OffloadConfig` fields besides ``min_offload_bytes=1``."""
     from chunk_offload.replay import megatron_stage, replay
 
     with megatron_stage(shape, pp_size=pp, pp_rank=stage, vp_size=vp) as built:
@@ -56,8 +60,9 @@ def _replay(pp: int, stage: int, vp: int, policy, shape: GPTShape = _SHAPE, micr
         ]
         dtypes = {f"chunk{vp}.{name}": p.dtype for vp, c in enumerate(built.chunks) for name, p in c.named_parameters()}
         result = replay(
-            built, modules=_MODULES, num_microbatches=microbatches, schedule_policy=policy, min_offload_bytes=1, keep_tensors=True, **kwargs
-        )
+            built, modules=_MODULES, num_microbatches=microbatches, schedule_policy=policy, iterations=iterations, keep_tensors=True,
+            config=OffloadConfig(min_offload_bytes=1, **config),
+        )  # fmt: skip
     return structure, dtypes, result
 
 
