@@ -45,7 +45,8 @@ def _three(x: torch.Tensor) -> torch.Tensor:
     return SaveThree.apply(x * 1.5, x * 2.5, (x * 3.5).t().contiguous().t())
 
 
-def _run(manager: OffloadManager | None, x: torch.Tensor) -> torch.Tensor:
+def run_three(manager: OffloadManager | None, x: torch.Tensor) -> torch.Tensor:
+    """One forward and backward of `SaveThree`'s group on ``x`` (offloaded under ``manager``); x's gradient."""
     x = x.detach().requires_grad_(True)
     module = Fn(_three)
     if manager is None:
@@ -59,28 +60,32 @@ def _run(manager: OffloadManager | None, x: torch.Tensor) -> torch.Tensor:
     return x.grad
 
 
+def assert_three_slabbed(stats, reloaded_storages: list[int], slabbed: bool) -> None:
+    """What `run_three` leaves with a slab (one pool buffer, one device storage) and without (three each)."""
+    assert stats.groups["three"].bytes_reloaded == stats.groups["three"].bytes_offloaded == 3 * ROWS * COLS * 4
+    if slabbed:
+        assert stats.pool.allocations == 1 and stats.pool.peak_requested_bytes == 3 * 2 * SLAB_ALIGN
+        assert len(set(reloaded_storages)) == 1, "a slab's storages come back as slices of one device buffer"
+    else:
+        assert stats.pool.allocations == 3
+        assert len(set(reloaded_storages)) == 3
+
+
 @pytest.mark.parametrize("slab_bytes", [SLAB_BYTES, 0], ids=["slab", "buffer_per_storage"])
 def test_a_slabbed_group_takes_one_buffer_and_reloads_into_one_device_storage(slab_bytes: int) -> None:
     x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(5))
     SaveThree.storages.clear()
-    expected = _run(None, x)
+    expected = run_three(None, x)
     config = OffloadConfig(min_offload_bytes=1, group_slab_bytes=slab_bytes)
     manager = OffloadManager(config, streams=CpuStreams(max_delay_s=0.002, seed=3, check_order=True))
     try:
-        got = _run(manager, x)
+        got = run_three(manager, x)
         stats = manager.stats()
         assert_clean(manager)
     finally:
         manager.close()
     assert torch.equal(got, expected)
-    assert stats.groups["three"].bytes_reloaded == stats.groups["three"].bytes_offloaded == 3 * ROWS * COLS * 4
-    reloaded = SaveThree.storages[1]
-    if slab_bytes:
-        assert stats.pool.allocations == 1 and stats.pool.peak_requested_bytes == 3 * 2 * SLAB_ALIGN
-        assert len(set(reloaded)) == 1, "a slab's storages come back as slices of one device buffer"
-    else:
-        assert stats.pool.allocations == 3
-        assert len(set(reloaded)) == 3
+    assert_three_slabbed(stats, SaveThree.storages[1], slabbed=slab_bytes > 0)
 
 
 def test_slab_offsets_start_each_storage_aligned_and_refuse_one_storage_or_past_the_limit() -> None:
