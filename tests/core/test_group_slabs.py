@@ -60,8 +60,23 @@ def run_three(manager: OffloadManager | None, x: torch.Tensor) -> torch.Tensor:
     return x.grad
 
 
-def assert_three_slabbed(stats, reloaded_storages: list[int], slabbed: bool) -> None:
-    """What `run_three` leaves with a slab (one pool buffer, one device storage) and without (three each)."""
+def check_three_offloaded(manager: OffloadManager, x: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """`run_three` under ``manager`` (closed after): bit-identical to ``expected``, nothing left,
+    and with a slab (``group_slab_bytes`` > 0) one pool buffer and one device storage, else three
+    of each. Returns the gradient."""
+    SaveThree.storages.clear()
+    try:
+        got = run_three(manager, x)
+        stats = manager.stats()
+        assert_clean(manager)
+    finally:
+        manager.close()
+    assert torch.equal(got, expected)
+    _assert_three_slabbed(stats, SaveThree.storages[0], slabbed=manager.config.group_slab_bytes > 0)
+    return got
+
+
+def _assert_three_slabbed(stats, reloaded_storages: list[int], slabbed: bool) -> None:
     assert stats.groups["three"].bytes_reloaded == stats.groups["three"].bytes_offloaded == 3 * ROWS * COLS * 4
     if slabbed:
         assert stats.pool.allocations == 1 and stats.pool.peak_requested_bytes == 3 * 2 * SLAB_ALIGN
@@ -74,18 +89,9 @@ def assert_three_slabbed(stats, reloaded_storages: list[int], slabbed: bool) -> 
 @pytest.mark.parametrize("slab_bytes", [SLAB_BYTES, 0], ids=["slab", "buffer_per_storage"])
 def test_a_slabbed_group_takes_one_buffer_and_reloads_into_one_device_storage(slab_bytes: int) -> None:
     x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(5))
-    SaveThree.storages.clear()
     expected = run_three(None, x)
     config = OffloadConfig(min_offload_bytes=1, group_slab_bytes=slab_bytes)
-    manager = OffloadManager(config, streams=CpuStreams(max_delay_s=0.002, seed=3, check_order=True))
-    try:
-        got = run_three(manager, x)
-        stats = manager.stats()
-        assert_clean(manager)
-    finally:
-        manager.close()
-    assert torch.equal(got, expected)
-    assert_three_slabbed(stats, SaveThree.storages[1], slabbed=slab_bytes > 0)
+    check_three_offloaded(OffloadManager(config, streams=CpuStreams(max_delay_s=0.002, seed=3, check_order=True)), x, expected)
 
 
 def test_slab_offsets_start_each_storage_aligned_and_refuse_one_storage_or_past_the_limit() -> None:

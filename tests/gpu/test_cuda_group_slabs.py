@@ -9,8 +9,7 @@ import gc
 import pytest
 import torch
 
-from tests.core._models import assert_clean
-from tests.core.test_group_slabs import COLS, ROWS, SLAB_BYTES, SaveThree, assert_three_slabbed, run_three
+from tests.core.test_group_slabs import COLS, ROWS, SLAB_BYTES, check_three_offloaded, run_three
 
 from .conftest import REQUIRES_CUDA_REASON, new_manager
 
@@ -20,19 +19,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=REQUIRES_C
 @pytest.mark.parametrize("slab_bytes", [SLAB_BYTES, 0], ids=["slab", "buffer_per_storage"])
 def test_a_slabbed_group_on_cuda(slab_bytes: int) -> None:
     x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(5)).cuda()
-    SaveThree.storages.clear()
     expected = run_three(None, x)
     gc.collect()
     before = torch.cuda.memory_allocated()
-    manager = new_manager(min_offload_bytes=1, group_slab_bytes=slab_bytes)
-    try:
-        got = run_three(manager, x)
-        stats = manager.stats()
-        assert_clean(manager)
-    finally:
-        manager.close()
-    assert torch.equal(got, expected)
-    assert_three_slabbed(stats, SaveThree.storages[1], slabbed=slab_bytes > 0)
+    got = check_three_offloaded(new_manager(min_offload_bytes=1, group_slab_bytes=slab_bytes), x, expected)
     del got
     gc.collect()
     assert torch.cuda.memory_allocated() == before, "the run left device memory allocated"
