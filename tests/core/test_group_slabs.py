@@ -65,6 +65,9 @@ def check_three_offloaded(manager: OffloadManager, x: torch.Tensor, expected: to
     and with a slab (``group_slab_bytes`` > 0) one pool buffer and one device storage, else three
     of each. Returns the gradient."""
     SaveThree.storages.clear()
+    acquired: list[int] = []
+    acquire = manager.pool.acquire
+    manager.pool.acquire = lambda nbytes: acquired.append(nbytes) or acquire(nbytes)  # this manager's pool only
     try:
         got = run_three(manager, x)
         stats = manager.stats()
@@ -72,7 +75,9 @@ def check_three_offloaded(manager: OffloadManager, x: torch.Tensor, expected: to
     finally:
         manager.close()
     assert torch.equal(got, expected)
-    _assert_three_slabbed(stats, SaveThree.storages[0], slabbed=manager.config.group_slab_bytes > 0)
+    slabbed = manager.config.group_slab_bytes > 0
+    assert acquired == ([3 * 2 * SLAB_ALIGN] if slabbed else [ROWS * COLS * 4] * 3), "host buffers asked for by the group"
+    _assert_three_slabbed(stats, SaveThree.storages[0], slabbed=slabbed)
     return got
 
 
