@@ -53,8 +53,13 @@ def slab_offsets(storages: Sequence["Storage"], limit: int) -> tuple[list[int], 
     end = 0
     for storage in storages:
         offsets.append(end)
-        end += -(-storage.nbytes // SLAB_ALIGN) * SLAB_ALIGN
+        end += _slice_bytes(storage.nbytes)
     return (offsets, end) if end <= limit else None
+
+
+def _slice_bytes(nbytes: int) -> int:
+    """The bytes a storage of ``nbytes`` takes in a slab: up to the next slice's aligned start."""
+    return -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
 
 
 def slab_of(storages: Sequence["Storage"]) -> HostBuffer | None:
@@ -69,7 +74,7 @@ def slab_of(storages: Sequence["Storage"]) -> HostBuffer | None:
     for storage in storages:
         if storage.host is not slab:
             return None
-        spanned += -(-storage.nbytes // SLAB_ALIGN) * SLAB_ALIGN
+        spanned += _slice_bytes(storage.nbytes)
     return slab if spanned == slab.nbytes else None  # less: a storage freed before left its slice
 
 
