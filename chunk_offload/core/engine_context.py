@@ -11,8 +11,8 @@ from torch.profiler import record_function
 
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
-from .saved import EmptyTensors
 from .option_table import config_default
+from .saved import EmptyTensors
 from .stats import ResidentBytes, StatsRecorder
 from .streams import StreamBackend
 

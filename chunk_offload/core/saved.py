@@ -39,8 +39,7 @@ class Storage:
     """One device storage saved in a group (through one or more views) and its copies."""
 
     __slots__ = (
-        "key", "first", "more", "start", "nbytes", "device_bytes", "device_offset", "layout", "host", "host_offset", "on_host", "live", "pinned",
-        "weak",
+        "key", "first", "more", "start", "nbytes", "device_bytes", "layout", "host", "host_offset", "on_host", "live", "pinned", "weak",
     )  # fmt: skip
 
     def __init__(self, key: int) -> None:
@@ -53,7 +52,6 @@ class Storage:
         self.start = 0
         self.nbytes = 0
         self.device_bytes: torch.Tensor | None = None  # what is copied on device: a uint8 span, or the saved view itself
-        self.device_offset = 0  # where the reloaded ``device_bytes`` start in their storage (a group slab's slice: NOTE [Group slabs] in slab.py)
         self.layout: tuple[torch.dtype, torch.Size] | None = None  # set when copied as the view itself (NOTE [Direct copies])
         self.host: HostBuffer | None = None
         self.host_offset = 0  # where its bytes start in ``host`` (a group slab's slice)
@@ -127,7 +125,8 @@ class Storage:
         device_bytes = self.device_bytes
         if self.layout is not None:
             return device_bytes
-        offset = (ref.offset_bytes - self.start + self.device_offset) // ref.dtype.itemsize
+        # uint8 bytes: their storage offset is where they start in it (a group slab's slice: NOTE [Group slabs] in slab.py)
+        offset = (ref.offset_bytes - self.start + device_bytes.storage_offset()) // ref.dtype.itemsize
         return torch.empty(0, dtype=ref.dtype, device=device_bytes.device).set_(
             device_bytes.untyped_storage(), offset, ref.size, ref.stride
         )

@@ -6,10 +6,9 @@ A committed group that copies two or more storages whose spans, each started at 
 slab) from the pool instead of one per storage, and each storage's copy to host writes its slice
 of it. Its reload, when every one of those storages is still saved, allocates one device buffer,
 issues one host-to-device copy of the whole slab, and gives each storage its slice of that
-buffer as its device copy (a view: `Storage.device_offset` is where it starts). Per group this
-saves, for each storage beyond the first, a pool acquire and release, a device allocation and a
-copy launch (``cudaMemcpyAsync``): the host path's per-tensor work that small groups, which the
-link moves in microseconds, pay most for (NOTE [CUDA host path] in streams/cuda.py). Large
+buffer as its device copy (a view of it). Per group this saves, for each storage beyond the
+first, a pool acquire and release, a device allocation and a copy launch (``cudaMemcpyAsync``):
+the host path's per-tensor work that small groups, which the link moves in microseconds, pay most for (NOTE [CUDA host path] in streams/cuda.py). Large
 groups keep one buffer per storage: their copies outlast a launch by far, and a slab of several
 large spans would round up to a larger pinned size class than its parts.
 
@@ -85,7 +84,6 @@ def slab_views(storages: Sequence["Storage"], device_slab: torch.Tensor) -> None
     typed: dict[torch.dtype, torch.Tensor] = {}
     for storage in storages:
         offset = storage.host_offset
-        storage.device_offset = offset
         layout = storage.layout
         if layout is None:
             storage.device_bytes = device_slab[offset : offset + storage.nbytes]
