@@ -27,6 +27,7 @@ import logging
 import pstats
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -35,13 +36,15 @@ from torch.autograd import DeviceType
 __all__ = [
     "API_FILE",
     "ENGINES",
+    "EngineHostTime",
     "FunctionTimes",
     "GcClock",
     "ProfilerUnavailable",
     "api_calls",
     "api_times",
     "engine_files",
-    "engine_host_seconds",
+    "engine_functions",
+    "engine_host_time",
     "engine_seconds",
     "format_rows",
     "over",
@@ -131,29 +134,53 @@ def engine_files(engine: str) -> Callable[[str], bool]:
     raise ValueError(f"engine_files: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
 
 
-def engine_host_seconds(work: Callable[[], object], steps: int, engine: str) -> float | None:
-    """The median host seconds ``engine`` (`engine_files`) spends in a call of ``work()``, over
-    ``steps`` profiled calls; None when ``steps`` is 0 or cProfile cannot start (another profiler
-    runs the process: a warning says so, and nothing is profiled)."""
+@dataclass(frozen=True)
+class EngineHostTime:
+    """What one engine's code cost the host per profiled call (`engine_host_time`)."""
+
+    seconds: float
+    """Median seconds over the profiled calls (`engine_seconds`)."""
+    functions: FunctionTimes
+    """Median calls and seconds by function (`engine_functions`): where those seconds go."""
+
+
+def engine_host_time(work: Callable[[], object], steps: int, engine: str) -> EngineHostTime | None:
+    """The host time ``engine`` (`engine_files`) spends in a call of ``work()``, over ``steps``
+    profiled calls; None when ``steps`` is 0 or cProfile cannot start (another profiler runs the
+    process: a warning says so, and nothing is profiled)."""
     if not steps:
         return None
+    claims = engine_files(engine)
     try:
-        return own_times(work, steps=steps, engine=engine_files(engine))[1]
+        runs = [engine_functions(_profile(work), claims) for _ in range(steps)]
     except ProfilerUnavailable as e:
         logger.warning("%s's host time is not measured: %s", engine, e)
         return None
+    return EngineHostTime(seconds=statistics.median(_total(run) for run in runs), functions=_medians(runs))
+
+
+def engine_functions(stats: dict, engine: Callable[[str], bool]) -> FunctionTimes:
+    """Calls and own seconds of the functions whose file ``engine`` claims, and of the C functions
+    (cProfile's file ``~``) counting only their calls made directly from one of those."""
+    functions: FunctionTimes = {}
+    for key, (_, calls, own, _, callers) in stats.items():
+        if engine(key[0]):
+            functions[key] = (calls, own)
+        elif key[0] == "~":
+            mine = [times for (caller_file, _, _), times in callers.items() if engine(caller_file)]
+            if mine:
+                functions[key] = (sum(times[1] for times in mine), sum(times[2] for times in mine))
+    return functions
 
 
 def engine_seconds(stats: dict, engine: Callable[[str], bool]) -> float:
     """Own time of the functions whose file ``engine`` claims, plus that of the C functions
     (cProfile's file ``~``) each spent directly under one of them."""
-    total = 0.0
-    for (file, _, _), (_, _, own, _, callers) in stats.items():
-        if engine(file):
-            total += own
-        elif file == "~":
-            total += sum(times[2] for (caller_file, _, _), times in callers.items() if engine(caller_file))
-    return total
+    return _total(engine_functions(stats, engine))
+
+
+def _total(functions: FunctionTimes) -> float:
+    return sum(own for _, own in functions.values())
 
 
 def over(times: FunctionTimes, baseline: FunctionTimes) -> FunctionTimes:

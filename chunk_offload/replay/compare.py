@@ -38,6 +38,7 @@ from ..core.config import OffloadConfig
 from ..core.errors import ChunkOffloadError
 from ..core.streams import StreamBackend
 from ..devkit.gpt import GPTShape
+from ..devkit.host_profile import EngineHostTime, format_rows
 from ..module_names import canonical_modules
 from .megatron_builtin import BuiltinResult, builtin_config, builtin_unavailable, run_builtin
 from .result import BudgetReplay, ReplayResult
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 _MIB = float(1 << 20)
 MODES = ("none", "chunk_offload", "megatron", "chunk_offload_budget")
 """The modes, as named in the JSON summary (the last only with a budget)."""
+HOST_ROWS = 12
+"""Functions listed per profiled mode under the table: where its host time per group goes."""
 
 
 @dataclass(kw_only=True)
@@ -105,7 +108,7 @@ class Comparison:
                 "bytes_offloaded": r.offload.bytes_offloaded,
                 "wait_time_s": r.offload.wait_time_s,
                 "offload_copy_time_s": r.offload.offload_time_s,
-                **self._host(r.offload.host_engine_s),
+                **self._host(r.offload.host_time),
                 **self.identical("chunk_offload"),
             },
         }
@@ -120,7 +123,7 @@ class Comparison:
                 "drop_bytes": None if peak is None or cpu else r.baseline.peak_bytes - peak,
                 "bytes_offloaded": b.bytes_offloaded[-1],
                 "megatron_version": self.megatron_version,
-                **self._host(b.host_engine_s),
+                **self._host(b.host_time),
                 **self.identical("megatron"),
             }
         if self.budget_skipped is not None:
@@ -132,7 +135,7 @@ class Comparison:
             modes["chunk_offload_budget"] = {
                 **budget,
                 "drop_bytes": r.baseline.peak_bytes - budget["peak_bytes"],
-                **self._host(self.budget.result.host_engine_s),
+                **self._host(self.budget.result.host_time),
                 **self.identical("chunk_offload_budget"),
             }
         return modes
@@ -143,11 +146,14 @@ class Comparison:
         unit of the host time row, for every engine."""
         return sum(len(groups) for groups in self.replay.offload.last.group_bytes.values())
 
-    def _host(self, seconds: float | None) -> dict[str, float]:
-        """A mode's host time fields: per iteration and per group (none when it was not profiled)."""
-        if seconds is None:
+    def _host(self, host: EngineHostTime | None) -> dict[str, Any]:
+        """A mode's host time fields: per iteration, per group, and the heaviest functions per group
+        (`HOST_ROWS` of them: own us, calls, function) (none when it was not profiled)."""
+        if host is None:
             return {}
-        return {"host_engine_s": seconds, "host_us_per_group": seconds * 1e6 / max(self.groups_per_iteration, 1)}
+        groups = max(self.groups_per_iteration, 1)
+        return {"host_engine_s": host.seconds, "host_us_per_group": host.seconds * 1e6 / groups,
+                "host_functions": format_rows(host.functions, groups, top=HOST_ROWS)}  # fmt: skip
 
     @property
     def megatron_peak_bytes(self) -> int | None:
@@ -205,6 +211,9 @@ class Comparison:
             profiled = "CPU copy streams' worker threads not seen" if cpu else "CUDA: backward's too, run on the profiled thread"
             rows.append(f"host time / group: the engine's own host time per profiled iteration (cProfile; {profiled}) over the "
                         f"{self.groups_per_iteration} groups chunk-offload tracks per iteration, for each engine alike")  # fmt: skip
+            for n, m in modes.items():
+                if "host_functions" in m:
+                    rows += [f"{headers[n]}'s host time by function (us per group, calls per group):", *m["host_functions"]]
         if cpu:
             rows.append("peak on CPU: chunk-offload's accounting of saved bytes; megatron's path has none (n/a)")
         else:

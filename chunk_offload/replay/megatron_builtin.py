@@ -40,7 +40,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..core.actions import ActionKind
-from ..devkit.host_profile import engine_host_seconds
+from ..devkit.host_profile import EngineHostTime, engine_host_time
 from ..schedule.plan import Plan
 from .driver import ChunkDriver, Kept
 from .stage import MegatronStage
@@ -72,9 +72,9 @@ class BuiltinResult(Kept):
     """``torch.cuda.max_memory_allocated`` of each measured iteration; None on CPU."""
     bytes_offloaded: list[int] = field(default_factory=list)
     """Bytes megatron copied to host in each measured iteration."""
-    host_engine_s: float | None = None
-    """Host seconds megatron's offload module spent per iteration (median of the profiled ones,
-    `chunk_offload.devkit.host_profile.engine_host_seconds`); None when none was profiled."""
+    host_time: EngineHostTime | None = None
+    """Host time megatron's offload module spent per iteration, by function (median of the profiled
+    ones, `chunk_offload.devkit.host_profile.engine_host_time`); None when none was profiled."""
 
     @property
     def step_time_s(self) -> float:
@@ -174,7 +174,7 @@ def run_builtin(
     """Run ``plan`` on ``stage`` (built with `builtin_config`) under megatron's offload; measure it.
 
     ``warmup`` iterations (at least one: megatron's own warm-up) before ``iterations`` measured
-    ones, then ``host_profile_iterations`` under cProfile (`BuiltinResult.host_engine_s`).
+    ones, then ``host_profile_iterations`` under cProfile (`BuiltinResult.host_time`).
     """
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
         FineGrainedActivationOffloadingInterface as off_interface,
@@ -202,7 +202,7 @@ def run_builtin(
                     result.bytes_offloaded.append(moved)
                     result.losses, result.outputs, result.input_grads = kept.losses, kept.outputs, kept.input_grads
             driver.keep_grads(result)
-            result.host_engine_s = engine_host_seconds(
+            result.host_time = engine_host_time(
                 lambda: _iteration(driver, plan, off_interface, Kept()), host_profile_iterations, "megatron"
             )
         finally:

@@ -11,6 +11,7 @@ from typing import Any
 from ..core.actions import NOTATION
 from ..core.records import IterationRecord
 from ..core.schedule_policy import SchedulePolicy
+from ..devkit.host_profile import EngineHostTime
 from ..report.stage import StageReport
 from ..schedule import Simulation
 from ..schedule.plan import Plan
@@ -33,9 +34,9 @@ class ModeResult(Kept):
     """Whether copies were made."""
     records: list[IterationRecord] = field(repr=False)
     """The manager's record of each measured iteration (peaks, bytes per group, times)."""
-    host_engine_s: float | None = None
-    """Host seconds chunk-offload's own code spent per iteration (median of the profiled ones,
-    `chunk_offload.devkit.host_profile.engine_host_seconds`); None when none was profiled."""
+    host_time: EngineHostTime | None = None
+    """Host time chunk-offload's own code spent per iteration, by function (median of the profiled
+    ones, `chunk_offload.devkit.host_profile.engine_host_time`); None when none was profiled."""
 
     @property
     def last(self) -> IterationRecord:

@@ -22,7 +22,7 @@ from ..core.config import OffloadConfig
 from ..core.errors import ChunkOffloadError, internal_assert
 from ..core.schedule_policy import SchedulePolicy
 from ..core.streams import StreamBackend
-from ..devkit.host_profile import engine_host_seconds
+from ..devkit.host_profile import engine_host_time
 from ..integrations.megatron import MegatronOffloadManager, attach
 from ..report.stage import stage_report
 from ..schedule import PlanPolicy, simulate
@@ -62,7 +62,7 @@ def replay(
     `SchedulePolicy`. ``streams`` and ``config`` (default `OffloadConfig()`) go to `attach`.
     ``keep_tensors``: also keep chunk outputs and gradients in the result, for comparisons.
     ``host_profile_iterations``: after the measured iterations, this many more offload iterations
-    under cProfile, for the engine's host time (`ModeResult.host_engine_s`).
+    under cProfile, for the engine's host time (`ModeResult.host_time`).
     """
     if plan is None:
         plan = stage.plan(num_microbatches if num_microbatches is not None else 2 * stage.pp_size)
@@ -97,12 +97,12 @@ def replay(
         for _ in range(iterations):
             for offload in (False, True):  # alternate, so that drifts of the host hit both alike
                 measured[offload].append(runner.run(offload=offload))
-        host_engine_s = engine_host_seconds(lambda: runner.run(offload=True), host_profile_iterations, "chunk_offload")
+        host_time = engine_host_time(lambda: runner.run(offload=True), host_profile_iterations, "chunk_offload")
     finally:
         manager.detach()
         manager.close()
     baseline, offloaded = _merge(measured[False]), _merge(measured[True])
-    offloaded.host_engine_s = host_engine_s
+    offloaded.host_time = host_time
     group_bytes = baseline.last.group_bytes
     simulation = simulate(
         plan,
@@ -171,7 +171,7 @@ def replay_under_budget(
             runner.run_training()
         result = _merge([runner.run_training() for _ in range(iterations)])
         report = manager.report()
-        result.host_engine_s = engine_host_seconds(runner.run_training, host_profile_iterations, "chunk_offload")
+        result.host_time = engine_host_time(runner.run_training, host_profile_iterations, "chunk_offload")
     finally:
         manager.detach()
         manager.close()

@@ -104,14 +104,14 @@ def test_a_busy_profiler_is_a_warning_and_no_time(monkeypatch, caplog) -> None:
     """Under another profiler (Python 3.12 refuses a second cProfile) nothing is profiled or run twice."""
     import cProfile
 
-    from chunk_offload.devkit.host_profile import engine_host_seconds
+    from chunk_offload.devkit.host_profile import engine_host_time
 
     def busy(self) -> None:
         raise ValueError("Another profiling tool is already active")
 
     ran = []
     monkeypatch.setattr(cProfile.Profile, "enable", busy)
-    assert engine_host_seconds(lambda: ran.append(1), 2, "megatron") is None
+    assert engine_host_time(lambda: ran.append(1), 2, "megatron") is None
     assert ran == []
     assert "megatron's host time is not measured: cProfile cannot start: Another profiling tool is already active" in caplog.text
-    assert engine_host_seconds(lambda: ran.append(1), 0, "megatron") is None and ran == []
+    assert engine_host_time(lambda: ran.append(1), 0, "megatron") is None and ran == []

@@ -19,6 +19,7 @@ import torch
 
 from chunk_offload import OffloadConfig
 from chunk_offload.devkit.gpt import GPTShape
+from chunk_offload.replay.compare import HOST_ROWS
 
 from ._common import needs_megatron_on_cpu, run_cli
 
@@ -118,6 +119,12 @@ def test_cli_compare_with_a_budget_writes_four_modes(tmp_path, capsys) -> None:
         fields = summary["modes"][mode]
         assert fields["host_engine_s"] > 0 and fields["host_us_per_group"] == fields["host_engine_s"] * 1e6 / groups
         assert cell == f"{fields['host_us_per_group']:.1f}"
+        # The heaviest functions, each at most the engine's whole time, listed in the printout.
+        assert 0 < len(fields["host_functions"]) <= HOST_ROWS
+        assert all(0 <= float(line.split()[0]) <= fields["host_us_per_group"] for line in fields["host_functions"])
+        assert "\n".join(fields["host_functions"]) in printed
+    assert "fine_grained_activation_offload.py" in "".join(summary["modes"]["megatron"]["host_functions"])
+    assert any(".py:" in line for line in summary["modes"]["chunk_offload"]["host_functions"])  # its own code, by file:line
     assert f"over the {groups} groups chunk-offload tracks per iteration, for each engine alike" in printed
 
 
@@ -125,7 +132,7 @@ def test_without_profiled_iterations_no_host_time_is_shown(tmp_path, capsys) -> 
     printed, summary = run_cli(
         capsys, tmp_path / "compare.json", "--pp", "2", "--stage", "0", "--compare", "megatron", "--host-profile-iterations", "0"
     )
-    assert not any("host_engine_s" in fields or "host_us_per_group" in fields for fields in summary["modes"].values())
+    assert not any("host_engine_s" in fields or "host_us_per_group" in fields or "host_functions" in fields for fields in summary["modes"].values())
     assert "host time / group (us)" in printed and "host time / group:" not in printed
     assert next(line for line in printed.splitlines() if line.startswith("host time / group (us)")).split()[6:] == ["n/a", "n/a"]
 
