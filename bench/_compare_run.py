@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 from contextlib import ExitStack
@@ -37,9 +38,9 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
 
     forward_backward, manager, seen = get_forward_backward_func(), None, {}
     if run.startswith("chunk-offload"):
-        layer = run.endswith("layer")
-        config = OffloadConfig(min_offload_bytes=args.min_offload_bytes, group_by="layer" if layer else "module",
-                               layer_group_bytes=args.layer_group_bytes if layer else None)  # fmt: skip
+        config = OffloadConfig(min_offload_bytes=args.min_offload_bytes)  # the library's grouping, but for the module run
+        if run.endswith("module"):
+            config = dataclasses.replace(config, group_by="module")
         manager = attach([model], modules, config=config,
                          device_budget_bytes=budget if run.endswith("budget") else None,
                          reload_ahead_bytes=args.reload_ahead_bytes if run.endswith("reload-ahead") else None,

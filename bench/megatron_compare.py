@@ -17,10 +17,10 @@ build of the model from the same seed (so the same weights and inputs):
   far as the predicted peak stays within the budget);
 - chunk-offload reload-ahead (only with ``--reload-ahead-bytes``): the default run with that
   `PlanPolicy` reload-ahead budget (in backward, earlier groups are reloaded while their bytes fit);
-- chunk-offload layer (only with ``--layer-groups``): the default run with
-  ``OffloadConfig(group_by="layer")``: each layer's offload modules one group, copied and
-  reloaded together (NOTE [Layer groups] in chunk_offload/core/marks.py); with
-  ``--layer-group-bytes B`` a group per run of calls under B bytes (NOTE [Bounded layer groups]);
+- chunk-offload module (only with ``--module-groups``): the default run with
+  ``OffloadConfig(group_by="module")``: each offload module's call a group of its own, where the
+  default joins a layer's calls into one group while it holds under 16 MiB (NOTE [Bounded layer
+  groups] in chunk_offload/core/marks.py);
 - megatron: megatron-core's built-in offload (``fine_grained_activation_offloading``, same
   modules, same minimum size), with a stand-in for Transformer Engine's flag where TE is
   missing (NOTE [ Transformer Engine stand-in ] in ``chunk_offload/replay/megatron_builtin.py``);
@@ -110,9 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reload-ahead-bytes", type=int, default=None, help="also run chunk-offload with this reload-ahead budget")
     p.add_argument("--timed-reload-ahead", choices=sorted(TIMED), nargs="?", const="on", default="auto",
                    help="every chunk-offload run's timed_reload_ahead (default auto: the library's, on CUDA only; alone: on)")
-    p.add_argument("--layer-groups", action="store_true", help="also run chunk-offload with group_by='layer'")
-    p.add_argument("--layer-group-bytes", type=int, default=None, metavar="BYTES",
-                   help="with --layer-groups: that run's layer_group_bytes (a layer's calls join while its group holds fewer bytes)")
+    p.add_argument("--module-groups", action="store_true",
+                   help="also run chunk-offload with group_by='module' (the default groups small modules by layer)")
     p.add_argument("--none-again", action="store_true",
                    help="run 'none' again after each set's other runs; overheads over both (a drifting host shows)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -130,9 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
     if args.warmup < 1:
         p.error(f"--warmup must be an integer >= 1 (megatron's offload warms up in its first iteration), got {args.warmup}")
-    if args.layer_group_bytes is not None and not args.layer_groups:
-        p.error(f"--layer-group-bytes {args.layer_group_bytes} bounds the layer-groups run: add --layer-groups")
-    for flag in ("min_offload_bytes", "budget_bytes", "reload_ahead_bytes", "layer_group_bytes", "profile"):
+    for flag in ("min_offload_bytes", "budget_bytes", "reload_ahead_bytes", "profile"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             p.error(f"--{flag.replace('_', '-')} must be an integer >= 0, got {value}")
@@ -218,7 +215,7 @@ def _module_set(runs: _Runs, modules: list[str], none: dict[str, Any] | None = N
         budget = megatron["peak_bytes"] if megatron and megatron.get("peak_bytes") is not None and base["peak_bytes"] \
             else (rows[1].get("saved_peak_bytes") or 0) // 2  # fmt: skip
     rows.append(runs.compared(modules, "chunk-offload budget", budget, base))
-    for run, wanted in (("reload-ahead", args.reload_ahead_bytes is not None), ("layer", args.layer_groups)):
+    for run, wanted in (("reload-ahead", args.reload_ahead_bytes is not None), ("module", args.module_groups)):
         if wanted:
             rows.append(runs.compared(modules, f"chunk-offload {run}", None, base))
     rows.append(megatron if megatron is not None else {"run": "megatron", "modules": ",".join(modules), "skipped": skip})

@@ -7,7 +7,7 @@ A stack of tiny layers (so that compute is negligible) runs forward + backward
 - floor: what any saved-tensor-hook design pays per group: each layer's call enters a
   ``saved_tensors_hooks`` context with identity pack/unpack (a forward pre-hook) and leaves
   it through one identity autograd Function on the layer's output (a forward hook);
-- bookkeeping: every layer is an offload group, copies switched off (``offload=False``):
+- bookkeeping: every layer is an offload group (``group_by="module"``), copies switched off (``offload=False``):
   module hooks, group start/commit and the gradient hook on its output, saved-tensor packing
   with the policy and in-place checks, accounting;
 - offload: the same with copies on (CPU worker-thread streams here, CUDA streams on a GPU);
@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.batch, args.hidden, device=device)
 
     def manager(streams: chunk_offload.StreamBackend | None = None, *, measure_time: bool = False, **options: object) -> chunk_offload.OffloadManager:
-        config = chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=measure_time, **options)
+        # Module groups but in offload_layer: every layer one group, what the per-group figures count.
+        config = chunk_offload.OffloadConfig(min_offload_bytes=1, measure_time=measure_time, **({"group_by": "module"} | options))
         return chunk_offload.OffloadManager(config, streams=streams)
 
     bookkeeping_mgr, offload_mgr, layer_mgr = manager(offload=False), manager(), manager(group_by="layer")

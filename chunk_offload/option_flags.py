@@ -31,6 +31,18 @@ def _byte_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _byte_count_or_none(text: str) -> int | None:
+    """argparse ``type``: ``none`` (no bound) or a byte count (`_byte_count`)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'none' or a byte count >= 0 such as 16MiB or 600KiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
+        ) from None
+
+
 def _device_budget(text: str) -> int | str:
     """argparse ``type``: ``auto`` or a byte count (`_byte_count`)."""
     if text.strip().lower() == "auto":
@@ -123,7 +135,7 @@ def argparse_keywords(row: Option, *, dest: str | None = None, help: str | None 
     keywords.update(default=row.default, metavar=row.metavar)
     if row.kind == "module_names":
         return {**keywords, "nargs": "+", "action": _ModulesAction}
-    parse = {"bytes_or_auto": _device_budget, "bytes": _byte_count, "bytes_or_none": _byte_count, "count": _count}.get(row.kind)
+    parse = {"bytes_or_auto": _device_budget, "bytes": _byte_count, "bytes_or_none": _byte_count_or_none, "count": _count}.get(row.kind)
     if parse is not None and keep_typed:
         return {**keywords, "action": _ParsedAction, "parse": parse}
     if parse is not None:

@@ -147,18 +147,22 @@ def step_record(manager: Any) -> dict[str, Any]:
     }
 
 
-def offload_every_chunk(modules: Any) -> Any:
+def offload_every_chunk(modules: Any, **options: Any) -> Any:
     """The harness's ``Hooks`` for a manager that offloads ``modules`` in every chunk (threshold 1 byte;
-    no plan policy, which would keep the chunks whose backward follows their forward at once)."""
+    no plan policy, which would keep the chunks whose backward follows their forward at once).
+    ``options``: more `attach_with` options (``group_by="module"``)."""
     from tests._megatron import Hooks
 
-    hooks = OffloadHooks(tuple(modules), options={"min_offload_bytes": 1, "schedule_policy": None})
+    hooks = OffloadHooks(tuple(modules), options={"min_offload_bytes": 1, "schedule_policy": None, **options})
     return Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, report=hooks.report)
 
 
-def spawn_with_and_without(cases: dict[str, tuple[Any, Any]], *, world_size: int, timeout_s: float) -> dict[str, tuple[list, list]]:
+def spawn_with_and_without(
+    cases: dict[str, tuple[Any, Any]], *, world_size: int, timeout_s: float, options: dict[str, Any] | None = None
+) -> dict[str, tuple[list, list]]:
     """``{name: (config, modules)}`` -> ``{name: (results without offload, results with)}`` (each
-    ``[rank]``), all in one spawn; skips the test without megatron-core or on a CUDA host."""
+    ``[rank]``), all in one spawn; skips the test without megatron-core or on a CUDA host.
+    ``options``: more `attach_with` options for every offload run (`offload_every_chunk`)."""
     import importlib.util
 
     import pytest
@@ -169,7 +173,8 @@ def spawn_with_and_without(cases: dict[str, tuple[Any, Any]], *, world_size: int
         pytest.skip('megatron-core is not installed (pip install "chunk-offload[megatron]")')
     if torch.cuda.is_available():
         pytest.skip("cpu_compat is inert on a CUDA host")
-    runs = [run for cfg, modules in cases.values() for run in (Run(config=cfg), Run(config=cfg, hooks=offload_every_chunk(modules)))]
+    hooks = lambda modules: offload_every_chunk(modules, **(options or {}))  # noqa: E731
+    runs = [run for cfg, modules in cases.values() for run in (Run(config=cfg), Run(config=cfg, hooks=hooks(modules)))]
     results = spawn_runs(runs, world_size=world_size, timeout_s=timeout_s)
     return {name: (results[2 * i], results[2 * i + 1]) for i, name in enumerate(cases)}
 

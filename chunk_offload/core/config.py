@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from .errors import ChunkOffloadError
 from .option_table import OPTIONS, check_value, config_default, option
 
 __all__ = ["ON_EXHAUSTED", "OffloadConfig"]
@@ -41,15 +40,16 @@ class OffloadConfig:
     False: the originals are handed to the copy stream and their memory is reused once their
     copy ends, with no stall (NOTE [Release by the copy stream] in core/copies.py)."""
     group_by: Literal["call", "module", "layer"] = config_default("OffloadConfig.group_by")
-    """'module': each call of a registered module is one group, but a call registered to join another
-    (``joins``) that saves a storage of that call's group collects into it (NOTE [Joined calls] in
-    core/marks.py). 'layer': calls of modules registered with one ``layer`` (`OffloadManager.offload_module`)
-    that follow one another in a chunk's forward form one group (NOTE [Layer groups]). 'call': each call
-    its own group, no joins."""
+    """'layer' (the default): calls of modules registered with one ``layer`` (`OffloadManager.offload_module`)
+    that follow one another in a chunk's forward form one group while it holds fewer than
+    ``layer_group_bytes`` (NOTE [Layer groups], [Bounded layer groups] in core/marks.py); each call of a
+    module registered without a layer is a group of its own. 'module': each call of a registered
+    module is one group, but a call registered to join another (``joins``) that saves a storage of
+    that call's group collects into it (NOTE [Joined calls]). 'call': each call its own group, no joins."""
     layer_group_bytes: int | None = config_default("OffloadConfig.layer_group_bytes")
-    """With ``group_by="layer"``: a call joins its layer's pending group only while that group holds
-    fewer bytes to copy than this (`joins_layer_group`; NOTE [Bounded layer groups] in
-    core/marks.py). None: every call of the layer joins."""
+    """With ``group_by="layer"`` (read under it only): a call joins its layer's pending group only
+    while that group holds fewer bytes to copy than this (`joins_layer_group`; NOTE [Bounded layer
+    groups] in core/marks.py). None: every call of the layer joins."""
     group_slab_bytes: int = config_default("OffloadConfig.group_slab_bytes")
     """A committed group of two or more storages whose spans fit in this many bytes takes one host
     buffer and reloads with one copy into one device buffer (NOTE [Group slabs] in core/slab.py);
@@ -65,11 +65,6 @@ class OffloadConfig:
         field's row of the option table says what is)."""
         for row in _ROWS:
             check_value(row, getattr(self, row.field_name))
-        if self.layer_group_bytes is not None and self.group_by != "layer":
-            raise ChunkOffloadError(
-                f"layer_group_bytes={self.layer_group_bytes!r} bounds layer groups; it needs group_by='layer', "
-                f"got group_by={self.group_by!r} (pass group_by='layer', or leave layer_group_bytes None)"
-            )
 
     @classmethod
     def field_names(cls) -> list[str]:

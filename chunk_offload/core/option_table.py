@@ -126,24 +126,25 @@ OPTIONS: tuple[Option, ...] = (
         ),
     ),
     Option(
-        "group-by", "choice", "module", "OffloadConfig.group_by",
+        "group-by", "choice", "layer", "OffloadConfig.group_by",
         help=(
-            "'module': each call of an offload module is one group, except that a call saving a storage of "
-            "the call before it in its layer joins that call's group (attn_proj saves core attention's "
-            "output), so the storage is copied once; 'layer': the calls of a transformer layer's offload "
-            "modules form one group, copied and reloaded together, which cuts the per-group host work "
-            "(events, stream switches, launches) by the modules per layer; 'call': every call its own group, "
-            "a storage two calls save copied twice (default: {default})."
+            "'layer': the calls of a transformer layer's offload modules that follow one another form one group, "
+            "copied and reloaded together, while the group holds fewer bytes than layer-group-bytes, which cuts "
+            "the per-group host work (events, stream switches, launches) where modules are small and leaves "
+            "large ones a group each; 'module': each call of an offload module is one group, except that a call "
+            "saving a storage of the call before it in its layer joins that call's group (attn_proj saves core "
+            "attention's output), so the storage is copied once; 'call': every call its own group, a storage two "
+            "calls save copied twice (default: {default})."
         ),
         choices=("call", "module", "layer"),
     ),
     Option(
-        "layer-group-bytes", "bytes_or_none", None, "OffloadConfig.layer_group_bytes",
+        "layer-group-bytes", "bytes_or_none", 16 << 20, "OffloadConfig.layer_group_bytes",
         help=(
             "Under layer groups (group-by layer) a layer's next call joins its group only while the group holds "
             "fewer bytes to copy than this (attn_proj still joins core_attn's group where it saves its output), so "
-            "small modules share their per-group host work while large ones keep their own groups (default: the "
-            "whole layer)."
+            "small modules share their per-group host work while large ones keep their own groups; 'none': the "
+            "whole layer (default: {default})."
         ),
         metavar="BYTES",
     ),

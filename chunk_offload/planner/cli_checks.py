@@ -135,7 +135,7 @@ def _check_contradictions(parser: argparse.ArgumentParser, args: argparse.Namesp
         needs("co_plan", "--budget-gb", "the co-plan chooses keep, offload and recompute to fit a budget; add --budget-gb GB")
     if args.co_plan and args.recompute_modules:
         both("co_plan", given["recompute_modules"], "the co-plan chooses the recompute modules itself; drop one of them")
-    if args.layer_group_bytes is not None and args.group_by != "layer":
+    if "layer_group_bytes" in given and args.group_by != "layer":
         needs("layer_group_bytes", "--group-by layer", "it bounds layer groups; add --group-by layer or drop it")
     if "microbatch_group_size_per_vp_stage" in given and args.vpp is None:
         needs("microbatch_group_size_per_vp_stage", "--vpp", "it sizes the groups of the interleaved schedule; add --vpp N or drop it")

@@ -199,7 +199,7 @@ def estimate_stages(
     schedule: Literal["plan", "group-start"] = "plan",
     other_activation_bytes: int = 0,
     policy: Literal["plan", "all"] | None = None,
-    group_by: Literal["call", "module", "layer"] = "module",
+    group_by: Literal["call", "module", "layer"] = config_default("OffloadConfig.group_by"),
 ) -> list[StageEstimate]:
     """One `StageEstimate` per pipeline rank for offloading ``modules``.
 
@@ -254,8 +254,8 @@ class StagePlanner:
         schedule: Literal["plan", "group-start"] = "plan",
         other_activation_bytes: int = 0,
         policy: Literal["plan", "all"] | None = None,
-        group_by: Literal["call", "module", "layer"] = "module",
-        layer_group_bytes: int | None = None,
+        group_by: Literal["call", "module", "layer"] = config_default("OffloadConfig.group_by"),
+        layer_group_bytes: int | None = config_default("OffloadConfig.layer_group_bytes"),
     ) -> None:
         OffloadConfig(min_offload_bytes=min_offload_bytes, group_by=group_by, layer_group_bytes=layer_group_bytes).validate()
         schedule = _schedule(schedule, policy)

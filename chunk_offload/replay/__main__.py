@@ -186,7 +186,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--hidden must be divisible by the attention heads ({heads}), got {args.hidden}")
     if args.budget_bytes is not None and args.compare != "megatron":
         p.error(f"--budget-bytes {args.budget_bytes} is a column of the comparison: add --compare megatron")
-    if args.layer_group_bytes is not None and args.group_by != "layer":
+    if args.layer_group_bytes not in (None, option("layer-group-bytes").default) and args.group_by != "layer":
         p.error(f"--layer-group-bytes {args.layer_group_bytes} bounds layer groups: add --group-by layer")
     if args.host_profile_iterations is not None:
         if args.compare != "megatron":

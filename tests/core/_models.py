@@ -109,15 +109,15 @@ def assert_clean(manager: chunk_offload.OffloadManager) -> None:
 
 
 def manager_skipping_waits(
-    skip: Sequence[str], *, streams: chunk_offload.StreamBackend | None = None, deterministic_memory: bool = False
+    skip: Sequence[str], *, streams: chunk_offload.StreamBackend | None = None, **fields
 ) -> chunk_offload.OffloadManager:
-    """Test-only: an `OffloadManager` (``min_offload_bytes=1``) whose engine leaves out the waits
-    named in ``skip`` (`chunk_offload.core.engine_context.WAIT_NAMES`), to prove the happens-before
-    checker catches each missing one. Not a public constructor option."""
+    """Test-only: an `OffloadManager` of ``OffloadConfig(min_offload_bytes=1, **fields)`` whose engine
+    leaves out the waits named in ``skip`` (`chunk_offload.core.engine_context.WAIT_NAMES`), to prove
+    the happens-before checker catches each missing one. Not a public constructor option."""
     bad = sorted(set(skip) - set(WAIT_NAMES))
     if bad:
         raise chunk_offload.ChunkOffloadError(f"unknown wait names {bad}; valid: {list(WAIT_NAMES)}")
-    config = chunk_offload.OffloadConfig(min_offload_bytes=1, deterministic_memory=deterministic_memory)
+    config = chunk_offload.OffloadConfig(min_offload_bytes=1, **fields)
     manager = chunk_offload.OffloadManager(config, streams=streams)
     manager._ctx.skip_waits = frozenset(skip)
     return manager

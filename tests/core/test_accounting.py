@@ -8,6 +8,9 @@ the offload run's high-water mark is taken at the moment the most bytes are save
 Sizes used below: a block's ``mlp_fc1`` (an ``nn.Linear``) saves its input, ``BATCH * seq *
 HIDDEN`` float32 values (its weight is protected), so with one offloaded ``mlp_fc1`` per block a
 chunk's group bytes are ``layers * BATCH * seq * HIDDEN * 4``.
+
+Every manager here takes module groups (``group_by="module"``): the accounting is checked per module
+kind, each call of a kind one group under its name.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def _per_iteration_peaks(*, offload: bool, **schedule) -> tuple[list[Peaks], lis
         stats.append(s)
         manager.reset_stats()
 
-    run_schedule(lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload)), after_iteration=after, **schedule)
+    run_schedule(lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module", offload=offload)), after_iteration=after, **schedule)
     return peaks, stats
 
 
@@ -131,7 +134,7 @@ def test_peak_drop_equals_host_bytes_at_peak_when_the_peak_chunk_is_unique():
     seqs = {0: SEQ, 1: SEQ, 2: 2 * SEQ, 3: SEQ}
     results = {}
     for offload in (False, True):
-        manager = OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload))
+        manager = OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module", offload=offload))
         try:
             _run_variable_lengths(manager, ONE_F_ONE_B, seqs, layers)
             results[offload] = _peaks(manager.stats())
@@ -208,7 +211,7 @@ def test_bytes_return_to_zero_and_groups_count_calls(order, model_chunks, offloa
             assert stats.groups["attn_norm"].bytes_kept_held_elsewhere > 0
 
     run_schedule(
-        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, offload=offload)),
+        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module", offload=offload)),
         order=order,
         model_chunks=model_chunks,
         layers=layers,
@@ -225,7 +228,7 @@ def test_bytes_return_to_zero_and_groups_count_calls(order, model_chunks, offloa
 
 
 def test_stats_are_counted_per_group_name():
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module"))
     try:
         model = make_stack(2, seed=0)
         register(manager, model, ("mlp_fc1",))

@@ -4,15 +4,17 @@ With ``OffloadConfig(group_by="layer", layer_group_bytes=B)`` a layer's next cal
 group only while that group holds fewer than B bytes to copy. Training stays bit-identical to
 training without offload and moves exactly the bytes module groups move; the groups are the ones
 the rule (`joins_layer_group`) gives; past the bound a registered joiner still joins, so a storage
-two calls save is copied once; a bound needs layer groups.
+two calls save is copied once. The bound is read under layer groups only: with ``group_by="call"``
+or ``"module"`` it changes nothing. The default is bounded layer groups, 16 MiB.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from chunk_offload import ChunkOffloadError, OffloadConfig, OffloadManager
+from chunk_offload import OffloadConfig, OffloadManager
 from chunk_offload.core import joins_layer_group
+from chunk_offload.core.option_table import option
 from tests._driver import assert_identical
 from tests.core._models import MODULE_KINDS, ONE_F_ONE_B, run_schedule
 from tests.core.test_joined_calls import LAYERS, _assert_same, _train
@@ -80,7 +82,47 @@ def test_past_the_bound_a_joiner_still_joins(make_manager) -> None:
     assert shared.bytes_reloaded == shared.bytes_offloaded > 0
 
 
+GROUP_FIELDS = ("groups", "bytes_offloaded", "bytes_reloaded", "tensors_offloaded", "tensors_kept", "bytes_kept_held_elsewhere")
+
+
+def _groups(stats) -> list[tuple]:
+    """The groups of ``stats`` in their order: each name with its counts (no timings)."""
+    return [(name, *(getattr(g, field) for field in GROUP_FIELDS)) for name, g in stats.groups.items()]
+
+
 @pytest.mark.parametrize("group_by", ["call", "module"])
-def test_a_bound_needs_layer_groups(group_by: str) -> None:
-    with pytest.raises(ChunkOffloadError, match=rf"layer_group_bytes=4096 bounds layer groups; it needs group_by='layer', got group_by='{group_by}'"):
-        OffloadManager(OffloadConfig(group_by=group_by, layer_group_bytes=4096))
+def test_a_bound_is_read_under_layer_groups_only(group_by: str) -> None:
+    # Under layer groups this bound splits the layer (attn_norm+qkv_linear holds it already); under
+    # call or module groups it is accepted and changes nothing: the groups are those without a bound.
+    bound = 4096
+    _, unbounded_layers = _run(group_by="layer", layer_group_bytes=None)
+    _, bounded_layers = _run(group_by="layer", layer_group_bytes=bound)
+    assert list(unbounded_layers.groups) == ["+".join(MODULE_KINDS)]
+    assert list(bounded_layers.groups) == ["attn_norm+qkv_linear", "core_attn", "attn_proj+mlp_norm", "mlp_fc1"]
+    baseline, _ = _run(off=True)
+    without, stats_without = _run(group_by=group_by, layer_group_bytes=None)
+    bounded, stats = _run(group_by=group_by, layer_group_bytes=bound)
+    assert OffloadConfig(group_by=group_by, layer_group_bytes=bound).layer_group_bytes == bound
+    assert_identical(baseline, without)
+    assert_identical(baseline, bounded)
+    assert list(stats.groups) == list(MODULE_KINDS)
+    assert _groups(stats) == _groups(stats_without)
+    assert stats.bytes_offloaded == stats_without.bytes_offloaded > 0
+    assert stats.resident_bytes == 0 and stats.host_bytes == 0 and stats.pool.in_use_bytes == 0
+
+
+def test_the_default_is_bounded_layer_groups() -> None:
+    assert option("group-by").default == "layer"
+    assert option("layer-group-bytes").default == 16 << 20
+    config = OffloadConfig()
+    assert (config.group_by, config.layer_group_bytes) == ("layer", 16 << 20)
+    # Every module of the tiny layer is far under 16 MiB: the default joins the whole layer, exactly
+    # as the same bound given explicitly does.
+    baseline, _ = _run(off=True)
+    default, stats = _run()
+    _, explicit_stats = _run(group_by="layer", layer_group_bytes=16 << 20)
+    assert_identical(baseline, default)
+    assert list(stats.groups) == ["+".join(MODULE_KINDS)]
+    assert _groups(stats) == _groups(explicit_stats)
+    assert stats.bytes_offloaded == explicit_stats.bytes_offloaded > 0
+    assert stats.resident_bytes == 0 and stats.host_bytes == 0 and stats.pool.in_use_bytes == 0

@@ -1,8 +1,9 @@
 """Offload under data parallelism: DDP and FSDP2 (`fully_shard`), 2 gloo ranks on CPU, bit-exact.
 
 One spawn runs every case in both ranks; each case trains the tiny stack of `_models` (all of
-`MODULE_KINDS` offloaded, ``min_offload_bytes=1``) for 2 iterations with two microbatches and an
-SGD step, once without and once with an `OffloadManager`, from the same seed and per-rank data:
+`MODULE_KINDS` offloaded, ``min_offload_bytes=1``, ``group_by="module"``: a group per kind and call)
+for 2 iterations with two microbatches and an SGD step, once without and once with an
+`OffloadManager`, from the same seed and per-rank data:
 
 - ``ddp``: `DistributedDataParallel`, gradient accumulation (microbatch 0 under ``no_sync``);
 - ``fsdp2``: `fully_shard` on every block and on the root (parameters are DTensors, all-gathered
@@ -60,7 +61,7 @@ def _train(wrapper: str, offload: bool, rank: int) -> dict:
         wrapped = model
     manager = None
     if offload:
-        manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+        manager = OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module"))
         register(manager, model)  # after wrapping, as a training script would
     live: list[list] = []
 
@@ -133,7 +134,7 @@ def ranks() -> list[dict]:
 def _activation_bytes_per_call() -> dict[str, int]:
     """What one call of each module kind offloads in the unwrapped stack (same shapes, one chunk)."""
     model = make_stack(LAYERS, seed=0)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module"))
     try:
         register(manager, model)
         with manager.iteration():

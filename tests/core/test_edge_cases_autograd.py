@@ -17,7 +17,7 @@ from tests.core._models import HIDDEN, assert_clean, make_stack, microbatches, r
 
 
 def test_retain_graph_then_second_backward_accumulates_exactly(make_manager):
-    mgr = make_manager()
+    mgr = make_manager(group_by="module")  # module groups: the check reads mlp_fc1's group
     model, reference = _model_and_reference(mgr)
     x = microbatches(1)[0]
     with mgr.iteration():
@@ -95,7 +95,7 @@ def test_create_graph_double_backward_through_transformer_blocks_is_exact(make_m
         return loss.detach(), gx.detach(), [p.grad for p in model.parameters()]
 
     ref = run(None)
-    mgr = make_manager()
+    mgr = make_manager(group_by="module")  # module groups: the check reads each kind's group
     got = run(mgr)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     for i, (a, b) in enumerate(zip(got[2], ref[2])):
@@ -179,7 +179,7 @@ def test_backward_after_the_iteration_closed(make_manager):
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_grad_off_forward_inside_a_tracked_chunk_tracks_nothing(make_manager, mode):
-    mgr = make_manager()
+    mgr = make_manager(group_by="module")  # module groups: the check reads mlp_fc1's group
     model, reference = _model_and_reference(mgr)
     x = microbatches(1)[0]
     grad_off = torch.no_grad if mode == "no_grad" else torch.inference_mode

@@ -84,7 +84,7 @@ def test_pool_error_raises_before_allocating_then_clean(make_manager):
 
 
 def test_backward_in_another_thread_is_exact(make_manager):
-    mgr = make_manager()
+    mgr = make_manager(group_by="module")  # module groups: the check reads mlp_fc1's group
     model, reference = _model_and_reference(mgr)
     xs = microbatches(2)
     errors: list[BaseException] = []

@@ -18,6 +18,13 @@ from tests.core._models import HIDDEN, assert_clean, make_stack, microbatches, r
 # ----------------------------------------------------------------------------- exceptions
 
 
+@pytest.fixture
+def manager(make_manager) -> OffloadManager:
+    """The tests' manager (``min_offload_bytes=1``), with module groups: the checks read per-module
+    groups (``mlp_fc1``'s, a group named after one module in an error message)."""
+    return make_manager(group_by="module")
+
+
 class Boom(Exception):
     pass
 

@@ -86,7 +86,7 @@ def test_a_storage_saved_by_two_calls_is_copied_once(make_manager) -> None:
     reference, _ = _train(None)
     by_call = make_manager(group_by="call")
     grads_call, names_call = _train(by_call)
-    joined = make_manager()
+    joined = make_manager(group_by="module")
     grads_joined, names_joined = _train(joined)
     _assert_same(reference, grads_call)
     _assert_same(reference, grads_joined)
@@ -116,7 +116,7 @@ def test_a_storage_saved_by_two_calls_is_copied_once(make_manager) -> None:
 def test_a_join_whose_condition_fails_is_undone(make_manager, pair: dict, names: list[str]) -> None:
     reference, _ = _train(None, **pair)
     by_call, names_call = _train(make_manager(group_by="call"), **pair)
-    manager = make_manager()
+    manager = make_manager(group_by="module")
     grads, names_module = _train(manager, **pair)
     _assert_same(reference, by_call)
     _assert_same(reference, grads)
@@ -154,7 +154,9 @@ def test_a_joined_pair_issues_its_stream_work_once() -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_joined_calls_under_delayed_streams(side: str, seed: int) -> None:
     reference, _ = _train(None)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams(max_delay_s=2e-4, delay_on=(side,), seed=seed))
+    manager = OffloadManager(
+        OffloadConfig(min_offload_bytes=1, group_by="module"), streams=CpuStreams(max_delay_s=2e-4, delay_on=(side,), seed=seed)
+    )
     try:
         grads, names = _train(manager)
         assert_clean(manager)
@@ -175,7 +177,7 @@ def _raise(*args: torch.Tensor) -> torch.Tensor:
 def test_an_error_in_the_joining_call_leaves_nothing(make_manager) -> None:
     """An error in ``proj``'s forward, after its call joined ``core``'s group tentatively and before
     it saved anything, aborts the chunk: no hook, buffer or byte left; the next iteration runs."""
-    manager = make_manager()
+    manager = make_manager(group_by="module")
     model = _model()
     _register(manager, model)
     x = torch.randn(ROWS, HIDDEN)

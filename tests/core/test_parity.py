@@ -79,7 +79,8 @@ def _run_with(order_id: str, kinds: Sequence[str], **options) -> tuple[RunResult
     order, model_chunks = ORDERS[order_id]
     recorder = Recorder()
     result = run_schedule(
-        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, **options)),
+        # Module groups: the checks count each kind's groups and bytes under its own name.
+        lambda: OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module", **options)),
         order=order,
         model_chunks=model_chunks,
         iterations=ITERATIONS,

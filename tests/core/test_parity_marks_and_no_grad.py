@@ -124,7 +124,8 @@ def test_low_level_marks_outside_chunk_are_identity() -> None:
 def _plain_and_registered(kinds=MODULE_KINDS):
     reference = make_stack(LAYERS, seed=0)
     model = make_stack(LAYERS, seed=0)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1))
+    # Module groups: the checks count each kind's groups under its own name.
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module"))
     register(manager, model, kinds)
     return reference, model, manager
 

@@ -68,6 +68,8 @@ REUSE_MAX_DELAY_S = 2e-3
 # The backward-meets-offload window is one group's backward setup; with 0.2 ms sleeps the last
 # group's copy was still pending in ~6% of the cases, with 2 ms in ~60% (measured, 2 loaded cores).
 MEETS_MAX_DELAY_S = 2e-3
+# Every manager here takes module groups (group_by="module"): six groups per layer, whose copies the
+# delays reorder, and the per-kind stats the checks read (the last group is layer 1's mlp_fc1).
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,7 +122,7 @@ def test_parity_sweep_plan_policy(side: str, seed: int) -> None:
 def _sweep(side: str, seed: int, *, schedule_policy: PlanPolicy | None) -> None:
     def factory() -> OffloadManager:
         streams = CpuStreams(max_delay_s=MAX_DELAY_S, delay_on=(side,), seed=seed)
-        return OffloadManager(OffloadConfig(min_offload_bytes=1), streams=streams, schedule_policy=schedule_policy)
+        return OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module"), streams=streams, schedule_policy=schedule_policy)
 
     def check(manager: OffloadManager, it: int) -> None:
         if it == ITERATIONS - 1:
@@ -213,7 +215,7 @@ def _assert_meets_offload_stats(manager: OffloadManager) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_backward_meets_in_flight_offload(seed: int) -> None:
     streams = CpuStreams(max_delay_s=MEETS_MAX_DELAY_S, delay_on=("d2h",), seed=seed)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=streams)
+    manager = OffloadManager(OffloadConfig(min_offload_bytes=1, group_by="module"), streams=streams)
     try:
         result = _train_backward_meets_offload(manager)
         _assert_meets_offload_stats(manager)
@@ -249,7 +251,9 @@ def test_backward_meets_offload_held_by_gate(monkeypatch: pytest.MonkeyPatch) ->
     before that group's offload is issued."""
     from chunk_offload.core import group as group_module
 
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams(max_delay_s=MAX_DELAY_S, delay_on=("d2h",), seed=0))
+    manager = OffloadManager(
+        OffloadConfig(min_offload_bytes=1, group_by="module"), streams=CpuStreams(max_delay_s=MAX_DELAY_S, delay_on=("d2h",), seed=0)
+    )
     gate = _D2HGate(manager)
     reached_pending: list[bool] = []
     original_offload = group_module.OffloadGroup._offload

@@ -62,7 +62,8 @@ def run_offloaded(
     model_chunks: int = 1,
     deterministic_memory: bool = False,
 ) -> tuple[RunResult, chunk_offload.OffloadStats]:
-    """`run_schedule` with every kind offloaded; the final stats."""
+    """`run_schedule` with every kind offloaded under module groups (a group per kind and layer,
+    many groups whose copies the delays reorder); the final stats."""
     final: list[chunk_offload.OffloadStats] = []
 
     def after_iteration(manager: OffloadManager, it: int) -> None:
@@ -70,7 +71,9 @@ def run_offloaded(
             final.append(manager.stats())
 
     result = run_schedule(
-        lambda: manager_skipping_waits(skip, streams=streams(), deterministic_memory=deterministic_memory),
+        lambda: manager_skipping_waits(
+            skip, streams=streams(), deterministic_memory=deterministic_memory, group_by="module"
+        ),
         order=order,
         model_chunks=model_chunks,
         iterations=ITERATIONS,
@@ -281,7 +284,9 @@ def _train_backward_inside_chunk(manager: OffloadManager | None, iterations: int
 @pytest.mark.parametrize("seed", range(4))
 def test_backward_reaches_group_while_offloading(seed: int) -> None:
     reference = _train_backward_inside_chunk(None)
-    manager = OffloadManager(OffloadConfig(min_offload_bytes=1), streams=CpuStreams(max_delay_s=2e-3, delay_on=("d2h",), seed=seed))
+    manager = OffloadManager(
+        OffloadConfig(min_offload_bytes=1, group_by="module"), streams=CpuStreams(max_delay_s=2e-3, delay_on=("d2h",), seed=seed)
+    )
     try:
         result = _train_backward_inside_chunk(manager)
         stats = manager.stats()

@@ -99,7 +99,7 @@ def test_a_run_leaves_no_manager_behind(monkeypatch) -> None:
         pytest.fail(f"the manager outlived its run: {_referrer_chain(manager, depth=8)}")
 
 
-@pytest.mark.parametrize("run", ["chunk-offload", "chunk-offload layer"])  # on CUDA both time their reloads (the default)
+@pytest.mark.parametrize("run", ["chunk-offload", "chunk-offload module"])  # on CUDA both time their reloads (the default)
 def test_a_run_leaves_no_device_memory_behind(run: str, monkeypatch) -> None:
     bench, built = _watched_bench(monkeypatch)
     before, row = _run_twice(bench, run)

@@ -87,7 +87,8 @@ def test_offload_on_cuda_streams_is_bit_identical(
     watch = _Watch()
     compute = torch.cuda.current_stream()
     # run_schedule closes the manager it gets.
-    make = lambda: watch.attach(make_manager(min_offload_bytes=1, deterministic_memory=deterministic_memory))  # noqa: E731
+    # Module groups: one group per module call, each checked below.
+    make = lambda: watch.attach(make_manager(min_offload_bytes=1, group_by="module", deterministic_memory=deterministic_memory))  # noqa: E731
     result = run_schedule(make, kinds=MODULE_KINDS, after_iteration=watch, **kwargs)
     if deterministic_memory:
         assert record_stream_calls == []
@@ -146,7 +147,7 @@ def test_joined_calls_on_cuda_streams_are_bit_identical(make_manager, determinis
 
     device = torch.device("cuda", torch.cuda.current_device())
     reference, _ = joined._train(None, device)
-    by_call, manager = make_manager(min_offload_bytes=1, group_by="call"), make_manager(min_offload_bytes=1)
+    by_call, manager = make_manager(min_offload_bytes=1, group_by="call"), make_manager(min_offload_bytes=1, group_by="module")
     try:
         grads_call, _ = joined._train(by_call, device)
         grads, names = joined._train(manager, device)

@@ -86,15 +86,37 @@ def test_expert_parallelism_without_experts_is_refused(script: Path, capsys) -> 
         (["--chunk-offload-timed-reload-ahead", "yes"],
          "argument --chunk-offload-timed-reload-ahead: invalid choice: 'yes' (choose from 'auto', 'on', 'off')"),
         (["--chunk-offload-modules", "core_atn"], "argument --chunk-offload-modules: "),
-        (["--chunk-offload-modules", "core_attn", "--chunk-offload-layer-group-bytes", "4KiB"],
+        (["--chunk-offload-modules", "core_attn", "--chunk-offload-group-by", "module", "--chunk-offload-layer-group-bytes", "4KiB"],
          "--chunk-offload-layer-group-bytes 4KiB bounds layer groups: add --chunk-offload-group-by layer (got 'module')"),
+        (["--chunk-offload-group-by", "call", "--chunk-offload-layer-group-bytes=1"],
+         "--chunk-offload-layer-group-bytes 1 bounds layer groups: add --chunk-offload-group-by layer (got 'call')"),
         (["--chunk-offload-group-by", "layer", "--chunk-offload-layer-group-bytes", "-1"],
-         "argument --chunk-offload-layer-group-bytes: expected a byte count >= 0"),
+         "argument --chunk-offload-layer-group-bytes: expected 'none' or a byte count >= 0 such as 16MiB or 600KiB "
+         "(suffixes KiB, MiB, GiB, TiB), got '-1'\n"),
     ],
 )
 def test_check_args_usage_errors_apply_under_the_launcher(script: Path, capsys, args: list[str], message: str) -> None:
     """`check_args` runs on the parsed flags before the script: exit 2 instead of exit 1 after Megatron's set-up."""
     assert f"{PROG}: error: {message}" in _refused(script, capsys, *args)
+
+
+@pytest.mark.parametrize(
+    "args, group_by, layer_group_bytes",
+    [
+        ([], "layer", 16 << 20),  # the defaults: bounded layer groups
+        (["--chunk-offload-modules", "core_attn", "--chunk-offload-layer-group-bytes", "4KiB"], "layer", 4096),  # layer by default
+        (["--chunk-offload-layer-group-bytes", "None"], "layer", None),  # 'none': the whole layer
+        # Only a bound other than the default is refused without layer groups: the default, as
+        # typed, and 'none' ask for nothing.
+        (["--chunk-offload-group-by", "module", "--chunk-offload-layer-group-bytes", "16MiB"], "module", 16 << 20),
+        (["--chunk-offload-group-by", "call", "--chunk-offload-layer-group-bytes", "none"], "call", None),
+    ],
+)
+def test_layer_group_bytes_passes_under_layer_groups_or_at_its_default(
+    args: list[str], group_by: str, layer_group_bytes: int | None
+) -> None:
+    parsed = preflight(["--num-layers", "2", *args], prog=PROG)
+    assert (parsed.chunk_offload_group_by, parsed.chunk_offload_layer_group_bytes) == (group_by, layer_group_bytes)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +134,11 @@ def test_check_args_usage_errors_apply_under_the_launcher(script: Path, capsys, 
             "--chunk-offload-plan auto plans for a device budget in bytes: add --chunk-offload-device-budget BYTES (got "
             "--chunk-offload-device-budget AUTO)\n",
         ),
-        (["--chunk-offload-host-budget", "0x10"], "argument --chunk-offload-host-budget: expected a byte count >= 0 such as 1048576 or 1MiB"),
+        (
+            ["--chunk-offload-host-budget", "0x10"],
+            "argument --chunk-offload-host-budget: expected 'none' or a byte count >= 0 such as 16MiB or 600KiB (suffixes KiB, "
+            "MiB, GiB, TiB), got '0x10'\n",
+        ),
     ],
     ids=["two_byte_flags", "auto_device_budget", "unparsable"],
 )

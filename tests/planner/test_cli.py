@@ -38,6 +38,8 @@ _ARGS = [
 _DIMS = GPTDims(num_layers=8, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=32, micro_batch_size=2)
 _PIPELINE = PipelineConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4)
 _HARDWARE = Hardware(host_bandwidth_gbs=10, device_tflops=0.001)
+_DEFAULT_GROUPING = dict(group_by="layer", layer_group_bytes=16 << 20)
+"""The groups the command line plans without --group-by and --layer-group-bytes (the option table's defaults)."""
 
 
 def _run(capsys, *extra: str) -> tuple[int, str, str]:
@@ -51,8 +53,9 @@ def test_json_equals_the_api(capsys, tmp_path: Path):
     status, out, err = _run(capsys, "--modules", "qkv_linear,core_attn", "--json", str(path))
     assert (status, err) == (0, "")
     data = json.loads(path.read_text())
-    stages = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(["qkv_linear", "core_attn"])
+    stages = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, **_DEFAULT_GROUPING).estimate(["qkv_linear", "core_attn"])
     assert data["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]  # no --budget-gb
+    assert (data["group_by"], data["layer_group_bytes"]) == ("layer", 16 << 20)
     assert data["modules"] == ["qkv_linear", "core_attn"]
     assert data["schedule"] == "megatron interleaved 1F1B (group 2)"
     assert data["recommendations"] is None
@@ -83,9 +86,9 @@ def test_group_by_layer_equals_the_api(capsys, tmp_path: Path):
     status, _, err = _run(capsys, "--modules", "qkv_linear,core_attn", "--group-by", "layer", "--json", str(path))
     assert (status, err) == (0, "")
     data = json.loads(path.read_text())
-    planner = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, group_by="layer")
+    planner = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, group_by="layer", layer_group_bytes=16 << 20)
     stages = planner.estimate(["qkv_linear", "core_attn"])
-    assert data["group_by"] == "layer"
+    assert (data["group_by"], data["layer_group_bytes"]) == ("layer", 16 << 20)  # the default bound
     assert data["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]
     assert {name for s in stages for names in s.group_names.values() for name in names} == {"qkv_linear+core_attn"}
 
@@ -102,6 +105,27 @@ def test_layer_group_bytes_equals_the_api(capsys, tmp_path: Path):
     assert {name for s in stages for names in s.group_names.values() for name in names} == {"qkv_linear", "core_attn"}
 
 
+def test_layer_group_bytes_without_group_by(capsys, tmp_path: Path):
+    """Layer groups are the default: --layer-group-bytes alone bounds them ('none': the whole layer), and
+    --group-by module alone is no contradiction (the default bound is not typed)."""
+    path = tmp_path / "plan.json"
+    cases = [
+        (["--layer-group-bytes", "1"], dict(group_by="layer", layer_group_bytes=1), {"qkv_linear", "core_attn"}),
+        (["--layer-group-bytes", "none"], dict(group_by="layer", layer_group_bytes=None), {"qkv_linear+core_attn"}),
+        (["--group-by", "module"], dict(group_by="module"), {"qkv_linear", "core_attn"}),
+    ]
+    for flags, grouping, names in cases:
+        status, _, err = _run(capsys, "--modules", "qkv_linear,core_attn", *flags, "--json", str(path))
+        assert (status, err) == (0, ""), flags
+        data = json.loads(path.read_text())
+        stages = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, **grouping).estimate(["qkv_linear", "core_attn"])
+        assert data["group_by"] == grouping["group_by"]
+        assert data["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]
+        assert {name for s in stages for names in s.group_names.values() for name in names} == names, flags
+        if grouping["group_by"] == "layer":
+            assert data["layer_group_bytes"] == grouping["layer_group_bytes"]
+
+
 def test_default_modules_are_every_module_the_model_has(capsys, tmp_path: Path):
     path = tmp_path / "plan.json"
     status, _, _ = _run(capsys, "--json", str(path))
@@ -110,7 +134,7 @@ def test_default_modules_are_every_module_the_model_has(capsys, tmp_path: Path):
 
 
 def test_budget_recommendation(capsys, tmp_path: Path):
-    planner = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1)
+    planner = StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, **_DEFAULT_GROUPING)
     budget_gb = planner.estimate([])[0].peak_with_offload_bytes / GB * 0.9
     path = tmp_path / "plan.json"
     status, out, _ = _run(capsys, "--budget-gb", str(budget_gb), "--json", str(path))
@@ -169,8 +193,10 @@ def test_invalid_input_names_the_fix(capsys, extra, message):
         (["--min-offload-bytes", "-1"], "argument --min-offload-bytes: expected a byte count >= 0 such as 1048576 or 1MiB"),
         (["--schedule", "all"], "argument --schedule: invalid choice: 'all' (choose from 'plan', 'group-start')"),
         (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'call', 'module', 'layer')"),
-        (["--layer-group-bytes", "4KiB"], "argument --layer-group-bytes: needs --group-by layer: it bounds layer groups"),
-        (["--group-by", "layer", "--layer-group-bytes", "-1"], "argument --layer-group-bytes: expected a byte count >= 0"),
+        (["--group-by", "module", "--layer-group-bytes", "4KiB"], "argument --layer-group-bytes: needs --group-by layer: it bounds layer groups"),
+        (["--group-by", "call", "--layer-group-bytes", "none"], "argument --layer-group-bytes: needs --group-by layer: it bounds layer groups"),
+        (["--group-by", "layer", "--layer-group-bytes", "-1"], "argument --layer-group-bytes: expected 'none' or a byte count >= 0"),
+        (["--layer-group-bytes", "lots"], "argument --layer-group-bytes: expected 'none' or a byte count >= 0"),
         (["--attention-kernel", "fused"], "argument --attention-kernel: 'fused' is not a kernel of --transformer-impl local; choose from ['flash', 'efficient']"),
         (["--transformer-impl", "transformer_engine", "--attention-kernel", "efficient"], "choose from ['flash', 'fused']"),
     ],
@@ -197,7 +223,7 @@ def test_attention_models(capsys, tmp_path: Path):
         status, out, err = _run(capsys, "--attention", attention, "--modules", "core_attn", "--json", str(path))
         assert (status, err) == (0, "")
         dims = dataclasses.replace(_DIMS, attention=attention)
-        stages = StagePlanner(dims, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(["core_attn"])
+        stages = StagePlanner(dims, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, **_DEFAULT_GROUPING).estimate(["core_attn"])
         assert json.loads(path.read_text())["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]
         per_layer[attention] = stages[0].module_bytes_per_layer["core_attn"]
     assert "torch's SDPA (core_attn: q, k, v, output, log-sum-exp); core_attn from source, unmeasured" in _run(capsys)[1]
@@ -240,7 +266,7 @@ def test_llama_and_tensor_parallel_flags(capsys, tmp_path: Path):
     )
     data = json.loads(path.read_text())
     assert data["model"] == json.loads(json.dumps(dataclasses.asdict(dims)))
-    stages = StagePlanner(dims, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1).estimate(data["modules"])
+    stages = StagePlanner(dims, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, **_DEFAULT_GROUPING).estimate(data["modules"])
     assert data["stages"] == [json.loads(json.dumps({**s.to_dict(), "budget": None})) for s in stages]
     assert "layers: RMSNorm, SwiGLU (unfused), rope positions; TP=2 with sequence parallel" in out
     # --position-embedding-type rope is the same as --rope; the defaults are LayerNorm, GELU, learned.

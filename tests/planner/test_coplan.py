@@ -25,11 +25,13 @@ _PIPE = PipelineConfig(pipeline_parallel=2, num_microbatches=4)
 
 
 def _planner(dims: GPTDims = _DIMS, **hardware: float) -> StagePlanner:
-    return StagePlanner(dims, _PIPE, hardware=Hardware(**hardware))
+    # Module groups: the finest grain the co-plan's brute-force checks compare against.
+    return StagePlanner(dims, _PIPE, hardware=Hardware(**hardware), group_by="module")
 
 
 def _peaks(planner: StagePlanner, recompute: tuple[str, ...], modules: list[str]) -> list[int]:
-    under = StagePlanner(dataclasses.replace(planner.dims, recompute_modules=recompute), planner.pipeline, hardware=planner.hardware)
+    under = StagePlanner(dataclasses.replace(planner.dims, recompute_modules=recompute), planner.pipeline, hardware=planner.hardware,
+                         group_by=planner.group_by, layer_group_bytes=planner.layer_group_bytes)  # fmt: skip
     return [s.peak_with_offload_bytes for s in under.estimate(modules)]
 
 

@@ -218,7 +218,7 @@ def test_plan_policy_copies_all_but_the_last_group_on_the_last_stage():
     """Under 1F1B the last stage runs each backward right after its forward: the plan's steady state
     copies every group of its chunks but the last (NOTE [Kept tail])."""
     cfg = _CASES["pp2"].config
-    stages = estimate_stages(_dims(cfg), _pipeline(cfg), _DENSE, min_offload_bytes=1)
+    stages = estimate_stages(_dims(cfg), _pipeline(cfg), _DENSE, min_offload_bytes=1, group_by="module")  # a group per module
     last = stages[-1]
     # Less the first layer's input, which attn_norm saves and the schedule holds (NOTE [Storages held elsewhere]).
     moved = [b - k for b, k in zip(last.group_bytes[0], last.group_kept_bytes[0])]
@@ -258,7 +258,7 @@ def test_chunks_in_flight():
 @pytest.mark.skipif(_NO_MEGATRON, reason="megatron_plan reads megatron-core's schedule tables")
 def test_bytes_per_module_layer_and_chunk():
     pipeline = PipelineConfig(pipeline_parallel=2, virtual_pipeline=2, num_microbatches=4)
-    stage = estimate_stages(_TINY, pipeline, ["qkv_linear", "core_attn"], min_offload_bytes=1)[0]
+    stage = estimate_stages(_TINY, pipeline, ["qkv_linear", "core_attn"], min_offload_bytes=1, group_by="module")[0]
     qkv = _TINY.tokens * _TINY.hidden_size * 4
     assert stage.module_bytes_per_layer["qkv_linear"] == qkv
     assert stage.chunk_module_bytes == {v: {"qkv_linear": 2 * qkv, "core_attn": 2 * stage.module_bytes_per_layer["core_attn"]} for v in (0, 1)}

@@ -20,8 +20,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+_MODULE_GROUPS = ["--group-by", "module"]
+"""A group per module call, so that the choices below count each module's groups."""
+
+
 def _planner() -> StagePlanner:
-    return StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1)
+    return StagePlanner(_DIMS, _PIPELINE, hardware=_HARDWARE, min_offload_bytes=1, group_by="module")
 
 
 def _budgets(stages) -> list[int]:
@@ -57,7 +61,7 @@ def test_cli_shows_the_choice(capsys, tmp_path: Path):
     stages = planner.estimate(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1"])
     budget = _budgets(stages)[1]
     path = tmp_path / "plan.json"
-    status = main([*_ARGS, "--budget-gb", repr(budget / GB), "--json", str(path)])
+    status = main([*_ARGS, *_MODULE_GROUPS, "--budget-gb", repr(budget / GB), "--json", str(path)])
     out = capsys.readouterr().out
     assert status == 0
     expected = choose_groups(planner, stages, budget_bytes=round(budget / GB * GB))
@@ -75,7 +79,7 @@ def test_cli_shows_the_choice(capsys, tmp_path: Path):
 
 
 def test_infeasible_budget_names_the_lowest_peak(capsys):
-    status = main([*_ARGS, "--budget-gb", "0"])
+    status = main([*_ARGS, *_MODULE_GROUPS, "--budget-gb", "0"])
     out = capsys.readouterr().out
     assert status == 0
     planner = _planner()

@@ -33,6 +33,7 @@ _DENSE = "attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,mlp_fc1"
 _SHAPE = {"num_layers": 8, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "micro_batch_size": 2}
 _BF16_RMS = {"dtype": "bf16", "normalization": "RMSNorm"}
 _MOE = {"num_experts": 4}
+_GROUP_BY = "module"  # a group per module call: the places below are (vp stage, module group)
 
 # (attention, pp_rank, vp_size, modules, model options, the (vp stage, group index) places held elsewhere)
 _CASES = {
@@ -54,7 +55,7 @@ def _replay(attention: str, pp_rank: int, vp_size: int, modules: list[str], opti
         extra["add_bias_linear"] = False  # megatron-core 0.16.1 with EP=1 and TP=1
     shape = GPTShape(vocab_size=64, attention=attention, dtype=dtype, **_SHAPE, **extra)
     with megatron_stage(shape, pp_size=4, pp_rank=pp_rank, vp_size=vp_size) as stage:
-        return replay(stage, modules=modules, num_microbatches=8, iterations=2, warmup=1, config=OffloadConfig(min_offload_bytes=1)).offload.last
+        return replay(stage, modules=modules, num_microbatches=8, iterations=2, warmup=1, config=OffloadConfig(min_offload_bytes=1, group_by=_GROUP_BY)).offload.last
 
 
 @pytest.mark.parametrize("name", list(_CASES))
@@ -64,7 +65,7 @@ def test_kept_bytes_equal_the_engines(name: str):
     record = _replay(attention, pp_rank, vp_size, modules, options)
     dims = GPTDims(**_SHAPE, attention=attention, device="cpu", **{"dtype": "fp32", **options})
     pipeline = PipelineConfig(pipeline_parallel=4, virtual_pipeline=vp_size if vp_size > 1 else None, num_microbatches=8)
-    stage = StagePlanner(dims, pipeline, min_offload_bytes=1).estimate(modules)[pp_rank]
+    stage = StagePlanner(dims, pipeline, min_offload_bytes=1, group_by=_GROUP_BY).estimate(modules)[pp_rank]
     assert {(vp, g) for vp, kept in stage.group_kept_bytes.items() for g, k in enumerate(kept) if k} == places
     assert set(record.group_bytes) == set(stage.simulation.plan.chunks)
     for mb, vp in record.group_bytes:

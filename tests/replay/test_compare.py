@@ -175,10 +175,13 @@ def test_budget_mode_trains_under_the_budget_bit_identical() -> None:
     """``budget_bytes``: a fourth build trains under the device budget (halfway between the
     stage's peaks without offload and with the default offload): its peak stays within the
     budget, above the default's, with fewer bytes copied, and its grads equal the run without
-    offload; the table and the JSON name the fourth mode."""
+    offload; the table and the JSON name the fourth mode. Module groups (one per offload module
+    call): the default's layer groups, one per layer here, leave the budget no choice between
+    the peaks."""
     from chunk_offload.replay.compare import compare_with_megatron
 
-    run = dict(pp_size=2, pp_rank=0, modules="core_attn,qkv_linear", num_microbatches=4, config=OffloadConfig(min_offload_bytes=1))
+    config = OffloadConfig(min_offload_bytes=1, group_by="module")
+    run = dict(pp_size=2, pp_rank=0, modules="core_attn,qkv_linear", num_microbatches=4, config=config)
     plain = compare_with_megatron(_SHAPE, **run, skip_builtin="not needed here")
     budget = (plain.replay.baseline.peak_bytes + plain.replay.offload.peak_bytes) // 2
     comparison = compare_with_megatron(_SHAPE, **run, budget_bytes=budget)

@@ -7,7 +7,7 @@ in fp32, every saved tensor above one byte offloaded:
   the gradients of the received activations equal those of the same recomputing model without
   offload bit for bit; core attention runs inside megatron's checkpoint without grad, so it opens
   no group and only qkv_linear's groups move;
-- stage 0 of PP=2 (the plan's policy): on CPU the peak is the accounting of the offload groups'
+- stage 0 of PP=2 (the plan's policy, module groups): on CPU the peak is the accounting of the offload groups'
   saved bytes. qkv_linear saves the same bytes with and without the recompute and the recomputed
   core attention saves nothing in a group, so the saved peak equals that of the run without
   recompute offloading qkv_linear alone, and is below that of the run without recompute that
@@ -33,13 +33,14 @@ _SHAPE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64
 _RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=("core_attn",))
 
 
-def _replay(stage: int, modules: str, *, recompute: bool, policy="plan"):
+def _replay(stage: int, modules: str, *, recompute: bool, policy="plan", **config: object):
+    """``config``: `OffloadConfig` fields besides ``min_offload_bytes=1``."""
     from chunk_offload.replay import megatron_stage, replay
 
     shape = GPTShape(**_SHAPE, **(_RECOMPUTE if recompute else {}))
     with megatron_stage(shape, pp_size=2, pp_rank=stage) as built:
         assert built.recompute_modules == (["core_attn"] if recompute else [])
-        return replay(built, modules=modules, num_microbatches=4, schedule_policy=policy, config=OffloadConfig(min_offload_bytes=1), keep_tensors=True)
+        return replay(built, modules=modules, num_microbatches=4, schedule_policy=policy, config=OffloadConfig(min_offload_bytes=1, **config), keep_tensors=True)
 
 
 def test_recompute_with_offload_is_bit_identical() -> None:
@@ -57,9 +58,10 @@ def test_recompute_with_offload_is_bit_identical() -> None:
 
 
 def test_recompute_lowers_the_saved_peak() -> None:
-    recomputed = _replay(0, "qkv_linear", recompute=True)
-    qkv_only = _replay(0, "qkv_linear", recompute=False)
-    both = _replay(0, "core_attn,qkv_linear", recompute=False)
+    # Module groups, one per offload module call (the default joins a layer's calls into one group).
+    recomputed = _replay(0, "qkv_linear", recompute=True, group_by="module")
+    qkv_only = _replay(0, "qkv_linear", recompute=False, group_by="module")
+    both = _replay(0, "core_attn,qkv_linear", recompute=False, group_by="module")
     qkv, core = both.baseline.last.group_bytes[(0, 0)][:2]
     # Per layer, in call order: qkv_linear then core_attn without recompute; qkv_linear alone with it.
     assert both.baseline.last.group_bytes[(0, 0)] == [qkv, core] * 2 and core > 0

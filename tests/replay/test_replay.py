@@ -72,7 +72,9 @@ def _replay(
     ids=["pp4_stage0", "pp4_stage3_group_start", "pp4_stage3", "pp4_vpp2_stage0"],
 )
 def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy) -> None:
-    structure, dtypes, result = _replay(pp, stage, vp, policy)
+    # Module groups: one group per offload module call (the default joins a layer's calls:
+    # test_replay_with_layer_groups).
+    structure, dtypes, result = _replay(pp, stage, vp, policy, group_by="module")
 
     # The stage's chunks.
     layers = _SHAPE.num_layers // (pp * vp)
@@ -150,8 +152,9 @@ def test_replay_matches_baseline_and_theory(pp: int, stage: int, vp: int, policy
 
 
 def test_replay_with_layer_groups() -> None:
-    """``group_by="layer"`` (NOTE [Layer groups]): one group per layer in every chunk, the same
-    numbers, and the plan's prediction met (R = 1 on the CPU accounting)."""
+    """``group_by="layer"`` (the default, NOTE [Layer groups]; a tiny layer's two modules stay under the
+    default layer_group_bytes): one group per layer in every chunk, the same numbers, and the plan's
+    prediction met (R = 1 on the CPU accounting)."""
     _, _, result = _replay(4, 0, 2, "plan", group_by="layer")
     base, off = result.baseline, result.offload
     assert_equal_tensors(base.grads, off.grads, "parameter gradients")
@@ -243,8 +246,8 @@ _CLI = ["--pp", "2", "--stage", "0", "--modules", "core_attn"]
         (["--modules", "mlp_fc2"], "--modules: chunk_offload: unknown offload module 'mlp_fc2'"),
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
         (["--group-by", "block"], "argument --group-by: invalid choice: 'block' (choose from 'call', 'module', 'layer')"),
-        (["--layer-group-bytes", "4096"], "--layer-group-bytes 4096 bounds layer groups: add --group-by layer"),
-        (["--group-by", "layer", "--layer-group-bytes", "-1"], "argument --layer-group-bytes: expected a byte count >= 0"),
+        (["--group-by", "module", "--layer-group-bytes", "4096"], "--layer-group-bytes 4096 bounds layer groups: add --group-by layer"),
+        (["--group-by", "layer", "--layer-group-bytes", "-1"], "argument --layer-group-bytes: expected 'none' or a byte count >= 0"),
     ],
 )
 def test_cli_usage_errors(capsys, argv: list[str], message: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence
 
 from chunk_offload import CpuStreams, IterationRecord, OffloadConfig, OffloadManager, SchedulePolicy
 from chunk_offload.schedule import Plan
@@ -21,15 +21,18 @@ def train_plan(
     layers: int = 2,
     kinds: Sequence[str] = MODULE_KINDS,
     seed: int = 7,
+    group_by: Literal["call", "module", "layer"] | None = None,
 ) -> tuple[RunResult, list[IterationRecord]]:
     """`run_schedule` under ``plan`` (all virtual stages in this process, CPU streams with random
-    delays); ``offload=None`` trains without any manager (the numerics reference)."""
+    delays); ``offload=None`` trains without any manager (the numerics reference). ``group_by``:
+    `OffloadConfig.group_by` (None: its default)."""
     records: list[IterationRecord] = []
 
     def factory():
         if offload is None:
             return None
-        config = OffloadConfig(min_offload_bytes=1, offload=offload)
+        grouping = {} if group_by is None else {"group_by": group_by}
+        config = OffloadConfig(min_offload_bytes=1, offload=offload, **grouping)
         return OffloadManager(config, streams=CpuStreams(max_delay_s=1e-4, seed=seed), schedule_policy=policy)
 
     def after(manager, iteration):

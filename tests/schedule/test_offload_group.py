@@ -12,6 +12,7 @@ from tests._driver import assert_identical
 from tests.schedule._train import train_plan
 
 KINDS = ("qkv_linear", "core_attn", "mlp_fc1")  # three groups per layer
+GROUP_BY = "module"  # a group per module call, so that the policy decides per module
 
 
 class KeepGroupOne(SchedulePolicy):
@@ -29,7 +30,7 @@ def test_engine_keeps_the_groups_the_policy_keeps():
     plan = megatron_plan(pp_size=2, pp_rank=0, num_microbatches=4)
     policy = KeepGroupOne()
     reference, _ = train_plan(plan, offload=None, layers=1, kinds=KINDS)
-    result, records = train_plan(plan, policy, layers=1, kinds=KINDS)
+    result, records = train_plan(plan, policy, layers=1, kinds=KINDS, group_by=GROUP_BY)
     assert_identical(reference, result)
     for record in records:
         assert record.groups["core_attn"].bytes_offloaded == 0  # group 1 of 3: never copied
@@ -64,10 +65,10 @@ def test_simulate_follows_the_engine_with_kept_groups(rank):
     patterns = ({0, 2}, {1}, {0}, {2}, {0, 1}, set())
     choice = {chunk: patterns[i % len(patterns)] for i, chunk in enumerate(plan.chunks)}
     reference, _ = train_plan(plan, offload=None)
-    _, baseline = train_plan(plan, PlanPolicy(plan), offload=False)
+    _, baseline = train_plan(plan, PlanPolicy(plan), offload=False, group_by=GROUP_BY)
     for prefetch in (None, 0, 10**9):
         policy = PlanPolicy(plan, prefetch_bytes=prefetch, offload_groups=choice)
-        result, records = train_plan(plan, policy)
+        result, records = train_plan(plan, policy, group_by=GROUP_BY)
         assert_identical(reference, result)
         for measured in records:
             # With what each group kept on device, held by another reference (NOTE [Storages held elsewhere]).

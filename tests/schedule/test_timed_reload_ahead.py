@@ -58,7 +58,7 @@ def test_simulate_predicts_the_engine_with_per_chunk_budgets(plan_kwargs):
     group), and the engine's peaks are simulate's to the byte, numerics unchanged."""
     plan = megatron_plan(**plan_kwargs)
     reference, _ = train_plan(plan, offload=None)
-    _, baseline = train_plan(plan, offload=False, iterations=1)
+    _, baseline = train_plan(plan, offload=False, iterations=1, group_by="module")  # a group per module call
     sizes = baseline[0].group_bytes
     starts, now = [], 0.0
     for action in plan.actions:
@@ -67,7 +67,7 @@ def test_simulate_predicts_the_engine_with_per_chunk_budgets(plan_kwargs):
     timing = CopyTiming(bytes_per_s=1e4, action_starts_s=starts, iteration_s=now)
     policy = PlanPolicy(plan, group_bytes=sizes, reload_timing=timing)
     assert list(policy.timed_reload_ahead.values())[:4] == [4224, 6272, 12480, 14528]
-    result, records = train_plan(plan, policy)
+    result, records = train_plan(plan, policy, group_by="module")
     assert_identical(reference, result)
     one_ahead = simulate(plan, sizes, policy=PlanPolicy(plan, group_bytes=sizes))
     for measured in records:

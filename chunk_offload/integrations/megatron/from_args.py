@@ -74,14 +74,15 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
       ``attn_proj`` without ``core_attn``; MoE modules with ``--recompute-modules moe``): an error;
     - ``--chunk-offload-plan`` with ``--chunk-offload-modules`` or a host budget, or ``auto``
       without a device budget in bytes: an error;
-    - ``--chunk-offload-layer-group-bytes`` without ``--chunk-offload-group-by layer``: an error.
+    - ``--chunk-offload-layer-group-bytes`` other than its default with a ``--chunk-offload-group-by``
+      other than ``layer``: an error.
 
     `attach_from_args` calls it without ``parser``; a command line calls it with its parser right
     after parsing.
     """
     _check_plan(args, parser)
-    group_by = getattr(args, DESTS["group-by"], "module")
-    if getattr(args, DESTS["layer-group-bytes"], None) is not None and group_by != "layer":
+    group_by = getattr(args, DESTS["group-by"], option("group-by").default)
+    if _given(args, ["layer-group-bytes"]) and group_by != "layer":
         _refuse(f"{_typed(args, 'layer-group-bytes')} bounds layer groups: add {LONG_PREFIX}group-by layer (got {group_by!r})", parser)
     modules = getattr(args, DESTS["modules"], None)
     if modules:

@@ -17,7 +17,9 @@ Each case spawns its ranks once and trains the same tiny GPTModel several times 
   changes nothing and adds no group.
 
 All runs use the local (non-TE) spec in fp32 with ``min_offload_bytes=1``: every saved tensor that
-is not a parameter is offloaded.
+is not a parameter is offloaded. All use ``group_by="module"`` (one group per call of an offload
+module, named by it): the library default, bounded layer groups, would merge a tiny layer's modules
+into one group (``tests/integrations/megatron/test_layer_groups.py`` tests those).
 """
 
 from __future__ import annotations
@@ -125,8 +127,13 @@ class _Spawned:
 
 def _hooks(offload: _Offload) -> Hooks:
     # Reload at group start and offload every chunk (no plan policy): the byte formulas of _attach_expect
-    # count every call on every rank. The plan policy is tested in test_schedule.py.
-    hooks = OffloadHooks(offload.modules, options={"min_offload_bytes": 1, "schedule_policy": None}, evaluate_between=offload.evaluate_between)
+    # count every call on every rank. The plan policy is tested in test_schedule.py. Module groups (not
+    # the default layer groups): the counts and bytes here are per module name.
+    hooks = OffloadHooks(
+        offload.modules,
+        options={"min_offload_bytes": 1, "schedule_policy": None, "group_by": "module"},
+        evaluate_between=offload.evaluate_between,
+    )
     return Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, report=hooks.report)
 
 

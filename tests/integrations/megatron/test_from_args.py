@@ -162,6 +162,7 @@ def test_attach_from_args_trains_dense_gpt(baseline: bool) -> None:
             assert manager.registered == {"core_attn": 2, "attn_norm": 2}
             assert manager.config.offload is (not baseline) and manager.config.measure_time is False
             assert manager.config.host_pool_bytes is None and manager.config.on_exhausted == "fallback"
+            assert manager.config.group_by == "layer" and manager.config.layer_group_bytes == 16 << 20
 
             gen = torch.Generator().manual_seed(0)
             tokens = torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), generator=gen)
@@ -169,7 +170,10 @@ def test_attach_from_args_trains_dense_gpt(baseline: bool) -> None:
             with manager.iteration():
                 chunks[0](tokens, positions, None, labels=tokens).float().mean().backward()
             stats = manager.stats()
-            for name in ("core_attn", "attn_norm"):
+            # The default groups, bounded layer groups: a tiny layer's two modules (under 16 MiB) form
+            # one group per layer call, named by them in call order.
+            assert list(stats.groups) == ["attn_norm+core_attn"]
+            for name in stats.groups:
                 g = stats.groups[name]
                 assert g.groups == 2, (name, g)
                 if baseline:

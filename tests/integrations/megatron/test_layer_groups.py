@@ -2,8 +2,10 @@
 
 `offload_submodules` registers each module with its TransformerLayer, so with
 ``OffloadConfig(group_by="layer")`` a layer's offload modules form one group (NOTE [Layer groups]
-in core/marks.py). Each case trains without offload, with per-module groups and with layer groups
-(every chunk offloaded, as in test_attach.py, then with the default plan policy), in one spawn:
+in core/marks.py). Each case trains without offload, with per-module groups (``group_by="module"``)
+and with layer groups (unbounded, ``layer_group_bytes=None``, every chunk offloaded as in
+test_attach.py; then the defaults, bounded layer groups under the plan policy, whose 16 MiB bound a
+tiny layer never reaches), in one spawn:
 
 - every layer-group run is bit-identical to the run without offload (losses, gradients, parameters);
 - the layer groups account the same saved bytes as the per-module groups and copy no more, all
@@ -48,9 +50,9 @@ def spawned(request):
     config, modules = _CASES[request.param]
     runs = [
         Run(config=config),
-        Run(config=config, hooks=_hooks(modules, schedule_policy=None)),
-        Run(config=config, hooks=_hooks(modules, schedule_policy=None, group_by="layer")),
-        Run(config=config, hooks=_hooks(modules, group_by="layer")),
+        Run(config=config, hooks=_hooks(modules, schedule_policy=None, group_by="module")),
+        Run(config=config, hooks=_hooks(modules, schedule_policy=None, group_by="layer", layer_group_bytes=None)),
+        Run(config=config, hooks=_hooks(modules)),
         Run(config=config, hooks=_hooks(modules, schedule_policy=None, group_by="layer", layer_group_bytes=1)),
     ]
     return config, modules, spawn_runs(runs, world_size=2, timeout_s=_TIMEOUT_S)

@@ -32,7 +32,8 @@ _CASES = {
 
 @pytest.fixture(scope="module")
 def spawned() -> dict[str, tuple[list, list]]:
-    return spawn_with_and_without(_CASES, world_size=2, timeout_s=_TIMEOUT_S)
+    # Module groups (not the default layer groups): the tests count groups and bytes per module name.
+    return spawn_with_and_without(_CASES, world_size=2, timeout_s=_TIMEOUT_S, options={"group_by": "module"})
 
 
 @pytest.mark.parametrize("name", list(_CASES))

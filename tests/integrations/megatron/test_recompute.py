@@ -75,8 +75,9 @@ def _expected_groups(name: str) -> dict[str, int]:
 
 def _hooks(modules: tuple[str, ...]) -> Hooks:
     # Offload every chunk (no plan policy, which keeps the last stage's chunks): the counts
-    # below are of every call outside the checkpointed regions, on every rank.
-    hooks = OffloadHooks(modules, options={"min_offload_bytes": 1, "schedule_policy": None})
+    # below are of every call outside the checkpointed regions, on every rank. Module groups (not
+    # the default layer groups): the counts are per module name.
+    hooks = OffloadHooks(modules, options={"min_offload_bytes": 1, "schedule_policy": None, "group_by": "module"})
     return Hooks(wrap_model=hooks.wrap_model, wrap_forward_backward=hooks.wrap_forward_backward, report=hooks.report)
 
 
