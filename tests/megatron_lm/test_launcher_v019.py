@@ -220,7 +220,7 @@ def test_model_provider_and_the_readme_snippet(plain_runs: dict, tmp_path: Path)
     "flag, value, message",
     [
         ("--chunk-offload-device-budget", "lots", "expected 'auto' or a byte count >= 0"),
-        ("--chunk-offload-host-budget", "auto", "expected a byte count >= 0"),
+        ("--chunk-offload-host-budget", "auto", "expected 'none' or a byte count >= 0 such as 16MiB or 600KiB (suffixes KiB, MiB, GiB, TiB), got 'auto'"),
     ],
 )
 def test_bad_budget_is_a_usage_error_through_megatrons_parser(flag: str, value: str, message: str, tmp_path: Path) -> None:
