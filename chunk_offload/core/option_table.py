@@ -128,13 +128,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "group-by", "choice", "layer", "OffloadConfig.group_by",
         help=(
-            "'layer': the calls of a transformer layer's offload modules that follow one another form one group, "
-            "copied and reloaded together, while the group holds fewer bytes than layer-group-bytes, which cuts "
-            "the per-group host work (events, stream switches, launches) where modules are small and leaves "
-            "large ones a group each; 'module': each call of an offload module is one group, except that a call "
-            "saving a storage of the call before it in its layer joins that call's group (attn_proj saves core "
-            "attention's output), so the storage is copied once; 'call': every call its own group, a storage two "
-            "calls save copied twice (default: {default})."
+            "'layer': a transformer layer's offload-module calls that follow one another form one group, copied and "
+            "reloaded together, while it holds fewer bytes than layer-group-bytes: small modules share one group's "
+            "host work (events, stream switches, launches), large ones keep their own; 'module': each call one group, "
+            "except that a call saving a storage of the call before it in its layer joins that call's group (attn_proj "
+            "saves core attention's output), so the storage is copied once; 'call': every call its own group, a "
+            "storage two calls save copied twice (default: {default})."
         ),
         choices=("call", "module", "layer"),
     ),
