@@ -12,6 +12,7 @@ from .errors import ChunkOffloadError, HappensBeforeError
 from .group_state import GroupState
 from .handler import ChunkOffloadHandler
 from .host_pool import HostPool, HostPoolStats
+from .group_names import group_members, layer_group_name
 from .joins import joins_layer_group
 from .manager import OffloadManager
 from .marks import ModuleOffload
@@ -54,9 +55,11 @@ __all__ = [
     "check_value",
     "diff_actions",
     "format_actions",
+    "group_members",
     "is_marked_not_offloadable",
     "joins_layer_group",
     "kept_tail",
+    "layer_group_name",
     "mark_not_offloadable",
     "option",
     "parse_bytes",

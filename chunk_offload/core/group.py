@@ -22,6 +22,7 @@ from .copies import copy_to_device, copy_to_host, release_after_copy
 from .engine_context import EngineContext, profile_range
 from .errors import internal_assert
 from .group_state import TRANSITIONS, GroupHandler, GroupState, state_error
+from .group_names import group_members, layer_group_name
 from .saved import KeptRef, SavedRef, Storage, alive, fix_spans
 from .slab import release_host
 from .streams import Event
@@ -127,8 +128,9 @@ class OffloadGroup:
         if self.state is not _COLLECTING:
             internal_assert(False, f"join of {name!r} into {self!r}")
         self.inputs, self.member = inputs, name
-        if f"+{name}+" not in f"+{self.name}+":
-            self.name = f"{self.name}+{name}"
+        members = group_members(self.name)
+        if name not in members:
+            self.name = layer_group_name([*members, name])
 
     def keep(self, tensor: torch.Tensor, pin_key: int = 0) -> KeptRef:
         """Register a saved tensor the policy leaves on device (too small, marked, a parameter).

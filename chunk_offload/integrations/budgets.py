@@ -62,7 +62,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from ..core import IterationRecord, SchedulePolicy, check_value, option
+from ..core import IterationRecord, SchedulePolicy, check_value, group_members, option
 from ..schedule import (
     CopyTiming,
     OffloadChoice,
@@ -264,7 +264,8 @@ class Budgets:
             self.shortfall_bytes = self.choice.lowest_peak_bytes - self.choice.budget_bytes
         if not self.choice.fits and not self._warned:
             self._warned = True
-            warnings.warn(budget_shortfall_message(self.choice, rank=pp_rank), RuntimeWarning, stacklevel=2)
+            layer_groups = any(len(group_members(name)) > 1 for names in record.group_names.values() for name in names)
+            warnings.warn(budget_shortfall_message(self.choice, rank=pp_rank, layer_groups=layer_groups), RuntimeWarning, stacklevel=2)
         # One line per decision and rank: several ranks share a pipeline stage (data and expert
         # parallelism), so the line names the global rank; a budget given as "auto" stays "auto".
         given = f"auto (levelled to {self.leveled_budget} bytes)" if self.device_budget == "auto" else f"{self.device_budget} bytes"

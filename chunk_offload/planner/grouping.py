@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..core import joins_layer_group
+from ..core import joins_layer_group, layer_group_name
 from .dims import GPTDims
 from .model import LayerGroup, _attention_output_is_proj_input
 
@@ -37,13 +37,13 @@ def _joins_past_bound(dims: GPTDims, last: LayerGroup, group: LayerGroup) -> boo
 
 
 def _one_group(dims: GPTDims, groups: Sequence[LayerGroup]) -> LayerGroup:
-    """Consecutive calls of a layer as one group: their names joined by '+', each storage once."""
+    """Consecutive calls of a layer as one group: named by `layer_group_name`, each storage once."""
     names = [g.name for g in groups]
     nbytes = sum(g.nbytes for g in groups)
     if "core_attn" in names and "attn_proj" in names and _attention_output_is_proj_input(dims):
         nbytes -= groups[names.index("attn_proj")].nbytes  # attn_proj saves that output alone
     unique = list(dict.fromkeys(names))
-    return LayerGroup("+".join(unique), nbytes, sum(g.kept_bytes for g in groups))
+    return LayerGroup(layer_group_name(unique), nbytes, sum(g.kept_bytes for g in groups))
 
 
 def joined_groups(dims: GPTDims, groups: Sequence[LayerGroup]) -> list[LayerGroup]:

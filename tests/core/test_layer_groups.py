@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from chunk_offload import ChunkOffloadError, CpuStreams, OffloadConfig, OffloadManager
+from chunk_offload.core import group_members, layer_group_name
 from tests._driver import assert_identical
 from tests.core._models import (
     INTERLEAVED,
@@ -213,6 +214,8 @@ def test_an_error_in_a_layer_leaves_nothing(make_manager, where: str) -> None:
             loss = block(x).sum()
         loss.backward()
     assert [g.name for g in handler.groups] == ["attn_norm+qkv_linear+mlp_fc1"]
+    assert group_members(handler.groups[0].name) == ["attn_norm", "qkv_linear", "mlp_fc1"]
+    assert layer_group_name(group_members(handler.groups[0].name)) == handler.groups[0].name
     assert manager.stats().groups["attn_norm+qkv_linear+mlp_fc1"].bytes_offloaded > 0
     assert_clean(manager)
 
