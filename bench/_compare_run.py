@@ -23,6 +23,8 @@ from chunk_offload.integrations.megatron import attach
 from chunk_offload.replay import megatron_builtin as builtin
 from chunk_offload.replay.stage import device_bytes_left, megatron_stage
 
+from _inline_streams import InlineStreams  # bench/: on sys.path wherever this module is imported from
+
 __all__ = ["DTYPES", "TIMED", "run_alone", "run_once"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,9 +33,10 @@ TIMED = {"auto": "auto", "on": True, "off": False}
 
 
 def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Module, modules: list[str], run: str,
-                  budget: int | None) -> tuple[Callable, Callable, Any, dict[int, tuple[Any, int]]]:  # fmt: skip
-    """``run``'s offload around ``model``: (forward_backward_func, forward_step_func, manager or None,
-    megatron's host copies seen in the current iteration); undone when ``stack`` closes."""
+                  budget: int | None, device: torch.device) -> tuple[Callable, Callable, Any, dict[int, tuple[Any, int]]]:  # fmt: skip
+    """``run``'s offload around ``model`` on ``device``: (forward_backward_func, forward_step_func, manager
+    or None, megatron's host copies seen in the current iteration); undone when ``stack`` closes. On
+    CPU, chunk-offload copies inline unless ``--cpu-copies threads`` (NOTE [Copies on CPU] in megatron_compare.py)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_backward, manager, seen = get_forward_backward_func(), None, {}
@@ -44,7 +47,8 @@ def _with_offload(stack: ExitStack, args: argparse.Namespace, model: torch.nn.Mo
         manager = attach([model], modules, config=config,
                          device_budget_bytes=budget if run.endswith("budget") else None,
                          reload_ahead_bytes=args.reload_ahead_bytes if run.endswith("reload-ahead") else None,
-                         timed_reload_ahead=TIMED[args.timed_reload_ahead])  # fmt: skip
+                         timed_reload_ahead=TIMED[args.timed_reload_ahead],
+                         streams=InlineStreams(device) if device.type == "cpu" and args.cpu_copies == "inline" else None)  # fmt: skip
         stack.callback(manager.close)
         stack.callback(manager.detach)
         return manager.wrap(forward_backward), gpt_forward_step, manager, seen
@@ -92,7 +96,7 @@ def _train(args: argparse.Namespace, shape: GPTShape, modules: list[str], run: s
         model = stage.chunks[0].to(dtype)
         cuda, device = stage.device.type == "cuda", stage.device
         # The budget is device memory this run's model and activations may take: over what is left.
-        forward_backward, step, manager, seen = _with_offload(stack, args, model, modules, run, None if budget is None else budget + left)
+        forward_backward, step, manager, seen = _with_offload(stack, args, model, modules, run, None if budget is None else budget + left, device)
         batches = stage.token_batches(args.microbatches, iteration=0)
 
         def train_step() -> list:

@@ -36,9 +36,10 @@ def format_profiles(rows: list[dict[str, Any]], layer_calls: int) -> list[str]:
     return lines
 
 
-def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool = False) -> str:
+def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool = False, cpu_copies: str = "inline") -> str:
     """One line per run (one ``skipped`` or ``failed`` line for a run that could not run or failed),
-    then what the columns measure (``deterministic``: every run on deterministic kernels)."""
+    then what the columns measure (``deterministic``: every run on deterministic kernels; ``cpu_copies``:
+    ``--cpu-copies``)."""
     def gb(value: int | None) -> str:
         return "n/a" if value is None else f"{value / _GB:.4g}"
 
@@ -56,6 +57,7 @@ def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool
             f"{'yes' if r['losses_identical'] else 'no':>10}{'yes' if r['grads_identical'] else 'no':>9}"
             f"{'n/a' if r['compute_wait_ms'] is None else format(r['compute_wait_ms'], '.2f'):>9}{r['gc_ms']:>8.2f}"
         )
+    lines.extend(_against_megatron(rows))
     cpu = device == "cpu"
     lines.append("peak: " + ("CPU has no device allocator: chunk-offload's accounting of saved bytes, n/a for the others"
                              if cpu else "torch.cuda.max_memory_allocated per iteration (max over measured iterations)"))  # fmt: skip
@@ -67,6 +69,9 @@ def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool
         lines.append(f"none: one run, shown in every module set (it offloads nothing): the run of {shared[0]['same_run_as']}")
     lines.append("overhead: median step over 'none''s; min ovh: fastest step over 'none''s (less moved by a busy host)"
                  + ("; with 'none again': over the mean of both medians, and the faster fastest step" if any(r["run"] == "none again" for r in rows) else ""))
+    if cpu:
+        lines.append(f"chunk-offload's copies on CPU: {'inline on the calling thread, as megatron copies on CPU' if cpu_copies == 'inline' else 'on its CPU streams worker threads'} "
+                     "(--cpu-copies; NOTE [Copies on CPU] in bench/megatron_compare.py)")  # fmt: skip
     timed = sorted({r["timed_reload_ahead"] for r in rows if r.get("timed_reload_ahead") is not None})
     if timed:
         lines.append("chunk-offload's reloads: " + " / ".join("ahead by the last iteration's copy timing" if t else "one group ahead" for t in timed)
@@ -77,6 +82,23 @@ def format_table(rows: list[dict[str, Any]], device: str, *, deterministic: bool
                else "" if cpu else " (CUDA: flash attention backward is not deterministic, grads may differ without offload)")  # fmt: skip
     lines.append("losses: first measured iteration; grads: last one; torch.equal against 'none'" + kernels)
     return "\n".join(lines)
+
+
+def _against_megatron(rows: list[dict[str, Any]]) -> list[str]:
+    """Per chunk-offload run, its overheads over megatron's in the same set (issue 26's target:
+    at most 0.5 in the host-bound configuration, at a peak at or below megatron's)."""
+    def times(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}x"
+
+    lines = []
+    for r in rows:
+        against = r.get("vs_megatron")
+        if against is None:
+            continue
+        peak = {None: "peak: no device peak to compare", True: "peak at or below megatron's", False: "peak above megatron's"}
+        lines.append(f"{r['modules']} / {r['run']}: overhead {times(against['overhead'])} megatron's (fastest step "
+                     f"{times(against['overhead_min'])}), {peak[against['peak_at_or_below']]}")  # fmt: skip
+    return lines
 
 
 def write_json(args: argparse.Namespace, rows: list[dict[str, Any]], device: str, *, complete: bool) -> None:

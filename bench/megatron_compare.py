@@ -48,6 +48,15 @@ waits, allocations, synchronisations), which cProfile sees only inside the Pytho
 them. In a run's own process the profiled steps follow its timed ones; with ``--processes one``
 each run is built again once every run is timed, so that no profiler's residue slows the times.
 
+NOTE [Copies on CPU]
+On CPU, megatron's built-in copies synchronously on the calling thread; chunk-offload's default CPU
+streams (`chunk_offload.CpuStreams`) run each copy on a worker thread, which takes the GIL and a
+core from compute (2 cores; 16 layers, hidden 64, 8 microbatches, the five modules of issue 26:
+chunk-offload's overhead 3.3x megatron's on worker threads, 0.72x inline). So that the CPU table compares the two host paths alike, chunk-offload's runs copy
+inline there (`bench/_inline_streams.py`: each copy issued at once on the calling thread, the
+engine's whole host path otherwise); ``--cpu-copies threads`` measures its CPU streams instead.
+On CUDA every run uses its engine's own CUDA streams, whatever the flag.
+
 Each iteration is timed with the device synchronised before and after; the peak is
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was still
 allocated before the run built its model (on CPU: chunk-offload's accounting of saved bytes,
@@ -121,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--processes", choices=("per-run", "one"), default="per-run",
                    help="each run in a fresh process of its own, or every run in this one (default per-run)")
+    p.add_argument("--cpu-copies", choices=("inline", "threads"), default="inline",
+                   help="CPU only: chunk-offload's copies inline, as megatron's run on CPU (default), or on the library's "
+                        "CPU copy streams' worker threads (see NOTE [Copies on CPU] above)")
     p.add_argument("--deterministic", action="store_true", help="every run on deterministic kernels: grads compare bit for bit on CUDA too")
     p.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
@@ -228,7 +240,23 @@ def _module_set(runs: _Runs, modules: list[str], none: dict[str, Any] | None = N
     median, fastest = statistics.mean(r["median_step_s"] for r in nones), min(r["min_step_s"] for r in nones)
     for row in ran:
         row.update(overhead=row["median_step_s"] / median - 1, overhead_min=row["min_step_s"] / fastest - 1)
+    if megatron is not None and "failed" not in megatron:
+        for row in ran:
+            if row["run"].startswith("chunk-offload"):
+                row["vs_megatron"] = _against(row, megatron)
     return rows
+
+
+def _against(row: dict[str, Any], megatron: dict[str, Any]) -> dict[str, float | bool | None]:
+    """Issue 26's reading of a chunk-offload run against megatron's built-in in the same set: each
+    overhead over megatron's (None where megatron's is not above 0) and whether its peak is at or
+    below megatron's (None without a device peak)."""
+    def ratio(key: str) -> float | None:
+        return row[key] / megatron[key] if megatron[key] > 0 else None
+
+    peaks = row["peak_bytes"], megatron["peak_bytes"]
+    at_or_below = None if None in peaks else peaks[0] <= peaks[1]
+    return {"overhead": ratio("overhead"), "overhead_min": ratio("overhead_min"), "peak_at_or_below": at_or_below}
 
 
 def _add_profiles(runs: _Runs, rows: list[dict[str, Any]]) -> None:
@@ -283,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.micro_batch_size}, {args.microbatches} microbatches, {args.dtype}, {args.attention}; PP=1 "
               f"(megatron no-pipelining schedule); device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; "
               f"megatron-core {megatron.core.__version__}; {'each run in a process of its own' if workdir else 'every run in one process'}")  # fmt: skip
-        print(format_table(rows, device, deterministic=args.deterministic))
+        print(format_table(rows, device, deterministic=args.deterministic, cpu_copies=args.cpu_copies))
         if args.profile:
             print("\n".join(format_profiles(rows, args.layers * args.microbatches)))
         write_json(args, rows, device, complete=True)

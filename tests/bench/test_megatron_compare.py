@@ -77,6 +77,15 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     skip_rows = [line for line in done.stdout.splitlines() if "skipped:" in line]
     assert len(skip_rows) == 1 and skip_rows[0].split()[:2] == ["mlp_fc1", "megatron"]
     assert "losses =" in done.stdout and "peak: CPU has no device allocator" in done.stdout
+    # Issue 26's reading: each chunk-offload run's overheads over megatron's of its set (megatron copies here: 0.16).
+    for r in ran:
+        against = r.get("vs_megatron")
+        assert (against is not None) == (r["run"].startswith("chunk-offload") and r["modules"] == modules), r["run"]
+        if against is not None and megatron["overhead"] > 0:
+            assert against["overhead"] == r["overhead"] / megatron["overhead"] and against["peak_at_or_below"] is None
+            assert f"{modules} / {r['run']}: overhead {against['overhead']:.2f}x megatron's (fastest step " in done.stdout
+    # On CPU chunk-offload copies inline, as megatron's built-in does (NOTE [Copies on CPU]).
+    assert "chunk-offload's copies on CPU: inline on the calling thread, as megatron copies on CPU" in done.stdout
     # Each run in a process of its own (the default): nothing an earlier run left, its whole process timed.
     assert "each run in a process of its own" in done.stdout
     assert all(r["left_bytes"] == 0 and r["process_s"] > r["wall_s"] for r in ran if "same_run_as" not in r)
@@ -87,7 +96,7 @@ def test_reload_ahead_and_module_groups_add_bit_identical_runs_and_every_run_tim
     (on CPU streams the default, ``auto``, leaves them one group ahead: the other tests' runs)."""
     out = tmp_path / "compare.json"
     done = _run("--min-offload-bytes", "1", "--iterations", "2", "--warmup", "1", "--modules", "core_attn,qkv_linear",
-                "--reload-ahead-bytes", "1048576", "--timed-reload-ahead", "--module-groups", "--processes", "one",
+                "--reload-ahead-bytes", "1048576", "--timed-reload-ahead", "--module-groups", "--processes", "one", "--cpu-copies", "threads",
                 "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
@@ -99,6 +108,7 @@ def test_reload_ahead_and_module_groups_add_bit_identical_runs_and_every_run_tim
     assert "chunk-offload's reloads: ahead by the last iteration's copy timing (timed_reload_ahead" in done.stdout
     assert "chunk-offload reload-ahead" in done.stdout and "wait ms" in done.stdout
     assert "chunk-offload module" in done.stdout and "every run in one process" in done.stdout
+    assert "chunk-offload's copies on CPU: on its CPU streams worker threads (--cpu-copies" in done.stdout
     assert all("process_s" not in r for r in rows)
 
 
@@ -289,6 +299,7 @@ def test_bad_flag_exits_2(flag: str, message: str) -> None:
         (["--reload-ahead-bytes", "lots"], "argument --reload-ahead-bytes: invalid int value: 'lots'"),
         (["--profile", "-1"], "--profile must be an integer >= 0, got -1"),
         (["--processes", "two"], "argument --processes: invalid choice: 'two' (choose from"),
+        (["--cpu-copies", "async"], "argument --cpu-copies: invalid choice: 'async' (choose from"),
     ],
 )
 def test_usage_errors(capsys, argv: list[str], message: str) -> None:
