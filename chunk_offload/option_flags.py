@@ -12,7 +12,7 @@ string and text in the namespace (`TYPED`), which `typed_flag` reads back for ev
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Callable
 
 from .core import ChunkOffloadError, Option, parse_bytes
 from .module_names import ALIASES, OFFLOAD_MODULE_NAMES, canonical_modules
@@ -31,28 +31,25 @@ def _byte_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _byte_count_or_none(text: str) -> int | None:
-    """argparse ``type``: ``none`` (no bound) or a byte count (`_byte_count`)."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'none' or a byte count >= 0 such as 16MiB or 600KiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
-        ) from None
+def _word_or_byte_count(word: str, value: object, example: str) -> Callable[[str], int | str | None]:
+    """argparse ``type``: ``word`` (meaning ``value``) or a byte count (`parse_bytes`); ``example``:
+    a byte count its error message shows."""
+
+    def parse(text: str) -> int | str | None:
+        if text.strip().lower() == word:
+            return value
+        try:
+            return parse_bytes(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {word!r} or a byte count >= 0 such as {example} or 600KiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
+            ) from None
+
+    return parse
 
 
-def _device_budget(text: str) -> int | str:
-    """argparse ``type``: ``auto`` or a byte count (`_byte_count`)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return parse_bytes(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'auto' or a byte count >= 0 such as 60GiB or 600KiB (suffixes KiB, MiB, GiB, TiB), got {text!r}"
-        ) from None
+_byte_count_or_none = _word_or_byte_count("none", None, "16MiB")  # no bound
+_device_budget = _word_or_byte_count("auto", "auto", "60GiB")  # the levelled budget
 
 
 def _count(text: str) -> int:
