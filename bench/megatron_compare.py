@@ -14,7 +14,9 @@ build of the model from the same seed (so the same weights and inputs):
 - chunk-offload budget: the same with ``device_budget_bytes`` (``--budget-bytes``; default:
   megatron's measured peak for these modules on CUDA, i.e. the same memory, else half of
   chunk-offload's saved peak; where reloads are timed its chunks reload ahead by the timing as
-  far as the predicted peak stays within the budget);
+  far as the predicted peak stays within the budget; where the default layer groups cannot reach
+  it they are split during the warm-up, NOTE [Budget splits layer groups] in
+  chunk_offload/integrations/layer_split.py);
 - chunk-offload reload-ahead (only with ``--reload-ahead-bytes``): the default run with that
   `PlanPolicy` reload-ahead budget (in backward, earlier groups are reloaded while their bytes fit);
 - chunk-offload module (only with ``--module-groups``): the default run with

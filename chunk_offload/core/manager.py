@@ -26,7 +26,7 @@ from .handler import ChunkOffloadHandler, let_go_of_released
 from .held_elsewhere import HeldElsewhere
 from .host_pool import HostPool
 from .iteration_window import IterationWindow
-from .manager_args import check_begin_chunk, check_begin_iteration, check_flag, check_manager_args, check_module
+from .manager_args import check_begin_chunk, check_begin_iteration, check_flag, check_manager_args, check_module, checked_regroup
 from .marks import GroupMarks, ModuleOffload, check_group_args
 from .records import IterationRecord
 from .registry import ModuleRegistry
@@ -204,6 +204,13 @@ class OffloadManager:
         """(microbatch, vp_stage) -> saved bytes per group, in forward order, of the last iteration."""
         return dict(self.last_iteration.group_bytes) if self.last_iteration is not None else {}
 
+    def regroup(self, layer_group_bytes: int | None) -> None:
+        """Bound layer groups at ``layer_group_bytes`` from the next iteration on (`OffloadConfig`'s
+        field; 0: no call joins but registered joiners). Between iterations, under layer groups
+        (NOTE [Budget splits layer groups] in integrations/layer_split.py lowers it)."""
+        self.config = checked_regroup(self.config, layer_group_bytes, in_iteration=self.in_iteration)
+        self._ctx.layer_group_bytes = self.config.layer_group_bytes
+
     # ------------------------------------------------------------------ chunk scope
     def begin_chunk(self, *, microbatch: int, vp_stage: int = 0) -> ChunkOffloadHandler | None:
         """Open the forward of one microbatch through one model chunk (virtual stage) of this rank.
@@ -222,11 +229,9 @@ class OffloadManager:
         return handler
 
     def end_chunk(self, *, abort: bool = False) -> ChunkOffloadHandler | None:
-        """Close the chunk `begin_chunk` opened: release its groups' device tensors.
-
-        ``abort=True`` (its forward raised): discard the chunk's groups instead. Returns the
-        chunk's handler (None for a chunk that tracked nothing, or after `close`, which aborted it).
-        """
+        """Close the chunk `begin_chunk` opened: release its groups' device tensors. ``abort=True`` (its
+        forward raised): discard the chunk's groups instead. Returns the chunk's handler (None for a
+        chunk that tracked nothing, or after `close`, which aborted it)."""
         check_flag("end_chunk", "abort", abort)
         handler = self._current
         if handler is not None and self.current_handler is None:
@@ -258,11 +263,8 @@ class OffloadManager:
 
     @contextlib.contextmanager
     def chunk(self, *, microbatch: int, vp_stage: int = 0) -> Iterator[ChunkOffloadHandler | None]:
-        """`begin_chunk` ... `end_chunk` as a ``with`` block; an exception aborts the chunk.
-
-        After `close` inside the block (which aborted the chunk) the block exits quietly, or with
-        its own exception.
-        """
+        """`begin_chunk` ... `end_chunk` as a ``with`` block; an exception aborts the chunk. After `close`
+        inside the block (which aborted the chunk) the block exits quietly, or with its own exception."""
         handler = self.begin_chunk(microbatch=microbatch, vp_stage=vp_stage)
         try:
             yield handler
@@ -296,11 +298,9 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ results
     def stats(self) -> OffloadStats:
-        """Counters per group name and the resident-bytes high-water mark (waits for copies).
-
-        Safe from any thread while iterations run (a monitor): there it waits only for the copies whose
-        times it adds, and each part (counters, resident bytes and their marks, pool) is read at one moment.
-        """
+        """Counters per group name and the resident-bytes high-water mark (waits for copies). Safe from
+        any thread while iterations run (a monitor): there it waits only for the copies whose times it
+        adds, and each part (counters, resident bytes and their marks, pool) is read at one moment."""
         self._fold_stats()
         return OffloadStats.collect(self._stats, self._resident, self.pool.stats())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from .config import OffloadConfig
@@ -9,7 +11,7 @@ from .errors import ChunkOffloadError
 from .schedule_policy import SchedulePolicy
 from .streams import StreamBackend
 
-__all__ = ["check_begin_chunk", "check_begin_iteration", "check_flag", "check_manager_args", "check_module"]
+__all__ = ["check_begin_chunk", "check_begin_iteration", "check_flag", "check_manager_args", "check_module", "checked_regroup"]
 
 
 def check_manager_args(config: object, streams: object, schedule_policy: object) -> OffloadConfig:
@@ -68,3 +70,15 @@ def check_module(call: str, module: object) -> None:
     """``module`` is an ``nn.Module`` (checked before anything keeps it)."""
     if not isinstance(module, nn.Module):
         raise ChunkOffloadError(f"{call} expects an nn.Module, got {type(module).__name__} {module!r:.80}")
+
+
+def checked_regroup(config: OffloadConfig, layer_group_bytes: object, *, in_iteration: bool) -> OffloadConfig:
+    """`OffloadManager.regroup`'s config: ``config`` with ``layer_group_bytes``, refused inside an
+    iteration (its open chunks group by the bound they started with) or under another ``group_by``."""
+    if in_iteration:
+        raise ChunkOffloadError("regroup() while an iteration is open; call it between iterations.")
+    if config.group_by != "layer":
+        raise ChunkOffloadError(f"regroup() bounds layer groups: it needs OffloadConfig.group_by='layer', got {config.group_by!r}")
+    regrouped = dataclasses.replace(config, layer_group_bytes=layer_group_bytes)
+    regrouped.validate()
+    return regrouped

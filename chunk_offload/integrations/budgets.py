@@ -62,7 +62,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from ..core import IterationRecord, SchedulePolicy, check_value, group_members, option
+from ..core import IterationRecord, SchedulePolicy, check_value, option
 from ..schedule import (
     CopyTiming,
     OffloadChoice,
@@ -111,8 +111,7 @@ class Budgets:
     ) -> None:
         self.device_budget = check_device_budget(device_budget_bytes)
         """The device budget as given: bytes, ``"auto"`` or None."""
-        self.host_budget = check_host_budget(host_budget_bytes)
-        """The node's host budget as given, or None."""
+        self.host_budget = check_host_budget(host_budget_bytes)  # the node's host budget as given, or None
         self.plan_budgets = PlanPolicy.check_budgets(prefetch_bytes=prefetch_bytes, reload_ahead_bytes=reload_ahead_bytes)
         """`PlanPolicy`'s prefetch and reload-ahead budgets (checked), for every policy built from the plan."""
         self.timed_reload_ahead = False
@@ -133,6 +132,7 @@ class Budgets:
         """Every node rank's host need, in node order, once gathered."""
         self.host_caps: list[int] | None = None
         """Every node rank's cap, in node order, once split."""
+        self.splits_layer_groups = False  # set by the caller: out of reach, split layer groups, not warn (NOTE [Budget splits layer groups])
         self.shortfall_bytes: int | None = None
         """The latest bytes by which the budget was out of reach: predicted (the lowest peak over
         it) or measured (an iteration under a choice that fits peaked over it); None: not seen."""
@@ -235,6 +235,10 @@ class Budgets:
             self.leveled_budget = level_budget(peaks)
         return None if self.leveled_budget is None else max(0, self.leveled_budget - self.overhead_bytes)
 
+    def forget_choice(self) -> None:
+        """Drop the choice and the group bytes it was made of: the engine's groups change (NOTE [Budget splits layer groups])."""
+        self.choice, self._choice_plan, self._key, self._group_bytes, self._shared = None, None, None, {}, {}
+
     def time_reload_ahead(self, on: bool) -> None:
         """Reload ahead by the latest timing (``on``), unless a ``reload_ahead_bytes`` was given."""
         self.timed_reload_ahead = on and self.plan_budgets["reload_ahead_bytes"] is None
@@ -262,10 +266,9 @@ class Budgets:
         self._choice_plan = plan
         if not self.choice.fits:
             self.shortfall_bytes = self.choice.lowest_peak_bytes - self.choice.budget_bytes
-        if not self.choice.fits and not self._warned:
+        if not self.choice.fits and not self._warned and not self.splits_layer_groups:
             self._warned = True
-            layer_groups = any(len(group_members(name)) > 1 for names in record.group_names.values() for name in names)
-            warnings.warn(budget_shortfall_message(self.choice, rank=pp_rank, layer_groups=layer_groups), RuntimeWarning, stacklevel=2)
+            warnings.warn(budget_shortfall_message(self.choice, rank=pp_rank), RuntimeWarning, stacklevel=2)
         # One line per decision and rank: several ranks share a pipeline stage (data and expert
         # parallelism), so the line names the global rank; a budget given as "auto" stays "auto".
         given = f"auto (levelled to {self.leveled_budget} bytes)" if self.device_budget == "auto" else f"{self.device_budget} bytes"

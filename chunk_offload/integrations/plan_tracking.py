@@ -50,6 +50,7 @@ and the observed order becomes the plan (NOTE [Observed order wins] in pipelinin
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple, Sequence
 
 import torch.distributed as dist
@@ -57,9 +58,12 @@ import torch.distributed as dist
 from ..core import Action, ChunkOffloadError, IterationRecord, OffloadManager, SchedulePolicy, check_value, option
 from ..schedule import CopyTiming, Plan, PlanPolicy
 from .budgets import Budgets
+from .layer_split import can_split, split_bound
 from .options import ScheduleOptions
 
 __all__ = ["NextIteration", "PlanTracking", "check_schedule_policy"]
+
+logger = logging.getLogger(__name__)
 
 
 def check_schedule_policy(schedule_policy: Any) -> None:
@@ -77,6 +81,8 @@ class NextIteration(NamedTuple):
     """The engine's schedule policy from the next iteration on (None: keep the current one)."""
     host_cap: int | None
     """This rank's host pool cap from the node budget (None: no cap decided)."""
+    layer_group_bytes: int | None = None
+    """The engine's lower layer-group bound from the next iteration on (None: unchanged; NOTE [Budget splits layer groups])."""
 
 
 class PlanTracking:
@@ -199,15 +205,30 @@ class PlanTracking:
         if not budgets.active:
             return NextIteration(policy, None)
         pp_rank = self.plan.pp_rank if self.plan is not None else 0
+        config = self._engine.config
+        budgets.splits_layer_groups = can_split(config, budgets.device_budget)
         chosen = budgets.after_iteration(
             self.plan, record, policy if policy is not None else self._engine.schedule_policy, pp_rank=pp_rank
         )
+        if chosen is not None and budgets.splits_layer_groups and not budgets.choice.fits:
+            bound = split_bound(config.layer_group_bytes, record)  # NOTE [Budget splits layer groups]
+            logger.info(
+                "chunk_offload: rank %d: device_budget_bytes %d is %d bytes out of reach of layer groups bounded at %s "
+                "bytes: layer groups bounded at %d bytes from the next iteration on (NOTE [Budget splits layer groups])",
+                dist.get_rank() if dist.is_initialized() else 0, budgets.device_budget, budgets.shortfall_bytes,
+                config.layer_group_bytes, bound,
+            )  # fmt: skip
+            budgets.forget_choice()
+            return NextIteration(budgets.policy(self.plan) if self.from_plan else None, budgets.host_cap, bound)
         if chosen is not None and self.from_plan:
             policy = chosen
         return NextIteration(policy, budgets.host_cap)
 
     def set_schedule_policy(self, decided: NextIteration) -> None:
-        """Apply what `agree_budgets` decided: the engine's schedule policy and its host pool's cap."""
+        """Apply what `agree_budgets` decided: the engine's schedule policy, its layer groups' bound
+        and its host pool's cap."""
+        if decided.layer_group_bytes is not None:
+            self._engine.regroup(decided.layer_group_bytes)
         if decided.policy is not None:
             self._engine.schedule_policy = decided.policy
         cap = decided.host_cap

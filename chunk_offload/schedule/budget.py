@@ -156,22 +156,14 @@ _REACH_HINT = (
 """What lowers a stage's saved bytes beyond what offloading the chosen modules reaches."""
 
 
-_SPLIT_HINT = (
-    "split layer groups (--chunk-offload-group-by module, or a smaller --chunk-offload-layer-group-bytes: "
-    "the lowest peak still holds whole groups, the one in use and the one being copied or reloaded), "
-)
-"""What lowers the lowest peak where layer groups join several modules' calls (NOTE [Bounded layer groups])."""
-
-
-def budget_shortfall_message(choice: OffloadChoice, *, rank: int, layer_groups: bool = False) -> str:
+def budget_shortfall_message(choice: OffloadChoice, *, rank: int) -> str:
     """The error or warning for a rank whose budget cannot be met: rank, budget, lowest peak, the
-    bytes missing and what would reach it. ``layer_groups``: some group joins several modules'
-    calls, so finer groups lower the lowest peak too (named first: no other change is needed)."""
+    bytes missing and what would reach it."""
     return (
         f"chunk_offload: pipeline rank {rank}: device_budget_bytes {_size(choice.budget_bytes)} cannot be met: the "
         f"lowest peak reachable is {_size(choice.lowest_peak_bytes)} (every group offloaded; without offload "
         f"{_size(choice.baseline_peak_bytes)}), {choice.lowest_peak_bytes - choice.budget_bytes} bytes over; to reach it, "
-        f"{_SPLIT_HINT if layer_groups else ''}{_REACH_HINT} (to at least {choice.lowest_peak_bytes} bytes, or 'auto')"
+        f"{_REACH_HINT} (to at least {choice.lowest_peak_bytes} bytes, or 'auto')"
     )
 
 

@@ -101,21 +101,6 @@ def test_budgets_choose_once_per_change_and_warn_once_when_infeasible() -> None:
     assert tight.summary(record)["budget_fits"] is False and tight.summary(record)["budget_shortfall_bytes"] == 3  # the latest choice: 7002 bytes (a group of 2001)
 
 
-@pytest.mark.parametrize("names", [["attn_norm", "qkv_linear", "core_attn"], ["attn_norm+qkv_linear", "core_attn", "attn_proj"]])
-def test_an_infeasible_budget_names_finer_groups_where_a_group_joins_several_modules(names: list[str]) -> None:
-    plan = megatron_plan(num_microbatches=4, pp_size=2, pp_rank=0)
-    record = _record(plan, [1000, 3000, 2000], offload=False)
-    record = dataclasses.replace(record, group_names={chunk: list(names) for chunk in record.group_bytes})
-    tight = Budgets(device_budget_bytes=6999, host_budget_bytes=None, prefetch_bytes=None, reload_ahead_bytes=None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        tight.after_iteration(plan, record, tight.policy(plan), pp_rank=0)
-    (message,) = [str(w.message) for w in caught if "device_budget_bytes" in str(w.message)]
-    split = "to reach it, split layer groups (--chunk-offload-group-by module, or a smaller --chunk-offload-layer-group-bytes: "
-    assert (split in message) == ("+" in names[0])
-    assert message.endswith("or raise the budget (to at least 7000 bytes, or 'auto')")
-
-
 def test_budgets_warn_once_when_a_measured_peak_exceeds_a_budget_predicted_to_fit() -> None:
     """A choice predicted to fit, then an iteration under it peaking above the budget (on CUDA,
     memory the accounting does not see): one warning with the bytes over, and the report field."""
