@@ -39,7 +39,7 @@ class OffloadGroup:
     """The saved tensors of one call of one named submodule within one chunk."""
 
     __slots__ = (  # one group per layer call: no per-instance dict for the garbage collector to track
-        "handler", "key", "name", "member", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "_ctx",
+        "handler", "key", "name", "member", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "copy_bytes", "_ctx",
         "_storages", "_live_storages", "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event", "_offload_cancelled",
     )  # fmt: skip
 
@@ -51,9 +51,7 @@ class OffloadGroup:
         self.member = name  # the name of the call collecting now (NOTE [Layer groups] in marks.py)
         self.index = index
         self.state = _COLLECTING
-        self.inputs = inputs
-        """The group's input tensors while it collects (the policy's leaf rule reads them); ()
-        once committed, so that no graph is kept through them."""
+        self.inputs = inputs  # its input tensors while it collects (the leaf rule reads them); () once committed: no graph kept through them
         self.input_nodes: Collection = ()  # grad_fns of the group's inputs (set by group_start)
         self.backward_begun = False  # `ChunkOffloadHandler.begin_group_backward` ran for it
         self._ctx: EngineContext = handler.ctx
@@ -66,6 +64,7 @@ class OffloadGroup:
         self._offload_cancelled = False  # backward kept the originals while their copy to host was in flight
         self.saved_bytes = 0  # bytes accounted at commit (storage spans, deduplicated)
         self.kept_bytes = 0  # of those, bytes of storages kept on device (pinned): saved, never moved
+        self.copy_bytes = 0  # while collecting: each storage's first saved view's bytes (NOTE [Bounded layer groups] in marks.py)
 
     def __repr__(self) -> str:
         return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.key}, state={self.state.value})"
@@ -121,6 +120,7 @@ class OffloadGroup:
         if storage is None:
             storage = self._storages[key] = Storage(key)
             self._live_storages += 1
+            self.copy_bytes += tensor.nbytes
         return SavedRef(self, storage, tensor)
 
     def join(self, name: str, inputs: Sequence[torch.Tensor]) -> None:

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 import torch
 
-from .saved import alive
 
 if TYPE_CHECKING:
     from .group import OffloadGroup
@@ -54,7 +53,7 @@ class CallJoins:
             return None
         joins = layer is not None and layer is self._layer
         self._pending = self._layer = None
-        if joins and self._bound is not None and not joins_layer_group(_copy_bytes(pending), self._bound):
+        if joins and self._bound is not None and not joins_layer_group(pending.copy_bytes, self._bound):
             # Past the bound only the joiner of the call before joins, on condition (NOTE [Bounded layer groups] in marks.py).
             joins = if_shared = joiner_of is not None and joiner_of == pending.member
         if not joins:
@@ -93,14 +92,3 @@ class CallJoins:
     def clear(self) -> None:
         """Forget the pending group and the tentative join (the chunk was aborted)."""
         self._pending = self._layer = self.tentative = None
-
-
-def _copy_bytes(group: "OffloadGroup") -> int:
-    """What a collecting ``group`` holds to copy: each storage's first live saved view's bytes (the
-    originals are held until commit; NOTE [Bounded layer groups] in marks.py)."""
-    total = 0
-    for storage in group.storages.values():
-        refs = alive(storage)
-        if refs:
-            total += refs[0].tensor.nbytes
-    return total
