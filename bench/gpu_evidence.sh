@@ -50,7 +50,7 @@ declare -A CMD=(
     [sanitizer]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu -k "not pp4_stage0 and not saved_twice and not -1- and not -2- and not captured_graph and not device_memory and not manager_behind"'
     [replay]='replay_stage 0 replay.json'
     [compare]='"$PY" bench/megatron_compare.py --layers 8 --hidden 4096 --heads 32 --seq 4096 --microbatches 4 $COMPARE_COMMON --modules core_attn,qkv_linear --modules $FIVE_MODULES --json "$OUT_DIR/compare.json"'
-    [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --modules $FIVE_MODULES --module-groups --profile ${COMPARE_HOST_PROFILE:-0} --json "$OUT_DIR/compare_host.json"'
+    [compare_host]='"$PY" bench/megatron_compare.py --layers 16 --hidden 1024 --heads 8 --seq 1024 --microbatches 8 $COMPARE_COMMON --modules $FIVE_MODULES --module-groups --warmup 5 --profile ${COMPARE_HOST_PROFILE:-0} --json "$OUT_DIR/compare_host.json"'
     # The last stage on deterministic kernels: bit-for-bit losses and grads rows for both engines (no timing).
     [replay_last]='replay_stage 3 replay_last.json --deterministic'
     # README's co-plan, stage 0: attn_norm,qkv_linear offloaded, core attention recomputed.
@@ -59,8 +59,8 @@ declare -A CMD=(
     [overhead]='"$PY" bench/overhead.py --repeats 20 --profile 3'
     [sanitizer_pp4]='TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_replay.py -k pp4_stage0'
 )
-# Issue 26's configurations: compute-bound (hidden 4096, both module sets), then host-bound (hidden
-# 1024, the five modules its target names; and module groups beside the default's bounded layer groups).
+# Issue 26's configurations: compute-bound (hidden 4096, both module sets), then host-bound (hidden 1024, the five
+# modules; module groups too; 5 warm-up steps: a budget may split layer groups twice, NOTE [Budget splits layer groups]).
 readonly COMPARE_COMMON='--micro-batch-size 1 --vocab 32000 --dtype bf16 --attention sdpa --min-offload-bytes 1048576 --warmup 3 --iterations 4'
 readonly FIVE_MODULES='attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm'
 export COMPARE_COMMON FIVE_MODULES
