@@ -66,11 +66,12 @@ def test_four_runs_bit_identical(tmp_path) -> None:
     assert "chunk-offload's reloads: one group ahead (timed_reload_ahead; by default timed on CUDA only)" in done.stdout
     budget = runs[(modules, "chunk-offload budget")]
     # Half the saved peak is below the lowest reachable peak here (each chunk's input stays on
-    # device: NOTE [Storages held elsewhere]): the budget run says it falls short. Under the
-    # default's layer groups (both modules of a layer under 16 MiB: one group per layer, two per
-    # chunk) no copy lowers the peak: the default's peak is that of no copy, and the budget run,
-    # which reaches it as well, copies nothing.
-    assert budget["bytes_copied"] == 0 and budget["peak_bytes"] == default["peak_bytes"] > budget["budget_bytes"]
+    # device: NOTE [Storages held elsewhere]). The default's layer groups (both modules of a layer
+    # under 16 MiB: one group per layer, two per chunk) lower no peak: the budget run splits them
+    # (NOTE [Budget splits layer groups]) and copies, its last iteration peaks lower than the
+    # default's, and with groups as fine as they go it still falls short: it says so, once.
+    assert budget["bytes_copied"] > 0 and default["saved_peak_bytes"] > budget["saved_peak_bytes"] > budget["budget_bytes"]
+    assert done.stderr.count(f"({budget['budget_bytes']} bytes) cannot be met: the lowest peak reachable is ") == 1, done.stderr
     megatron = runs[(modules, "megatron")]
     assert (megatron["bytes_copied"] > 0) == _megatron_copies_on_cpu()
     assert runs[("mlp_fc1", "megatron")]["skipped"].startswith("it has no offload module 'mlp_fc1'")
