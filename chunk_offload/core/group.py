@@ -39,7 +39,7 @@ class OffloadGroup:
     """The saved tensors of one call of one named submodule within one chunk."""
 
     __slots__ = (  # one group per layer call: no per-instance dict for the garbage collector to track
-        "handler", "key", "name", "member", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "copy_bytes", "_ctx",
+        "handler", "key", "name", "member", "index", "state", "inputs", "input_nodes", "backward_begun", "saved_bytes", "kept_bytes", "copy_bytes", "copy_counted", "_ctx",
         "_storages", "_live_storages", "_kept_storages", "_kept_tensors", "_d2h_event", "_h2d_event", "_offload_cancelled",
     )  # fmt: skip
 
@@ -64,7 +64,7 @@ class OffloadGroup:
         self._offload_cancelled = False  # backward kept the originals while their copy to host was in flight
         self.saved_bytes = 0  # bytes accounted at commit (storage spans, deduplicated)
         self.kept_bytes = 0  # of those, bytes of storages kept on device (pinned): saved, never moved
-        self.copy_bytes = 0  # while collecting: each storage's first saved view's bytes (NOTE [Bounded layer groups] in marks.py)
+        self.copy_bytes = self.copy_counted = 0  # while collecting: bytes to copy of its first storages (`joins.copy_bytes`)
 
     def __repr__(self) -> str:
         return f"OffloadGroup({self.name!r}, index={self.index}, chunk={self.key}, state={self.state.value})"
@@ -120,7 +120,6 @@ class OffloadGroup:
         if storage is None:
             storage = self._storages[key] = Storage(key)
             self._live_storages += 1
-            self.copy_bytes += tensor.nbytes
         return SavedRef(self, storage, tensor)
 
     def join(self, name: str, inputs: Sequence[torch.Tensor]) -> None:
@@ -218,9 +217,9 @@ class OffloadGroup:
 
     # ------------------------------------------------------------------ backward
     def on_output_grad(self, grad: torch.Tensor | None) -> None:
-        """The gradient hook on the group's outputs: backward reached the group (NOTE [Group backward hook]).
-        A group whose handler let go of it (discarded with its iteration) raises at its first unpack."""
-        if self.handler is not None:
+        """The hook on each output of the group's calls: the first complete gradient begins its backward
+        (NOTE [Group backward hook]); a group its handler let go of (discarded with its iteration) raises at its first unpack."""
+        if not self.backward_begun and self.handler is not None:
             self.handler.begin_group_backward(self)
 
     def reload(self) -> None:

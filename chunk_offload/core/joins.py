@@ -4,15 +4,17 @@ next call, and a join that holds only if the joining call saves a storage of tha
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 import torch
 
+from .saved import alive
 
 if TYPE_CHECKING:
     from .group import OffloadGroup
 
-__all__ = ["CallJoins", "joins_layer_group"]
+__all__ = ["CallJoins", "copy_bytes", "joins_layer_group"]
 
 Undone = tuple[str, Sequence[torch.Tensor], Collection]
 """A joined call's name, inputs and input nodes, for the group of its own it opens instead."""
@@ -53,7 +55,7 @@ class CallJoins:
             return None
         joins = layer is not None and layer is self._layer
         self._pending = self._layer = None
-        if joins and self._bound is not None and not joins_layer_group(pending.copy_bytes, self._bound):
+        if joins and self._bound is not None and not joins_layer_group(copy_bytes(pending), self._bound):
             # Past the bound only the joiner of the call before joins, on condition (NOTE [Bounded layer groups] in marks.py).
             joins = if_shared = joiner_of is not None and joiner_of == pending.member
         if not joins:
@@ -92,3 +94,17 @@ class CallJoins:
     def clear(self) -> None:
         """Forget the pending group and the tentative join (the chunk was aborted)."""
         self._pending = self._layer = self.tentative = None
+
+
+def copy_bytes(group: "OffloadGroup") -> int:
+    """What a collecting ``group`` holds to copy: each storage's first live saved view's bytes, read at
+    the first join after it was saved (the originals are held until commit), each storage counted once
+    (`OffloadGroup.copy_bytes` and ``copy_counted``: a layer's joins walk its storages once in all)."""
+    storages = group.storages
+    if len(storages) > group.copy_counted:
+        for storage in itertools.islice(storages.values(), group.copy_counted, None):
+            refs = alive(storage)
+            if refs:
+                group.copy_bytes += refs[0].tensor.nbytes
+        group.copy_counted = len(storages)
+    return group.copy_bytes

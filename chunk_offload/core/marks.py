@@ -40,7 +40,7 @@ backward start (a kept tail, a reload ahead) it can hold up to a layer more than
 NOTE [Bounded layer groups]
 With ``OffloadConfig.layer_group_bytes`` a layer's next call joins its pending group only while the
 group holds fewer bytes to copy than the bound (`joins.joins_layer_group`; a storage counts its first
-saved view's bytes, added up as the group saves: `OffloadGroup.copy_bytes`); else the group commits and the call opens a group of its
+live saved view's bytes, read at the first join after it was saved: `joins.copy_bytes`); else the group commits and the call opens a group of its
 own, which the layer's calls after it may join in turn. A group's host work (events, stream
 switches, launches) costs the same whatever it copies, so small groups are where it shows: under a
 bound of a few link-milliseconds' bytes small modules (norms at a small hidden size) share a group
