@@ -54,7 +54,8 @@ NOTE [Copies on CPU]
 On CPU, megatron's built-in copies synchronously on the calling thread; chunk-offload's default CPU
 streams (`chunk_offload.CpuStreams`) run each copy on a worker thread, which takes the GIL and a
 core from compute (2 cores; 16 layers, hidden 64, 8 microbatches, the five modules of issue 26:
-chunk-offload's overhead 3.3x megatron's on worker threads, 0.72x inline). So that the CPU table compares the two host paths alike, chunk-offload's runs copy
+chunk-offload's overhead 2.51x megatron's on worker threads, 0.92x inline:
+bench/results/2026-11-28-cpu-b). So that the CPU table compares the two host paths alike, chunk-offload's runs copy
 inline there (`bench/_inline_streams.py`: each copy issued at once on the calling thread, the
 engine's whole host path otherwise); ``--cpu-copies threads`` measures its CPU streams instead.
 On CUDA every run uses its engine's own CUDA streams, whatever the flag.
