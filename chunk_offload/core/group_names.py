@@ -1,6 +1,6 @@
 """How a group's name says which modules' calls it collects: one module's name, or a layer group's
-members joined by '+' (NOTE [Layer groups] in marks.py). The engine names groups so; the planner
-names its predicted layer groups so; the device budget reads the members back."""
+members joined by '+' (NOTE [Layer groups] in marks.py). The engine names its groups so, the planner
+its predicted layer groups; `group_members` reads a name (a record's, a report's) back."""
 
 from __future__ import annotations
 

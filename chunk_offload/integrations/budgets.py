@@ -132,7 +132,6 @@ class Budgets:
         """Every node rank's host need, in node order, once gathered."""
         self.host_caps: list[int] | None = None
         """Every node rank's cap, in node order, once split."""
-        self.splits_layer_groups = False  # set by the caller: out of reach, split layer groups, not warn (NOTE [Budget splits layer groups])
         self.shortfall_bytes: int | None = None
         """The latest bytes by which the budget was out of reach: predicted (the lowest peak over
         it) or measured (an iteration under a choice that fits peaked over it); None: not seen."""
@@ -172,11 +171,12 @@ class Budgets:
             return PlanPolicy(plan, offload_groups=self.choice, chunk_reload_ahead=self.chunk_reload_ahead, **self.plan_budgets)
         return PlanPolicy(plan, min_lifespan=0, **self.plan_budgets)
 
-    def after_iteration(self, plan: Plan | None, record: IterationRecord | None, policy: SchedulePolicy, *, pp_rank: int) -> PlanPolicy | None:
-        """Decide after a complete training iteration; the new policy, or None to keep ``policy``.
-
-        Every rank calls it once per training iteration (its exchanges are collectives).
-        """
+    def after_iteration(
+        self, plan: Plan | None, record: IterationRecord | None, policy: SchedulePolicy, *, pp_rank: int, warn_out_of_reach: bool = True
+    ) -> PlanPolicy | None:
+        """Decide after a complete training iteration; the new policy, or None to keep ``policy``. Every rank calls
+        it once per training iteration (its exchanges are collectives). ``warn_out_of_reach``: False where the
+        caller splits layer groups instead (NOTE [Budget splits layer groups])."""
         usable = plan is not None and record is not None and all(tuple(c) in record.group_bytes for c in plan.chunks)
         new_policy = None
         if self.device_budget is not None:
@@ -190,7 +190,7 @@ class Budgets:
                 self._shared = {**self._shared, **{chunk: list(sets) for chunk, sets in record.group_shared.items()}}
             budget = self._budget(plan, record, usable)
             if usable and budget is not None:
-                new_policy = self._choose(plan, record, budget, pp_rank=pp_rank)
+                new_policy = self._choose(plan, record, budget, pp_rank=pp_rank, warn=warn_out_of_reach)
         if self._node is not None:
             self._split_host(plan, record, new_policy or policy, usable)
         return new_policy
@@ -243,7 +243,7 @@ class Budgets:
         """Reload ahead by the latest timing (``on``), unless a ``reload_ahead_bytes`` was given."""
         self.timed_reload_ahead = on and self.plan_budgets["reload_ahead_bytes"] is None
 
-    def _choose(self, plan: Plan, record: IterationRecord, budget: int, *, pp_rank: int) -> PlanPolicy | None:
+    def _choose(self, plan: Plan, record: IterationRecord, budget: int, *, pp_rank: int, warn: bool) -> PlanPolicy | None:
         timing = CopyTiming.from_record(record, plan)
         sizes = {c: list(b) for c, b in self._group_bytes.items()}  # a copy: the running maxima change in place
         key = (plan, sizes, self._kept_bytes, self._shared, budget, timing is not None)
@@ -266,7 +266,7 @@ class Budgets:
         self._choice_plan = plan
         if not self.choice.fits:
             self.shortfall_bytes = self.choice.lowest_peak_bytes - self.choice.budget_bytes
-        if not self.choice.fits and not self._warned and not self.splits_layer_groups:
+        if not self.choice.fits and not self._warned and warn:
             self._warned = True
             warnings.warn(budget_shortfall_message(self.choice, rank=pp_rank), RuntimeWarning, stacklevel=2)
         # One line per decision and rank: several ranks share a pipeline stage (data and expert

@@ -206,11 +206,11 @@ class PlanTracking:
             return NextIteration(policy, None)
         pp_rank = self.plan.pp_rank if self.plan is not None else 0
         config = self._engine.config
-        budgets.splits_layer_groups = can_split(config, budgets.device_budget)
+        splits = can_split(config, budgets.device_budget)  # then out of reach splits layer groups, and does not warn
         chosen = budgets.after_iteration(
-            self.plan, record, policy if policy is not None else self._engine.schedule_policy, pp_rank=pp_rank
+            self.plan, record, policy if policy is not None else self._engine.schedule_policy, pp_rank=pp_rank, warn_out_of_reach=not splits
         )
-        if chosen is not None and budgets.splits_layer_groups and not budgets.choice.fits:
+        if chosen is not None and splits and not budgets.choice.fits:
             bound = split_bound(config.layer_group_bytes, record)  # NOTE [Budget splits layer groups]
             logger.info(
                 "chunk_offload: rank %d: device_budget_bytes %d is %d bytes out of reach of layer groups bounded at %s "

@@ -280,7 +280,8 @@ def test_memory_left_by_earlier_runs_is_named_under_the_table() -> None:
     [("--no-such-flag", "unrecognized arguments: --no-such-flag"), ("--none-again=yes", "argument --none-again: ignored explicit argument 'yes'"),
      ("--deterministic=yes", "argument --deterministic: ignored explicit argument 'yes'"),
      ("--processes=two", "argument --processes: invalid choice: 'two' (choose from 'per-run', 'one')"),
-     ("--timed-reload-ahead=yes", "argument --timed-reload-ahead: invalid choice: 'yes' (choose from 'auto', 'off', 'on')")],  # fmt: skip
+     ("--timed-reload-ahead=yes", "argument --timed-reload-ahead: invalid choice: 'yes' (choose from 'auto', 'off', 'on')"),
+     ("--cpu-copies=async", "argument --cpu-copies: invalid choice: 'async' (choose from 'inline', 'threads')")],  # fmt: skip
 )
 def test_bad_flag_exits_2(flag: str, message: str) -> None:
     done = _run(flag)
